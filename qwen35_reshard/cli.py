@@ -1,0 +1,160 @@
+"""The ``qwen35-reshard`` command: a thin layer over the library.
+
+``qwen35-reshard --pp 4 MODEL OUT`` is the main job; ``plan`` shows the plan without
+writing. Human output goes to stderr, ``--json`` puts a machine-readable summary on stdout.
+Bad input ends with one ``error: ...`` line and exit code 2 (a traceback only with --debug).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from . import __version__, manifest
+from .errors import ReshardError
+from .plan import Plan, make_plan
+from .source import read_checkpoint
+from .split import RUNTIMES, parse_partition
+from .write import WriteResult, check_out_dir, write_plan
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line ``argv``; return the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "plan":
+        args = _parser(plan_only=True).parse_args(argv[1:])
+        args.dry_run = True
+    else:
+        args = _parser(plan_only=False).parse_args(argv)
+    return _run_guarded(_reshard, args)
+
+
+def _run_guarded(command: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """Turn errors into one line and an exit code; SIGTERM is handled like Ctrl-C."""
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        return command(args)
+    except ReshardError as e:
+        if args.debug:
+            raise
+        _fail(args, f"error: {e}")
+        return e.exit_code
+    except KeyboardInterrupt:
+        _fail(args, "interrupted: unfinished files were removed; run the same command again to resume")
+        return 130
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _fail(args: argparse.Namespace, message: str) -> None:
+    print(message, file=sys.stderr)
+    if getattr(args, "json", False):
+        print(json.dumps({"status": "error", "error": message}))
+
+
+def _parser(*, plan_only: bool) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="qwen35-reshard plan" if plan_only else "qwen35-reshard",
+        description=(
+            "Show how MODEL splits into pipeline stages."
+            if plan_only
+            else "Split a Qwen3.5 MoE checkpoint into one Hugging Face directory per pipeline stage "
+            "(OUT/pp0, OUT/pp1, ...). Subcommands: plan, verify."
+        ),
+    )
+    p.add_argument(
+        "model", metavar="MODEL", type=Path, help="checkpoint directory (plain or a HF cache snapshot)"
+    )
+    p.add_argument("out", metavar="OUT", type=Path, nargs="?" if plan_only else None, help="output directory")
+    p.add_argument("--pp", type=int, required=True, help="number of pipeline stages")
+    p.add_argument(
+        "--runtime",
+        choices=RUNTIMES,
+        default="sglang",
+        help="server whose split and placement rules apply (default: sglang)",
+    )
+    p.add_argument(
+        "--partition", help="explicit layers per stage, e.g. 15,15,15,15 (default: the runtime's own split)"
+    )
+    p.add_argument(
+        "--rank", type=int, action="append", help="build only this stage; repeat for several (default: all)"
+    )
+    p.add_argument(
+        "--no-mtp", action="store_true", help="leave mtp.* out on purpose (recorded in the manifest)"
+    )
+    if not plan_only:
+        p.add_argument(
+            "--dry-run", action="store_true", help="plan from the index and headers only; write nothing"
+        )
+        p.add_argument(
+            "--overwrite", action="store_true", help="replace a non-empty OUT that holds another split"
+        )
+        p.add_argument("--workers", type=int, default=2, help="source shards copied at once (default: 2)")
+    p.add_argument("--json", action="store_true", help="print a machine-readable summary on stdout")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    p.add_argument("--version", action="version", version=f"qwen35-reshard {__version__}")
+    return p
+
+
+def _reshard(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from .report import RichReporter, plan_table, summary
+
+    console = Console(stderr=True)
+    if args.out is not None:
+        check_out_dir(args.model, args.out)
+    ckpt = read_checkpoint(args.model)
+    partition = (
+        parse_partition(args.partition, pp=args.pp, num_layers=ckpt.num_layers) if args.partition else None
+    )
+    plan = make_plan(
+        ckpt,
+        pp=args.pp,
+        runtime=args.runtime,
+        partition=partition,
+        ranks=args.rank,
+        keep_mtp=not args.no_mtp,
+    )
+    console.print(plan_table(plan))
+    if args.dry_run:
+        console.print(f"dry run: nothing written. Launch with [bold]{plan.launch_env}[/]", highlight=False)
+        _print_json(args, "dry_run", plan, None, 0.0)
+        return 0
+    reporter = RichReporter(console)
+    started = time.monotonic()
+    try:
+        result = write_plan(plan, args.out, overwrite=args.overwrite, workers=args.workers, reporter=reporter)
+    finally:
+        reporter.close()
+    seconds = time.monotonic() - started
+    summary(console, plan, result, str(args.out), seconds)
+    _print_json(args, "nothing_to_do" if result.nothing_to_do else "ok", plan, result, seconds)
+    return 0
+
+
+def _print_json(
+    args: argparse.Namespace, status: str, plan: Plan, result: WriteResult | None, seconds: float
+) -> None:
+    if not args.json:
+        return
+    doc = {"status": status, "out": str(args.out) if args.out else None}
+    doc.update(manifest.run_manifest(plan, complete=[]))
+    for stage in doc["stages"]:
+        del stage["complete"]
+    if result is not None:
+        doc["result"] = {
+            "built": result.built,
+            "already_complete": result.already_complete,
+            "files_kept": result.files_kept,
+            "bytes_copied": result.bytes_copied,
+            "seconds": round(seconds, 3),
+        }
+    print(json.dumps(doc, indent=2))

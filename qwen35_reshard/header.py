@@ -1,0 +1,196 @@
+"""Strict reading and deterministic writing of safetensors headers.
+
+The reference reader lets through duplicate names, misaligned or unpadded headers and more,
+so the tool parses headers itself with stricter rules. Writing is ours too: the reference
+writer's metadata order varies between runs, and byte-identical output needs a fixed order.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+
+from .errors import ReshardError
+
+# Bytes per element. Sub-byte float types (F4/F6) are rejected: a byte-exact splitter must
+# not guess how they pack.
+DTYPE_SIZES: dict[str, int] = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E5M2": 1,
+    "F8_E4M3": 1,
+    "F8_E8M0": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "C64": 8,
+    "F64": 8,
+    "I64": 8,
+    "U64": 8,
+}
+
+MAX_HEADER_BYTES = 100_000_000  # the reference reader's limit
+METADATA_KEY = "__metadata__"
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a safetensors file; begin/end are relative to the data buffer."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+@dataclass(frozen=True)
+class Header:
+    """A parsed header: tensors sorted by begin, and where the data buffer starts."""
+
+    path: str
+    data_start: int
+    file_size: int
+    tensors: tuple[TensorEntry, ...]
+    metadata: dict[str, str]
+
+
+def read_header(path: str | os.PathLike[str], *, display: str | None = None) -> Header:
+    """Read and check the header of the safetensors file at ``path``.
+
+    ``display`` is the name used in error messages (defaults to the path).
+    """
+    where = display or str(path)
+    try:
+        with open(path, "rb") as f:
+            file_size = os.fstat(f.fileno()).st_size
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise ReshardError(f"{where}: not a safetensors file (shorter than 8 bytes)")
+            (n,) = struct.unpack("<Q", prefix)
+            if n > MAX_HEADER_BYTES:
+                raise ReshardError(
+                    f"{where}: header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit; "
+                    "the file is corrupt or not safetensors"
+                )
+            if 8 + n > file_size:
+                raise ReshardError(
+                    f"{where}: header length {n} runs past the end of the {file_size}-byte file; "
+                    "the file is truncated or not safetensors"
+                )
+            raw = f.read(n)
+    except OSError as e:
+        raise ReshardError(f"{where}: cannot read ({e.strerror})") from None
+    return parse_header(raw, file_size=file_size, where=where)
+
+
+def parse_header(raw: bytes, *, file_size: int, where: str) -> Header:
+    """Check header bytes ``raw`` of a file of ``file_size`` bytes; see :func:`read_header`."""
+    if not raw.startswith(b"{"):
+        raise ReshardError(f"{where}: header does not start with '{{'; not a safetensors file")
+    try:
+        obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys(where))
+    except UnicodeDecodeError:
+        raise ReshardError(f"{where}: header is not valid UTF-8") from None
+    except json.JSONDecodeError as e:
+        raise ReshardError(f"{where}: header is not valid JSON ({e.msg} at byte {e.pos})") from None
+    if not isinstance(obj, dict):
+        raise ReshardError(f"{where}: header is not a JSON object")
+    metadata = obj.pop(METADATA_KEY, None) or {}
+    if not isinstance(metadata, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        raise ReshardError(f"{where}: __metadata__ must map strings to strings")
+    data_start = 8 + len(raw)
+    tensors = sorted(
+        (_tensor_entry(name, info, where) for name, info in obj.items()),
+        key=lambda t: (t.begin, t.end),
+    )
+    _check_tiling(tensors, data_size=file_size - data_start, where=where)
+    return Header(str(where), data_start, file_size, tuple(tensors), dict(metadata))
+
+
+def _no_duplicate_keys(where: str):
+    def hook(pairs: list[tuple[str, object]]) -> dict[str, object]:
+        out: dict[str, object] = {}
+        for k, v in pairs:
+            if k in out:
+                raise ReshardError(f"{where}: tensor {k!r} appears twice in the header")
+            out[k] = v
+        return out
+
+    return hook
+
+
+def _tensor_entry(name: str, info: object, where: str) -> TensorEntry:
+    if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+        raise ReshardError(f"{where}: tensor {name!r} must have exactly dtype, shape and data_offsets")
+    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if dtype not in DTYPE_SIZES:
+        raise ReshardError(f"{where}: tensor {name!r} has unsupported dtype {dtype!r}")
+    if not (isinstance(shape, list) and all(_is_uint(d) for d in shape)):
+        raise ReshardError(f"{where}: tensor {name!r} has an invalid shape {shape!r}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_uint(o) for o in offsets)):
+        raise ReshardError(f"{where}: tensor {name!r} has invalid data_offsets {offsets!r}")
+    begin, end = offsets
+    expected = math.prod(shape) * DTYPE_SIZES[dtype]
+    if end - begin != expected:
+        raise ReshardError(
+            f"{where}: tensor {name!r} is {end - begin} bytes but {dtype} x {shape} needs {expected}"
+        )
+    return TensorEntry(name, dtype, tuple(shape), begin, end)
+
+
+def _is_uint(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _check_tiling(tensors: list[TensorEntry], *, data_size: int, where: str) -> None:
+    pos = 0
+    for t in tensors:
+        if t.begin < pos:
+            raise ReshardError(f"{where}: tensor {t.name!r} overlaps the tensor before it")
+        if t.begin > pos:
+            raise ReshardError(
+                f"{where}: {t.begin - pos}-byte hole before tensor {t.name!r} in the data buffer"
+            )
+        pos = t.end
+    if pos > data_size:
+        last = tensors[-1].name
+        raise ReshardError(
+            f"{where}: tensor {last!r} runs {pos - data_size} bytes past the end of the file; "
+            "the file is truncated"
+        )
+    if pos < data_size:
+        raise ReshardError(
+            f"{where}: {data_size - pos} trailing bytes after the last tensor; not a valid safetensors file"
+        )
+
+
+def encode_header(tensors: list[tuple[str, str, tuple[int, ...], int]]) -> bytes:
+    """Encode a header for ``(name, dtype, shape, nbytes)`` laid out back to back, in order.
+
+    Returns the full prefix: the 8-byte length followed by the JSON, padded with spaces so
+    that the data buffer starts at a multiple of 8. Fixed key order, compact separators and
+    ``{"format": "pt"}`` metadata make the bytes a function of the input alone.
+    """
+    entries: dict[str, object] = {METADATA_KEY: {"format": "pt"}}
+    pos = 0
+    for name, dtype, shape, nbytes in tensors:
+        entries[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
+        pos += nbytes
+    body = json.dumps(entries, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    body += b" " * (-(8 + len(body)) % 8)
+    return struct.pack("<Q", len(body)) + body

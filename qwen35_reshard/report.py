@@ -1,0 +1,128 @@
+"""What the CLI shows people: the plan table, copy progress, and the closing summary.
+
+Everything here goes to stderr through rich, so stdout stays free for ``--json``.
+"""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+from rich.table import Table
+
+from .plan import Plan, StagePlan
+from .write import Reporter, WriteResult
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+def plan_table(plan: Plan) -> Table:
+    """One row per stage: layers, tensors, bytes, source shards read, and extra roles."""
+    ckpt = plan.checkpoint
+    table = Table(
+        title=f"{ckpt.root}: {ckpt.num_layers} layers, {len(ckpt.tensors)} tensors, "
+        f"{len(ckpt.files)} shards -> pp={plan.pp} ({plan.runtime})",
+        title_justify="left",
+    )
+    for col in ("stage", "layers", "tensors", "bytes", "files", "source shards read", "also holds", "build"):
+        table.add_column(col, justify="right" if col in ("tensors", "bytes", "files") else "left")
+    for s in plan.stages:
+        table.add_row(
+            s.dirname,
+            f"{s.start_layer}-{s.end_layer - 1} ({s.end_layer - s.start_layer})",
+            str(len(s.tensors)),
+            human_bytes(s.size),
+            str(len(s.files)),
+            _shard_list(s, len(ckpt.files)),
+            ", ".join(_extras(s)) or "-",
+            "yes" if s.rank in plan.ranks else "no (not in --rank)",
+        )
+    return table
+
+
+def _shard_list(stage: StagePlan, total: int) -> str:
+    files = stage.source_files
+    return f"{len(files)}/{total}" + (f" ({files[0]})" if len(files) == 1 else "")
+
+
+def _extras(stage: StagePlan) -> list[str]:
+    from . import names
+
+    kinds = {names.classify(t.name).kind for t in stage.tensors} - {names.LAYER}
+    return [k for k in (names.EMBED, names.VISUAL, names.NORM, names.LM_HEAD, names.MTP) if k in kinds]
+
+
+class RichReporter(Reporter):
+    """A byte progress bar (rate, ETA) over all source bytes copied by this run."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        self.progress = Progress(
+            TextColumn("copying"),
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            TimeRemainingColumn(),
+            console=console,
+            transient=False,
+        )
+        self.task = None
+
+    def start(self, total_bytes: int) -> None:
+        self.task = self.progress.add_task("copy", total=total_bytes)
+        self.progress.start()
+
+    def advance(self, nbytes: int) -> None:
+        self.progress.advance(self.task, nbytes)
+
+    def stage_done(self, stage: StagePlan) -> None:
+        self.progress.stop()
+        self.console.print(
+            f"[green]done[/] {stage.dirname}: {len(stage.tensors)} tensors, {human_bytes(stage.size)}"
+        )
+
+    def close(self) -> None:
+        self.progress.stop()
+
+
+def launch_lines(plan: Plan, out: str) -> list[str]:
+    """The commands that start the server on the split, one stage per node."""
+    env, pp = plan.launch_env, plan.pp
+    if plan.runtime == "sglang":
+        cmd = (
+            f"{env} python -m sglang.launch_server --model-path {out}/pp$R --pp-size {pp} "
+            f"--nnodes {pp} --node-rank $R --dist-init-addr HEAD_IP:PORT"
+        )
+    else:
+        cmd = f"{env} vllm serve {out}/pp$R --pipeline-parallel-size {pp}"
+    return [cmd]
+
+
+def summary(console: Console, plan: Plan, result: WriteResult, out: str, seconds: float) -> None:
+    if result.nothing_to_do:
+        console.print(f"[bold]{out} is already complete for this command: nothing to do.[/]")
+    else:
+        rate = result.bytes_copied / seconds if seconds > 0 else 0.0
+        kept = f", {result.files_kept} files kept from an earlier run" if result.files_kept else ""
+        console.print(
+            f"[bold green]wrote[/] {', '.join(f'pp{r}' for r in result.built)} in {seconds:.1f} s: "
+            f"{human_bytes(result.bytes_copied)} copied at {human_bytes(rate)}/s{kept}"
+        )
+    if plan.dropped:
+        console.print(f"left out on purpose (--no-mtp): {len(plan.dropped)} mtp.* tensors")
+    console.print("Launch each stage R on its node with exactly this partition:")
+    console.print(f"  [bold]{plan.launch_env}[/]", soft_wrap=True, highlight=False)
+    for line in launch_lines(plan, out):
+        console.print(f"  {line}", soft_wrap=True, highlight=False)

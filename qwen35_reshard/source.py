@@ -1,0 +1,233 @@
+"""Read a source checkpoint (config, index, every shard's header) into plain data.
+
+Only headers are read here, never tensor data. The index is treated as the exact list of
+tensors: a tensor in a shard that the index does not list, or an index entry missing from
+its shard, is an error rather than something to guess about. No path may lead out of the
+model directory (or, for a Hugging Face cache snapshot, out of the repo's ``blobs/``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import ReshardError
+from .header import read_header
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_FILE_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+# Weight formats that can only be read by unpickling: refused, never opened.
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+
+
+@dataclass(frozen=True)
+class SourceTensor:
+    """One tensor of the source: where its bytes are (absolute file offset) and what they are."""
+
+    name: str
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """Everything the plan needs to know about a source checkpoint, headers only."""
+
+    root: Path
+    config: dict
+    config_sha256: str
+    index_sha256: str | None  # None for a single model.safetensors without an index
+    num_layers: int
+    tied_embeddings: bool
+    files: tuple[str, ...]  # data files, sorted
+    file_sizes: dict[str, int]
+    tensors: dict[str, SourceTensor]  # ordered by (file, offset)
+    extra_files: tuple[str, ...]  # non-weight files to carry into every stage, sorted
+
+    def path(self, name: str) -> Path:
+        return self.root / name
+
+
+def read_checkpoint(model_dir: str | os.PathLike[str]) -> Checkpoint:
+    """Read config, index and shard headers of the checkpoint in ``model_dir``."""
+    root = Path(model_dir)
+    if not root.is_dir():
+        raise ReshardError(f"{root}: not a directory; pass the checkpoint's directory as MODEL")
+    allowed = _allowed_roots(root)
+    config_bytes = _read_file(root, CONFIG_NAME, allowed)
+    config = _load_json(config_bytes, root / CONFIG_NAME)
+    num_layers = _num_layers(config, root / CONFIG_NAME)
+
+    index_bytes: bytes | None = None
+    if (root / INDEX_NAME).exists():
+        index_bytes = _read_file(root, INDEX_NAME, allowed)
+        weight_map = _weight_map(_load_json(index_bytes, root / INDEX_NAME), root / INDEX_NAME)
+    elif (root / SINGLE_FILE_NAME).exists():
+        weight_map = None
+    else:
+        pickles = sorted(p.name for p in root.iterdir() if p.name.endswith(PICKLE_SUFFIXES))
+        hint = (
+            f"; found only pickled weights ({', '.join(pickles[:3])}), which this tool never "
+            "loads: convert them to safetensors first"
+            if pickles
+            else ""
+        )
+        raise ReshardError(f"{root}: no {INDEX_NAME} and no {SINGLE_FILE_NAME}{hint}")
+
+    files = sorted(set(weight_map.values())) if weight_map is not None else [SINGLE_FILE_NAME]
+    tensors: dict[str, SourceTensor] = {}
+    file_sizes: dict[str, int] = {}
+    for file in files:
+        path = _checked_path(root, file, allowed, what="shard")
+        header = read_header(path, display=str(root / file))
+        file_sizes[file] = header.file_size
+        for t in header.tensors:
+            if t.name in tensors:
+                raise ReshardError(
+                    f"tensor {t.name!r} appears in both {tensors[t.name].file} and {file}; "
+                    "the checkpoint is inconsistent"
+                )
+            if weight_map is not None and weight_map.get(t.name) != file:
+                listed = weight_map.get(t.name)
+                where = f"lists it in {listed}" if listed else "does not list it"
+                raise ReshardError(
+                    f"{root / file}: holds tensor {t.name!r} but {INDEX_NAME} {where}; "
+                    "the index and the shards do not match"
+                )
+            tensors[t.name] = SourceTensor(
+                t.name, file, t.dtype, t.shape, header.data_start + t.begin, t.nbytes
+            )
+    if weight_map is not None:
+        missing = [n for n in weight_map if n not in tensors]
+        if missing:
+            raise ReshardError(
+                f"{INDEX_NAME} lists tensor {missing[0]!r} in {weight_map[missing[0]]} but that "
+                f"shard does not hold it ({len(missing)} such tensors); the checkpoint is incomplete"
+            )
+
+    return Checkpoint(
+        root=root,
+        config=config,
+        config_sha256=hashlib.sha256(config_bytes).hexdigest(),
+        index_sha256=hashlib.sha256(index_bytes).hexdigest() if index_bytes is not None else None,
+        num_layers=num_layers,
+        tied_embeddings=_tied(config) or not any(n.startswith("lm_head.") for n in tensors),
+        files=tuple(files),
+        file_sizes=file_sizes,
+        tensors=tensors,
+        extra_files=_extra_files(root, allowed, skip={INDEX_NAME, *files}),
+    )
+
+
+def text_config(config: dict) -> dict:
+    """The language model's config: ``text_config`` of a multimodal config, else the config."""
+    sub = config.get("text_config")
+    return sub if isinstance(sub, dict) else config
+
+
+def _num_layers(config: dict, where: Path) -> int:
+    n = text_config(config).get("num_hidden_layers")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ReshardError(
+            f"{where}: no positive integer num_hidden_layers (in text_config or at the top "
+            "level); is this a Qwen3.5 MoE config?"
+        )
+    return n
+
+
+def _tied(config: dict) -> bool:
+    if "tie_word_embeddings" in config:
+        return bool(config["tie_word_embeddings"])
+    return bool(text_config(config).get("tie_word_embeddings", False))
+
+
+def _weight_map(index: object, where: Path) -> dict[str, str]:
+    wm = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(wm, dict) or not wm:
+        raise ReshardError(f"{where}: no non-empty weight_map object")
+    for name, file in wm.items():
+        if not isinstance(file, str):
+            raise ReshardError(f"{where}: weight_map entry {name!r} is not a file name")
+        if file.endswith(PICKLE_SUFFIXES):
+            raise ReshardError(
+                f"{where}: tensor {name!r} is in pickled file {file!r}, which this tool never "
+                "loads; convert the checkpoint to safetensors first"
+            )
+    return wm
+
+
+def _load_json(raw: bytes, where: Path) -> dict:
+    try:
+        obj = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ReshardError(f"{where}: not valid JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise ReshardError(f"{where}: expected a JSON object")
+    return obj
+
+
+def _allowed_roots(root: Path) -> tuple[Path, ...]:
+    """Real directories a file of the checkpoint may resolve into.
+
+    A Hugging Face cache snapshot (``models--x/snapshots/<rev>/``) holds symlinks into the
+    repo's ``blobs/``; anything else must stay inside the model directory itself.
+    """
+    real = root.resolve()
+    roots = [real]
+    if real.parent.name == "snapshots":
+        roots.append(real.parent.parent / "blobs")
+    return tuple(roots)
+
+
+def _checked_path(root: Path, name: str, allowed: tuple[Path, ...], *, what: str) -> Path:
+    """``root/name`` after checking that ``name`` is a plain file name that stays inside."""
+    if not name or "/" in name or "\\" in name or name in (".", "..") or Path(name).is_absolute():
+        raise ReshardError(
+            f"{root / INDEX_NAME}: {what} file name {name!r} is not a plain file name inside "
+            "the model directory; refusing to follow it"
+        )
+    path = root / name
+    if not path.exists():
+        raise ReshardError(f"{path}: {what} listed by the checkpoint is missing")
+    real = path.resolve()
+    if not any(real.is_relative_to(a) for a in allowed):
+        raise ReshardError(
+            f"{path}: is a symlink to {real}, outside the model directory; refusing to follow it"
+        )
+    if not real.is_file():
+        raise ReshardError(f"{path}: not a regular file")
+    return path
+
+
+def _read_file(root: Path, name: str, allowed: tuple[Path, ...]) -> bytes:
+    if not (root / name).exists():
+        raise ReshardError(f"{root / name}: missing; MODEL must be a Hugging Face model directory")
+    path = _checked_path(root, name, allowed, what="")
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise ReshardError(f"{path}: cannot read ({e.strerror})") from None
+
+
+def _extra_files(root: Path, allowed: tuple[Path, ...], *, skip: set[str]) -> tuple[str, ...]:
+    """Non-weight top-level files (tokenizer, generation config, ...) that every stage needs.
+
+    Weights outside the index are left behind: stray ``*.safetensors`` would be stale data,
+    and pickled files are never touched. Subdirectories are not carried over.
+    """
+    out = []
+    for p in sorted(root.iterdir()):
+        name = p.name
+        if name in skip or name.startswith(".") or name.endswith((".safetensors", *PICKLE_SUFFIXES)):
+            continue
+        if p.is_symlink() or p.is_file():
+            _checked_path(root, name, allowed, what="file")
+            out.append(name)
+    return tuple(out)

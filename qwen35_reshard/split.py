@@ -1,0 +1,77 @@
+"""Which decoder layers each pipeline stage owns, by each server's rules.
+
+Both servers keep global layer numbers and derive the split from num_hidden_layers; they
+differ in where the remainder goes. An explicit partition (the servers' *_PP_LAYER_PARTITION
+variables) overrides the default, and the launch line always states it.
+"""
+
+from __future__ import annotations
+
+from .errors import ReshardError
+
+RUNTIMES = ("sglang", "vllm")
+PARTITION_ENV = {"sglang": "SGLANG_PP_LAYER_PARTITION", "vllm": "VLLM_PP_LAYER_PARTITION"}
+
+
+def default_partition(num_layers: int, pp: int, runtime: str) -> list[int]:
+    """Layers per stage as ``runtime`` splits ``num_layers`` over ``pp`` stages by default.
+
+    SGLang gives the remainder to the last ranks; vLLM to the second-to-last, third-to-last,
+    ... ranks, so its last rank (which also holds norm and lm_head) never gets an extra one.
+    """
+    check_pp(num_layers, pp)
+    base, rem = divmod(num_layers, pp)
+    sizes = [base] * pp
+    if runtime == "sglang":
+        extra = range(pp - rem, pp)
+    elif runtime == "vllm":
+        extra = range(pp - 1 - rem, pp - 1)
+    else:
+        raise ReshardError(f"--runtime {runtime!r} is not one of {', '.join(RUNTIMES)}")
+    for i in extra:
+        sizes[i] += 1
+    return sizes
+
+
+def check_pp(num_layers: int, pp: int) -> None:
+    """Refuse a stage count that leaves a stage without a decoder layer."""
+    if pp < 1:
+        raise ReshardError(f"--pp must be at least 1, got {pp}")
+    if pp > num_layers:
+        raise ReshardError(
+            f"--pp {pp} is larger than the model's {num_layers} decoder layers; use at most --pp {num_layers}"
+        )
+
+
+def parse_partition(text: str, *, pp: int, num_layers: int) -> list[int]:
+    """Parse ``--partition "15,15,15,15"``: ``pp`` positive ints summing to ``num_layers``."""
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ReshardError(
+            f"--partition {text!r} must be comma-separated integers, e.g. "
+            f"{','.join(map(str, default_partition(num_layers, pp, 'sglang')))}"
+        ) from None
+    if len(sizes) != pp:
+        raise ReshardError(f"--partition {text!r} has {len(sizes)} entries but --pp is {pp}")
+    if any(s < 1 for s in sizes):
+        raise ReshardError(f"--partition {text!r}: every stage needs at least one layer")
+    if sum(sizes) != num_layers:
+        raise ReshardError(
+            f"--partition {text!r} sums to {sum(sizes)} but the model has {num_layers} decoder layers"
+        )
+    return sizes
+
+
+def layer_ranges(partition: list[int]) -> list[tuple[int, int]]:
+    """``[start, end)`` global layer ids of each stage."""
+    ranges, start = [], 0
+    for size in partition:
+        ranges.append((start, start + size))
+        start += size
+    return ranges
+
+
+def launch_env(runtime: str, partition: list[int]) -> str:
+    """The environment assignment that makes the server use exactly this split."""
+    return f"{PARTITION_ENV[runtime]}={','.join(map(str, partition))}"

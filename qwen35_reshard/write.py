@@ -1,0 +1,367 @@
+"""Execute a plan: write each selected stage's directory, crash-safe and resumable.
+
+Every file is written under a temporary name, flushed and renamed. A stage's manifest and
+then its index are written last, after its data is durable, so a run killed at any point
+leaves no stage that looks complete. Finished data files are journaled with their digests,
+so running the same command again keeps them and redoes only the rest.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import shutil
+import threading
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import manifest
+from .copy import Segment, copy_segments
+from .errors import ReshardError
+from .plan import OutputFile, Plan, StagePlan
+from .source import CONFIG_NAME, INDEX_NAME
+
+RUN_MARKER = ".reshard-run.json"  # identity of a run in progress; removed on success
+JOURNAL = ".reshard-journal.jsonl"  # finished data files of an unfinished stage, with digests
+PARTIAL_SUFFIX = ".partial"
+_STAGE_DIR = re.compile(r"pp[0-9]+")
+
+
+class Reporter:
+    """Progress callbacks of a write; the default reports nothing. May be called from threads."""
+
+    def start(self, total_bytes: int) -> None: ...
+
+    def advance(self, nbytes: int) -> None: ...
+
+    def stage_done(self, stage: StagePlan) -> None: ...
+
+
+@dataclass
+class WriteResult:
+    """What a write did: stages built now, stages that were already complete, bytes copied."""
+
+    built: list[int] = field(default_factory=list)
+    already_complete: list[int] = field(default_factory=list)
+    files_kept: int = 0
+    bytes_copied: int = 0
+
+    @property
+    def nothing_to_do(self) -> bool:
+        return not self.built
+
+
+@dataclass
+class _OpenFile:
+    stage: StagePlan
+    plan: OutputFile
+    tmp: Path
+    final: Path
+    fd: int
+    pending_sources: set[str]
+
+
+def write_plan(
+    plan: Plan,
+    out_dir: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+    workers: int = 1,
+    reporter: Reporter | None = None,
+) -> WriteResult:
+    """Write the stages ``plan.ranks`` of ``plan`` under ``out_dir``.
+
+    Resumes an interrupted run with the same settings; refuses a non-empty ``out_dir``
+    holding anything else unless ``overwrite``. ``workers`` source shards are copied at
+    once, each read by exactly one worker.
+    """
+    reporter = reporter or Reporter()
+    out = Path(out_dir)
+    identity = manifest.run_identity(plan)
+    _prepare_out(plan, out, identity, overwrite=overwrite)
+
+    result = WriteResult()
+    todo = []
+    for stage in plan.selected:
+        if manifest.stage_is_complete(out / stage.dirname, identity):
+            result.already_complete.append(stage.rank)
+        else:
+            todo.append(stage)
+    if not todo and (out / manifest.RUN_MANIFEST).exists():
+        return result
+
+    _write_atomic(out / RUN_MARKER, manifest.dumps({"identity": identity}))
+    _remove(out / manifest.RUN_MANIFEST)
+    digests: dict[int, dict[str, str]] = {}
+    to_write: list[tuple[StagePlan, OutputFile]] = []
+    for stage in todo:
+        kept, digests[stage.rank] = _resume_stage(out / stage.dirname, stage)
+        result.files_kept += len(kept)
+        to_write += [(stage, f) for f in stage.files if f.name not in kept]
+    _check_free_space(out, sum(f.size for _, f in to_write))
+
+    result.bytes_copied = _copy_files(plan, out, to_write, digests, workers, reporter)
+    for stage in todo:
+        _finish_stage(plan, out / stage.dirname, stage, digests[stage.rank])
+        result.built.append(stage.rank)
+        reporter.stage_done(stage)
+    complete = [s.rank for s in plan.stages if manifest.stage_is_complete(out / s.dirname, identity)]
+    _write_atomic(out / manifest.RUN_MANIFEST, manifest.dumps(manifest.run_manifest(plan, complete)))
+    _remove(out / RUN_MARKER)
+    _fsync_dir(out)
+    return result
+
+
+def check_out_dir(model_dir: Path, out_dir: Path) -> None:
+    """Refuse an OUT that is MODEL itself or lies inside it."""
+    model, out = model_dir.resolve(), out_dir.resolve()
+    if out == model or out.is_relative_to(model):
+        raise ReshardError(
+            f"OUT {out_dir} is inside MODEL {model_dir}; choose an output directory outside the checkpoint"
+        )
+
+
+def _prepare_out(plan: Plan, out: Path, identity: dict, *, overwrite: bool) -> None:
+    check_out_dir(plan.checkpoint.root, out)
+    if out.exists() and not out.is_dir():
+        raise ReshardError(f"OUT {out} exists and is not a directory")
+    out.mkdir(parents=True, exist_ok=True)
+    entries = sorted(out.iterdir())
+    if not entries:
+        return
+    marker = manifest.read_json(out / RUN_MARKER) or manifest.read_json(out / manifest.RUN_MANIFEST)
+    if marker is not None and marker.get("identity") == identity:
+        return
+    what = "a split made with other settings" if marker else "files not written by qwen35-reshard"
+    if not overwrite:
+        raise ReshardError(
+            f"OUT {out} is not empty and holds {what}; choose an empty directory or pass "
+            "--overwrite to replace it"
+        )
+    foreign = [
+        p.name
+        for p in entries
+        if not _STAGE_DIR.fullmatch(p.name) and p.name not in (RUN_MARKER, manifest.RUN_MANIFEST)
+    ]
+    if foreign:
+        raise ReshardError(
+            f"OUT {out} holds {foreign[0]!r}, which qwen35-reshard did not write; refusing to "
+            "delete it even with --overwrite: choose another directory"
+        )
+    for p in entries:
+        shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+
+
+def _resume_stage(stage_dir: Path, stage: StagePlan) -> tuple[set[str], dict[str, str]]:
+    """Prepare an unfinished stage: keep journaled files that check out, clear the rest.
+
+    Returns the names of the kept data files and the digests of their tensors.
+    """
+    stage_dir.mkdir(exist_ok=True)
+    for name in (INDEX_NAME, manifest.STAGE_MANIFEST):
+        _remove(stage_dir / name)
+    journal = _read_journal(stage_dir / JOURNAL)
+    planned = {f.name: f for f in stage.files}
+    kept: set[str] = set()
+    digests: dict[str, str] = {}
+    for p in sorted(stage_dir.iterdir()):
+        f = planned.get(p.name)
+        entry = journal.get(p.name)
+        if (
+            f is not None
+            and entry is not None
+            and _matches(p, f)
+            and set(entry) == {t.name for t in f.tensors}
+        ):
+            kept.add(p.name)
+            digests.update(entry)
+        elif p.name.endswith(PARTIAL_SUFFIX) or p.name in planned:
+            p.unlink()
+    return kept, digests
+
+
+def _matches(path: Path, f: OutputFile) -> bool:
+    """A finished file of an earlier run fits the plan: same size, same header bytes."""
+    try:
+        with open(path, "rb") as fh:
+            return os.fstat(fh.fileno()).st_size == f.size and fh.read(len(f.header)) == f.header
+    except OSError:
+        return False
+
+
+def _read_journal(path: Path) -> dict[str, dict[str, str]]:
+    entries: dict[str, dict[str, str]] = {}
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return entries
+    for line in lines:
+        try:
+            rec = json.loads(line)
+            entries[rec["file"]] = rec["digests"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue  # a line torn by a crash: that file is simply redone
+    return entries
+
+
+def _check_free_space(out: Path, needed: int) -> None:
+    free = shutil.disk_usage(out).free
+    if needed > free:
+        raise ReshardError(
+            f"OUT {out} has {_gb(free)} free but this run writes {_gb(needed)}; free "
+            f"{_gb(needed - free)} or choose another OUT"
+        )
+
+
+def _copy_files(
+    plan: Plan,
+    out: Path,
+    to_write: list[tuple[StagePlan, OutputFile]],
+    digests: dict[int, dict[str, str]],
+    workers: int,
+    reporter: Reporter,
+) -> int:
+    """Copy the data of ``to_write``, one worker per source shard; fills ``digests``."""
+    opened: list[_OpenFile] = []
+    segments: dict[str, dict[str, Segment]] = {}
+    stop = threading.Event()
+    try:
+        for stage, f in to_write:
+            stage_dir = out / stage.dirname
+            o = _create(stage, f, stage_dir / (f".{f.name}{PARTIAL_SUFFIX}"), stage_dir / f.name)
+            opened.append(o)
+            data_start = len(f.header)
+            for t in f.tensors:
+                s = t.source
+                seg = segments.setdefault(s.file, {}).setdefault(s.name, Segment(s.name, s.offset, s.nbytes))
+                seg.dests.append((o.fd, data_start + t.out_offset))
+        total = sum(seg.nbytes for segs in segments.values() for seg in segs.values())
+        reporter.start(total)
+        for o in opened:
+            if not o.pending_sources:
+                _finish_file(o, out, digests)
+
+        def run(file: str) -> dict[str, str]:
+            path = str(plan.checkpoint.path(file))
+            return copy_segments(
+                path, list(segments[file].values()), on_progress=reporter.advance, should_stop=stop.is_set
+            )
+
+        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+            futures = {pool.submit(run, file): file for file in sorted(segments)}
+            try:
+                while futures:
+                    done, _ = wait(futures, return_when=FIRST_COMPLETED)
+                    for fut in done:
+                        file = futures.pop(fut)
+                        found = fut.result()
+                        for o in opened:
+                            if file in o.pending_sources:
+                                digests[o.stage.rank].update(
+                                    {t.name: found[t.name] for t in o.plan.tensors if t.source.file == file}
+                                )
+                                o.pending_sources.discard(file)
+                                if not o.pending_sources:
+                                    _finish_file(o, out, digests)
+            except BaseException:
+                stop.set()
+                for fut in futures:
+                    fut.cancel()
+                raise
+        return total
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise ReshardError(
+                f"OUT {out}: no space left on device; this run needs "
+                f"{_gb(sum(f.size for _, f in to_write))} in all: free space and run the same "
+                "command again to resume"
+            ) from None
+        raise ReshardError(f"{e.filename or out}: {e.strerror or e} while writing the split") from None
+    finally:
+        for o in opened:
+            if o.fd >= 0:
+                os.close(o.fd)
+                _remove(o.tmp)
+
+
+def _create(stage: StagePlan, f: OutputFile, tmp: Path, final: Path) -> _OpenFile:
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    o = _OpenFile(stage, f, tmp, final, fd, {t.source.file for t in f.tensors})
+    if hasattr(os, "posix_fallocate") and f.size:
+        try:
+            os.posix_fallocate(fd, 0, f.size)  # a full disk fails here, before any copying
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+    os.pwrite(fd, f.header, 0)
+    return o
+
+
+def _finish_file(o: _OpenFile, out: Path, digests: dict[int, dict[str, str]]) -> None:
+    """Make a finished data file durable, give it its final name, and journal it."""
+    os.fsync(o.fd)
+    os.close(o.fd)
+    o.fd = -1
+    os.replace(o.tmp, o.final)
+    _fsync_dir(o.final.parent)
+    record = {"file": o.plan.name, "digests": {t.name: digests[o.stage.rank][t.name] for t in o.plan.tensors}}
+    with open(o.final.parent / JOURNAL, "a") as j:
+        j.write(json.dumps(record) + "\n")
+        j.flush()
+        os.fsync(j.fileno())
+
+
+def _finish_stage(plan: Plan, stage_dir: Path, stage: StagePlan, digests: dict[str, str]) -> None:
+    """Copy the non-weight files, then write the manifest and, last, the index."""
+    root = plan.checkpoint.root
+    for name in (CONFIG_NAME, *plan.checkpoint.extra_files):
+        tmp = stage_dir / f".{name}{PARTIAL_SUFFIX}"
+        shutil.copyfile(root / name, tmp)
+        _fsync_path(tmp)
+        os.replace(tmp, stage_dir / name)
+    index_bytes = manifest.dumps(manifest.stage_index(stage))
+    stage_manifest = manifest.stage_manifest(plan, stage, digests, index_bytes)
+    _write_atomic(stage_dir / manifest.STAGE_MANIFEST, manifest.dumps(stage_manifest))
+    _write_atomic(stage_dir / INDEX_NAME, index_bytes)
+    _remove(stage_dir / JOURNAL)
+    _fsync_dir(stage_dir)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}{PARTIAL_SUFFIX}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB"
