@@ -111,6 +111,8 @@ def _reshard(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     if args.out is not None:
         check_out_dir(args.model, args.out)
+    if getattr(args, "workers", 1) < 1:
+        raise ReshardError(f"--workers must be at least 1, got {args.workers}")
     ckpt = read_checkpoint(args.model)
     partition = (
         parse_partition(args.partition, pp=args.pp, num_layers=ckpt.num_layers) if args.partition else None
@@ -145,10 +147,14 @@ def _print_json(
 ) -> None:
     if not args.json:
         return
+    identity = manifest.run_identity(plan)
+    complete = [
+        s.rank
+        for s in plan.stages
+        if args.out is not None and manifest.stage_is_complete(args.out / s.dirname, identity)
+    ]
     doc = {"status": status, "out": str(args.out) if args.out else None}
-    doc.update(manifest.run_manifest(plan, complete=[]))
-    for stage in doc["stages"]:
-        del stage["complete"]
+    doc.update(manifest.run_manifest(plan, complete=complete))
     if result is not None:
         doc["result"] = {
             "built": result.built,

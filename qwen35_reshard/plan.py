@@ -16,7 +16,7 @@ from . import names
 from .errors import ReshardError
 from .header import DTYPE_SIZES, encode_header
 from .source import Checkpoint, SourceTensor
-from .split import check_pp, default_partition, launch_env, layer_ranges
+from .split import check_partition, check_pp, default_partition, launch_env, layer_ranges
 
 DEFAULT_MAX_FILE_BYTES = 5 * 1024**3
 # The Hub reads remote headers only up to 25 MB; stay well below with room for long names.
@@ -124,7 +124,11 @@ def make_plan(
     0..num_layers-1, or a split that does not fit the model.
     """
     check_pp(ckpt.num_layers, pp)
-    sizes = list(partition) if partition is not None else default_partition(ckpt.num_layers, pp, runtime)
+    if partition is None:
+        sizes = default_partition(ckpt.num_layers, pp, runtime)
+    else:
+        sizes = list(partition)
+        check_partition(sizes, pp=pp, num_layers=ckpt.num_layers)
     ranges = layer_ranges(sizes)
     ranks = sorted(set(ranks)) if ranks is not None else list(range(pp))
     for r in ranks:
@@ -223,6 +227,8 @@ def _layout_files(
     Larger element sizes first keeps every tensor aligned to its element size, as in the
     reference writer; within that, source order keeps adjacent source runs adjacent.
     """
+    if not placed:
+        return ()
     placed = sorted(placed, key=lambda p: (-DTYPE_SIZES[p[0].dtype], file_order[p[0].file], p[0].offset))
     groups: list[list[tuple[SourceTensor, bool]]] = [[]]
     data = header = 0
@@ -252,7 +258,7 @@ def _layout_files(
                 ),
             )
         )
-    return tuple(files) if placed else ()
+    return tuple(files)
 
 
 def _header_entry_bytes(src: SourceTensor) -> int:

@@ -52,15 +52,21 @@ def parse_partition(text: str, *, pp: int, num_layers: int) -> list[int]:
             f"--partition {text!r} must be comma-separated integers, e.g. "
             f"{','.join(map(str, default_partition(num_layers, pp, 'sglang')))}"
         ) from None
+    check_partition(sizes, pp=pp, num_layers=num_layers)
+    return sizes
+
+
+def check_partition(sizes: list[int], *, pp: int, num_layers: int) -> None:
+    """Refuse a partition that is not ``pp`` positive layer counts summing to ``num_layers``."""
+    text = ",".join(map(str, sizes))
     if len(sizes) != pp:
-        raise ReshardError(f"--partition {text!r} has {len(sizes)} entries but --pp is {pp}")
+        raise ReshardError(f"--partition {text} has {len(sizes)} entries but --pp is {pp}")
     if any(s < 1 for s in sizes):
-        raise ReshardError(f"--partition {text!r}: every stage needs at least one layer")
+        raise ReshardError(f"--partition {text}: every stage needs at least one layer")
     if sum(sizes) != num_layers:
         raise ReshardError(
-            f"--partition {text!r} sums to {sum(sizes)} but the model has {num_layers} decoder layers"
+            f"--partition {text} sums to {sum(sizes)} but the model has {num_layers} decoder layers"
         )
-    return sizes
 
 
 def layer_ranges(partition: list[int]) -> list[tuple[int, int]]:
