@@ -12,7 +12,7 @@ import os
 __version__ = "0.1.0"
 
 from .errors import ReshardError  # noqa: E402
-from .plan import Plan, make_plan  # noqa: E402
+from .plan import DEFAULT_MAX_FILE_BYTES, Plan, make_plan  # noqa: E402
 from .source import Checkpoint, read_checkpoint  # noqa: E402
 from .write import Reporter, WriteResult, check_out_dir, write_plan  # noqa: E402
 
@@ -38,6 +38,7 @@ def reshard(
     partition: list[int] | None = None,
     ranks: list[int] | None = None,
     keep_mtp: bool = True,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
     overwrite: bool = False,
     workers: int = 1,
     reporter: Reporter | None = None,
@@ -53,5 +54,6 @@ def reshard(
         partition=partition,
         ranks=ranks,
         keep_mtp=keep_mtp,
+        max_file_bytes=max_file_bytes,
     )
     return plan, write_plan(plan, out_dir, overwrite=overwrite, workers=workers, reporter=reporter)

@@ -16,6 +16,7 @@ torch is imported only inside ``iter_weights``: the package stays importable wit
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import io
 import json
@@ -23,6 +24,7 @@ import math
 import os
 import re
 import sys
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -191,20 +193,18 @@ class Stage:
                         f"when the stage was opened; the stage changed while loading: {_REBUILD}"
                     )
                 for t in by_file[file]:
-                    buf = bytearray(t.nbytes)
+                    # Read straight into the tensor's own (uninitialised) storage.
+                    raw = torch.empty(t.nbytes, dtype=torch.uint8)
+                    buf = _writable_view(raw)
                     _read_exact(f, t.offset, buf, where)
-                    if verify:
-                        digest = hashlib.sha256(buf).hexdigest()
-                        if digest != t.sha256:
-                            raise StageError(
-                                f"{where}: tensor {t.name!r} does not match its sha256 in "
-                                f"{STAGE_MANIFEST}; the file is damaged: {_REBUILD}"
-                            )
-                    if t.nbytes:
-                        raw = torch.frombuffer(buf, dtype=torch.uint8)
-                    else:
-                        raw = torch.empty(0, dtype=torch.uint8)
+                    if verify and hashlib.sha256(buf).hexdigest() != t.sha256:
+                        raise StageError(
+                            f"{where}: tensor {t.name!r} does not match its sha256 in "
+                            f"{STAGE_MANIFEST}; the file is damaged: {_REBUILD}"
+                        )
+                    del buf
                     tensor = raw.view(dtypes[t.dtype]).reshape(t.shape)
+                    del raw
                     if str(device) != "cpu":
                         tensor = tensor.to(device)
                     yield t.name, tensor
@@ -217,7 +217,15 @@ def _open(path: Path, where: str) -> io.RawIOBase:
         raise StageError(f"{where}: cannot open ({e.strerror}); {_REBUILD}") from None
 
 
-def _read_exact(f: io.RawIOBase, offset: int, buf: bytearray, where: str) -> None:
+def _writable_view(raw: object) -> memoryview:
+    """A writable byte view of a contiguous CPU uint8 tensor's storage (no numpy needed)."""
+    n = raw.numel()
+    if n == 0:
+        return memoryview(bytearray(0))
+    return memoryview((ctypes.c_ubyte * n).from_address(raw.data_ptr())).cast("B")
+
+
+def _read_exact(f: io.RawIOBase, offset: int, buf: memoryview, where: str) -> None:
     view = memoryview(buf)
     f.seek(offset)
     got = 0
@@ -290,7 +298,9 @@ def open_stage(path: str | os.PathLike[str], pp_rank: int | None = None) -> Stag
 def _read_manifest(root: Path, display: str) -> dict:
     mpath = root / STAGE_MANIFEST
     if not mpath.exists():
-        in_run = bool(re.fullmatch(r"pp\d+", root.name)) and (root.parent / RUN_MANIFEST).exists()
+        in_run = bool(re.fullmatch(r"pp\d+", root.name)) and any(
+            (root.parent / n).exists() for n in (RUN_MANIFEST, RUN_MARKER)
+        )
         if (root / INDEX_NAME).exists() and not in_run:
             raise StageError(
                 f"{display} has a {INDEX_NAME} but no {STAGE_MANIFEST}: it is not a finished "
@@ -361,8 +371,9 @@ def _build_stage(root: Path, display: str, m: dict) -> Stage:
             raise _bad(display, f"sha256 of tensor {name!r}")
         # The offset is filled in from the file's header by _check_files.
         entries.append((name, StageTensor(name, file, dtype, tuple(shape), nbytes, -1, digest)))
+    per_file = Counter(t.file for _, t in entries)
     for file, info in files.items():
-        count = sum(1 for _, t in entries if t.file == file)
+        count = per_file[file]
         if not isinstance(info, dict) or info.get("tensors") != count or not _is_int(info.get("bytes")):
             raise _bad(display, f"file {file!r} should hold {count} tensors")
     return Stage(
@@ -433,7 +444,7 @@ def _check_index(root: Path, display: str, m: dict, stage: Stage) -> None:
         ) from None
     except OSError as e:
         raise StageError(f"{display}/{INDEX_NAME}: cannot read ({e.strerror})") from None
-    if False:
+    if hashlib.sha256(raw).hexdigest() != m.get("index_sha256"):
         raise StageError(
             f"{display} is incomplete: its {INDEX_NAME} is not the one {STAGE_MANIFEST} records "
             f"(an interrupted run, or the index was edited); {_RERUN}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import cache
 
 # Roles of non-layer tensors; "layer" is the role of decoder-layer tensors.
 LAYER = "layer"
@@ -44,8 +45,14 @@ def classify(name: str) -> Role | None:
     """Return the role of tensor ``name``, or None when no rule covers it."""
     m = _LAYER_RE.match(name)
     if m:
-        return Role(LAYER, int(m.group(1)))
+        return _layer_role(m.group(1))
     for prefix, kind in _ROLE_PREFIXES:
         if name.startswith(prefix):
             return Role(kind)
     return None
+
+
+@cache
+def _layer_role(layer_id: str) -> Role:
+    # One Role per layer id, shared: classify runs for every tensor (~190,000 in a 397B FP8).
+    return Role(LAYER, int(layer_id))

@@ -16,7 +16,7 @@ from . import names
 from .errors import ReshardError
 from .header import DTYPE_SIZES, encode_header
 from .source import Checkpoint, SourceTensor
-from .split import check_partition, check_pp, default_partition, launch_env, layer_ranges
+from .split import check_partition, check_pp, check_runtime, default_partition, launch_env, layer_ranges
 
 DEFAULT_MAX_FILE_BYTES = 5 * 1024**3
 # The Hub reads remote headers only up to 25 MB; stay well below with room for long names.
@@ -124,6 +124,7 @@ def make_plan(
     0..num_layers-1, or a split that does not fit the model.
     """
     check_pp(ckpt.num_layers, pp)
+    check_runtime(runtime)
     if partition is None:
         sizes = default_partition(ckpt.num_layers, pp, runtime)
     else:
@@ -263,4 +264,8 @@ def _layout_files(
 
 def _header_entry_bytes(src: SourceTensor) -> int:
     """Upper bound of the bytes ``src`` adds to a header, for cutting files before the limit."""
-    return len(json.dumps(src.name)) + len(json.dumps(list(src.shape))) + 80
+    name = src.name
+    # Same value as len(json.dumps(name)) + len(json.dumps(list(shape))), without json for
+    # the common plain-ASCII name: this runs for every tensor.
+    plain = name.isascii() and name.isprintable() and '"' not in name and "\\" not in name
+    return (len(name) + 2 if plain else len(json.dumps(name))) + len(str(list(src.shape))) + 80

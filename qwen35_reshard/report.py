@@ -36,7 +36,7 @@ def plan_table(plan: Plan) -> Table:
         f"{len(ckpt.files)} shards -> pp={plan.pp} ({plan.runtime})",
         title_justify="left",
     )
-    for col in ("stage", "layers", "tensors", "bytes", "files", "source shards read", "also holds", "build"):
+    for col in ("stage", "layers", "tensors", "bytes", "files", "shards read", "also", "build"):
         table.add_column(col, justify="right" if col in ("tensors", "bytes", "files") else "left")
     for s in plan.stages:
         table.add_row(

@@ -84,9 +84,11 @@ def read_checkpoint(model_dir: str | os.PathLike[str]) -> Checkpoint:
     files = sorted(set(weight_map.values())) if weight_map is not None else [SINGLE_FILE_NAME]
     tensors: dict[str, SourceTensor] = {}
     file_sizes: dict[str, int] = {}
+    # Every name is checked before any header is read: a name leaving the model directory is
+    # reported as such, whatever other damage a shard sorted before it has.
+    paths = {file: _checked_path(root, file, allowed, what="shard") for file in files}
     for file in files:
-        path = _checked_path(root, file, allowed, what="shard")
-        header = read_header(path, display=str(root / file))
+        header = read_header(paths[file], display=str(root / file))
         file_sizes[file] = header.file_size
         for t in header.tensors:
             if t.name in tensors:

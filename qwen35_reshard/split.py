@@ -20,17 +20,19 @@ def default_partition(num_layers: int, pp: int, runtime: str) -> list[int]:
     ... ranks, so its last rank (which also holds norm and lm_head) never gets an extra one.
     """
     check_pp(num_layers, pp)
+    check_runtime(runtime)
     base, rem = divmod(num_layers, pp)
     sizes = [base] * pp
-    if runtime == "sglang":
-        extra = range(pp - rem, pp)
-    elif runtime == "vllm":
-        extra = range(pp - 1 - rem, pp - 1)
-    else:
-        raise ReshardError(f"--runtime {runtime!r} is not one of {', '.join(RUNTIMES)}")
+    extra = range(pp - rem, pp) if runtime == "sglang" else range(pp - 1 - rem, pp - 1)
     for i in extra:
         sizes[i] += 1
     return sizes
+
+
+def check_runtime(runtime: str) -> None:
+    """Refuse a runtime whose split and placement rules the tool does not know."""
+    if runtime not in RUNTIMES:
+        raise ReshardError(f"--runtime {runtime!r} is not one of {', '.join(RUNTIMES)}")
 
 
 def check_pp(num_layers: int, pp: int) -> None:

@@ -93,25 +93,33 @@ def write_plan(
     if not todo and (out / manifest.RUN_MANIFEST).exists():
         return result
 
-    _write_atomic(out / RUN_MARKER, manifest.dumps({"identity": identity}))
-    _remove(out / manifest.RUN_MANIFEST)
     digests: dict[int, dict[str, str]] = {}
-    to_write: list[tuple[StagePlan, OutputFile]] = []
-    for stage in todo:
-        kept, digests[stage.rank] = _resume_stage(out / stage.dirname, stage)
-        result.files_kept += len(kept)
-        to_write += [(stage, f) for f in stage.files if f.name not in kept]
-    _check_free_space(out, sum(f.size for _, f in to_write))
+    needed = 0
+    try:
+        _write_atomic(out / RUN_MARKER, manifest.dumps({"identity": identity}))
+        _remove(out / manifest.RUN_MANIFEST)
+        to_write: list[tuple[StagePlan, OutputFile]] = []
+        for stage in todo:
+            kept, digests[stage.rank] = _resume_stage(out / stage.dirname, stage)
+            result.files_kept += len(kept)
+            to_write += [(stage, f) for f in stage.files if f.name not in kept]
+        needed = sum(f.size for _, f in to_write) + len(todo) * _side_file_bytes(plan)
+        _check_free_space(out, needed)
 
-    result.bytes_copied = _copy_files(plan, out, to_write, digests, workers, reporter)
-    for stage in todo:
-        _finish_stage(plan, out / stage.dirname, stage, digests[stage.rank])
-        result.built.append(stage.rank)
-        reporter.stage_done(stage)
-    complete = [s.rank for s in plan.stages if manifest.stage_is_complete(out / s.dirname, identity)]
-    _write_atomic(out / manifest.RUN_MANIFEST, manifest.dumps(manifest.run_manifest(plan, complete)))
-    _remove(out / RUN_MARKER)
-    _fsync_dir(out)
+        result.bytes_copied = _copy_files(plan, out, to_write, digests, workers, reporter)
+        for stage in todo:
+            _finish_stage(plan, out / stage.dirname, stage, digests[stage.rank])
+            result.built.append(stage.rank)
+            reporter.stage_done(stage)
+        complete = [s.rank for s in plan.stages if manifest.stage_is_complete(out / s.dirname, identity)]
+        _write_atomic(out / manifest.RUN_MANIFEST, manifest.dumps(manifest.run_manifest(plan, complete)))
+        _remove(out / RUN_MARKER)
+        _fsync_dir(out)
+    except OSError as e:  # config, manifest or index writes; data copies convert their own
+        raise _write_error(e, out, needed) from None
+    finally:
+        # Whatever stopped the run (Ctrl-C, SIGTERM, a full disk), leave no temporary file.
+        _remove_partials(out, todo)
     return result
 
 
@@ -151,8 +159,17 @@ def _prepare_out(plan: Plan, out: Path, identity: dict, *, overwrite: bool) -> N
             f"OUT {out} holds {foreign[0]!r}, which qwen35-reshard did not write; refusing to "
             "delete it even with --overwrite: choose another directory"
         )
+    # What makes a directory look complete goes first, so that a run killed while deleting
+    # leaves no run manifest and no stage index beside half-deleted data.
+    _remove(out / manifest.RUN_MANIFEST)
     for p in entries:
-        shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+        if _STAGE_DIR.fullmatch(p.name) and p.is_dir() and not p.is_symlink():
+            _remove(p / INDEX_NAME)
+    for p in entries:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        elif p.name != manifest.RUN_MANIFEST:
+            p.unlink()
 
 
 def _resume_stage(stage_dir: Path, stage: StagePlan) -> tuple[set[str], dict[str, str]]:
@@ -161,7 +178,9 @@ def _resume_stage(stage_dir: Path, stage: StagePlan) -> tuple[set[str], dict[str
     Returns the names of the kept data files and the digests of their tensors.
     """
     stage_dir.mkdir(exist_ok=True)
-    for name in (INDEX_NAME, manifest.STAGE_MANIFEST):
+    # Index first: without it no server loads the directory. Without config.json neither
+    # does one that globs *.safetensors, while files are being replaced.
+    for name in (INDEX_NAME, manifest.STAGE_MANIFEST, CONFIG_NAME):
         _remove(stage_dir / name)
     journal = _read_journal(stage_dir / JOURNAL)
     planned = {f.name: f for f in stage.files}
@@ -205,6 +224,12 @@ def _read_journal(path: Path) -> dict[str, dict[str, str]]:
         except (json.JSONDecodeError, KeyError, TypeError):
             continue  # a line torn by a crash: that file is simply redone
     return entries
+
+
+def _side_file_bytes(plan: Plan) -> int:
+    """Bytes of config.json and the other non-weight files that every stage gets a copy of."""
+    root = plan.checkpoint.root
+    return sum(os.path.getsize(root / name) for name in (CONFIG_NAME, *plan.checkpoint.extra_files))
 
 
 def _check_free_space(out: Path, needed: int) -> None:
@@ -273,13 +298,7 @@ def _copy_files(
                 raise
         return total
     except OSError as e:
-        if e.errno == errno.ENOSPC:
-            raise ReshardError(
-                f"OUT {out}: no space left on device; this run needs "
-                f"{_gb(sum(f.size for _, f in to_write))} in all: free space and run the same "
-                "command again to resume"
-            ) from None
-        raise ReshardError(f"{e.filename or out}: {e.strerror or e} while writing the split") from None
+        raise _write_error(e, out, sum(f.size for _, f in to_write)) from None
     finally:
         for o in opened:
             if o.fd >= 0:
@@ -289,15 +308,19 @@ def _copy_files(
 
 def _create(stage: StagePlan, f: OutputFile, tmp: Path, final: Path) -> _OpenFile:
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    o = _OpenFile(stage, f, tmp, final, fd, {t.source.file for t in f.tensors})
-    if hasattr(os, "posix_fallocate") and f.size:
-        try:
-            os.posix_fallocate(fd, 0, f.size)  # a full disk fails here, before any copying
-        except OSError as e:
-            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                raise
-    os.pwrite(fd, f.header, 0)
-    return o
+    try:
+        if hasattr(os, "posix_fallocate") and f.size:
+            try:
+                os.posix_fallocate(fd, 0, f.size)  # a full disk fails here, before any copying
+            except OSError as e:
+                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+        os.pwrite(fd, f.header, 0)
+    except BaseException:  # not yet known to the caller's cleanup: clean up here
+        os.close(fd)
+        _remove(tmp)
+        raise
+    return _OpenFile(stage, f, tmp, final, fd, {t.source.file for t in f.tensors})
 
 
 def _finish_file(o: _OpenFile, out: Path, digests: dict[int, dict[str, str]]) -> None:
@@ -356,6 +379,28 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _write_error(e: OSError, out: Path, needed: int) -> ReshardError:
+    """One line for a failed write: a full disk names OUT and the space the run needs."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return ReshardError(
+            f"OUT {out}: no space left on device ({e.strerror}); this run writes {_gb(needed)}: free "
+            "space and run the same command again to resume"
+        )
+    return ReshardError(f"{e.filename or out}: {e.strerror or e} while writing the split")
+
+
+def _remove_partials(out: Path, stages: list[StagePlan]) -> None:
+    """Delete the temporary ``.NAME.partial`` files in OUT and in the stages of this run."""
+    for d in (out, *(out / s.dirname for s in stages)):
+        try:
+            entries = list(d.iterdir())
+        except FileNotFoundError:
+            continue
+        for p in entries:
+            if p.name.startswith(".") and p.name.endswith(PARTIAL_SUFFIX):
+                _remove(p)
+
+
 def _remove(path: Path) -> None:
     try:
         path.unlink()
@@ -364,4 +409,5 @@ def _remove(path: Path) -> None:
 
 
 def _gb(n: int) -> str:
-    return f"{n / 1e9:.2f} GB"
+    """Bytes for people; MB below a GB, so that a small run does not read "0.00 GB"."""
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.2f} MB"

@@ -1,0 +1,211 @@
+"""Strict header parsing and deterministic header writing, checked against the reference
+reader (``safetensors.safe_open``) and the reference writer (``safetensors.torch.save_file``)."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from qwen35_reshard.errors import ReshardError
+from qwen35_reshard.header import DTYPE_SIZES, encode_header, read_header
+
+
+def _raw_file(path, header: dict | bytes, data: bytes = b"", *, pad: bool = True):
+    """Write a file from a header object (or raw header bytes) and a data buffer."""
+    body = header if isinstance(header, bytes) else json.dumps(header, separators=(",", ":")).encode()
+    if pad:
+        body += b" " * (-(8 + len(body)) % 8)
+    path.write_bytes(struct.pack("<Q", len(body)) + body + data)
+    return path
+
+
+def _entry(dtype, shape, begin, end):
+    return {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}
+
+
+def test_reads_what_the_reference_writer_wrote(tmp_path):
+    tensors = {
+        "b.weight": torch.arange(12, dtype=torch.bfloat16).reshape(3, 4),
+        "a.scale": torch.ones(2, 2, dtype=torch.float32),
+        "c.fp8": torch.zeros(5, 7, dtype=torch.float8_e4m3fn),
+        "d.scalar": torch.tensor(3.0),
+    }
+    path = tmp_path / "ref.safetensors"
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    expected = json.loads(raw[8 : 8 + n])
+    header = read_header(path)
+    assert header.data_start == 8 + n
+    assert header.file_size == len(raw)
+    assert header.metadata == {"format": "pt"}
+    assert {t.name for t in header.tensors} == set(tensors)
+    for t in header.tensors:
+        info = expected[t.name]
+        assert (t.dtype, list(t.shape), [t.begin, t.end]) == (
+            info["dtype"],
+            info["shape"],
+            info["data_offsets"],
+        )
+    begins = [t.begin for t in header.tensors]
+    assert begins == sorted(begins)
+
+
+def test_reads_every_shard_of_a_tiny_checkpoint(make_checkpoint, ref):
+    model = make_checkpoint(layout="per_expert_fp8")
+    for path in sorted(model.glob("*.safetensors")):
+        _, expected = ref.read_safetensors(path)
+        header = read_header(path)
+        raw = path.read_bytes()
+        assert {t.name for t in header.tensors} == set(expected)
+        for t in header.tensors:
+            e = expected[t.name]
+            assert (t.dtype, t.shape) == (e.dtype, e.shape)
+            assert raw[header.data_start + t.begin : header.data_start + t.end] == e.data
+
+
+def _write_encoded(path, specs, fill=lambda i, n: bytes((i + k) % 251 for k in range(n))):
+    prefix = encode_header(specs)
+    data = b"".join(fill(i, nbytes) for i, (_, _, _, nbytes) in enumerate(specs))
+    path.write_bytes(prefix + data)
+    return prefix, data
+
+
+SPECS = [
+    ("model.language_model.layers.0.linear_attn.A_log", "F32", (8,), 32),
+    ("model.language_model.layers.0.mlp.experts.gate_up_proj", "BF16", (2, 6, 4), 96),
+    ("model.language_model.layers.0.mlp.experts.0.up_proj.weight", "F8_E4M3", (3, 5), 15),
+    ("scalar", "F32", (), 4),
+    ("empty", "BF16", (0, 4), 0),
+    ("näme-ü", "I64", (1,), 8),
+]
+
+
+def test_encode_header_round_trips_through_the_reference_reader(tmp_path):
+    path = tmp_path / "ours.safetensors"
+    prefix, data = _write_encoded(path, SPECS)
+    (n,) = struct.unpack("<Q", prefix[:8])
+    assert len(prefix) == 8 + n and len(prefix) % 8 == 0  # data starts 8-aligned
+    assert prefix[8:9] == b"{"
+    obj = json.loads(prefix[8:])
+    assert list(obj)[0] == "__metadata__" and obj["__metadata__"] == {"format": "pt"}
+    pos = 0
+    for name, dtype, shape, nbytes in SPECS:  # back to back, in the given order
+        assert obj[name] == _entry(dtype, list(shape), pos, pos + nbytes)
+        pos += nbytes
+    with safe_open(str(path), "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+        assert set(f.keys()) == {s[0] for s in SPECS}
+        for name, dtype, shape, _ in SPECS:
+            assert f.get_slice(name).get_dtype() == dtype
+            assert tuple(f.get_slice(name).get_shape()) == shape
+        assert f.get_tensor("scalar").shape == ()
+        last = sum(s[3] for s in SPECS[:-1])
+        assert f.get_tensor("näme-ü").item() == int.from_bytes(data[last : last + 8], "little", signed=True)
+    header = read_header(path)
+    assert [(t.name, t.dtype, t.shape, t.nbytes) for t in header.tensors if t.nbytes] == [
+        s for s in SPECS if s[3]
+    ]
+
+
+def test_encode_header_is_deterministic_and_compact():
+    a = encode_header(SPECS)
+    assert a == encode_header(list(SPECS))
+    assert b", " not in a and b": " not in a
+    empty = encode_header([])
+    assert struct.unpack("<Q", empty[:8])[0] == len(empty) - 8 and len(empty) % 8 == 0
+    assert json.loads(empty[8:]) == {"__metadata__": {"format": "pt"}}
+
+
+@pytest.mark.parametrize("pad", [True, False])
+def test_accepts_unpadded_and_padded_headers(tmp_path, pad):
+    path = _raw_file(tmp_path / "x.safetensors", {"t": _entry("F32", [2], 0, 8)}, b"\0" * 8, pad=pad)
+    header = read_header(path)
+    assert header.metadata == {}
+    assert [(t.name, t.begin, t.end) for t in header.tensors] == [("t", 0, 8)]
+
+
+def test_accepts_empty_and_scalar_tensors(tmp_path):
+    header = {
+        "s": _entry("BF16", [], 0, 2),
+        "e": _entry("F32", [0, 3], 2, 2),
+        "t": _entry("U8", [3], 2, 5),
+    }
+    path = _raw_file(tmp_path / "x.safetensors", header, b"abcde")
+    assert {t.name: t.nbytes for t in read_header(path).tensors} == {"s": 2, "e": 0, "t": 3}
+
+
+def test_all_listed_dtypes_have_their_element_size():
+    assert DTYPE_SIZES["BF16"] == 2 and DTYPE_SIZES["F8_E4M3"] == 1 and DTYPE_SIZES["F32"] == 4
+    assert DTYPE_SIZES["I64"] == 8 and DTYPE_SIZES["BOOL"] == 1
+
+
+BAD_HEADERS = {
+    "hole": ({"a": _entry("F32", [1], 0, 4), "b": _entry("F32", [1], 8, 12)}, 12, "hole"),
+    "overlap": ({"a": _entry("F32", [2], 0, 8), "b": _entry("F32", [1], 4, 8)}, 8, "overlaps"),
+    "not_at_zero": ({"a": _entry("F32", [1], 4, 8)}, 8, "hole"),
+    "trailing_byte": ({"a": _entry("F32", [1], 0, 4)}, 5, "trailing"),
+    "truncated": ({"a": _entry("F32", [2], 0, 8)}, 4, "past the end"),
+    "size_mismatch": ({"a": _entry("BF16", [3], 0, 4)}, 4, "needs 6"),
+    "unknown_dtype": ({"a": _entry("F12", [1], 0, 4)}, 4, "unsupported dtype"),
+    "sub_byte_dtype": ({"a": _entry("F4", [2], 0, 1)}, 1, "unsupported dtype"),
+    "negative_shape": ({"a": _entry("F32", [-1], 0, 4)}, 4, "invalid shape"),
+    "bool_offset": ({"a": {"dtype": "U8", "shape": [1], "data_offsets": [False, 1]}}, 1, "data_offsets"),
+    "three_offsets": ({"a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1, 2]}}, 1, "data_offsets"),
+    "extra_key": ({"a": {**_entry("U8", [1], 0, 1), "x": 1}}, 1, "exactly dtype"),
+    "metadata_int": ({"__metadata__": {"format": 1}, "a": _entry("U8", [1], 0, 1)}, 1, "__metadata__"),
+    "not_object": ([1, 2], 0, "start with"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_HEADERS))
+def test_rejects_invalid_headers(tmp_path, case):
+    header, data_size, needle = BAD_HEADERS[case]
+    path = _raw_file(tmp_path / "bad.safetensors", header, b"\1" * data_size)
+    with pytest.raises(ReshardError, match=needle) as e:
+        read_header(path)
+    assert str(path) in str(e.value)
+
+
+def test_rejects_duplicate_names_that_the_reference_reader_lets_through(tmp_path):
+    entry = b'{"dtype":"U8","shape":[1],"data_offsets":[%d,%d]}'
+    body = b'{"a":' + entry % (0, 1) + b',"a":' + entry % (1, 2) + b"}"
+    path = _raw_file(tmp_path / "dup.safetensors", body, b"xy")
+    with pytest.raises(ReshardError, match="'a' appears twice"):
+        read_header(path)
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        (b' {"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}', "start with"),
+        (b'{"a":', "not valid JSON"),
+        (b'{"\xff":1}', "UTF-8"),
+    ],
+)
+def test_rejects_malformed_header_bytes(tmp_path, body, needle):
+    path = _raw_file(tmp_path / "bad.safetensors", body, b"x", pad=False)
+    with pytest.raises(ReshardError, match=needle):
+        read_header(path)
+
+
+def test_rejects_short_and_oversized_files(tmp_path):
+    short = tmp_path / "short.safetensors"
+    short.write_bytes(b"\1\2\3")
+    with pytest.raises(ReshardError, match="shorter than 8 bytes"):
+        read_header(short)
+    huge = tmp_path / "huge.safetensors"
+    huge.write_bytes(struct.pack("<Q", 100_000_001) + b"{}")
+    with pytest.raises(ReshardError, match="limit"):
+        read_header(huge)
+    past = tmp_path / "past.safetensors"
+    past.write_bytes(struct.pack("<Q", 64) + b"{}")
+    with pytest.raises(ReshardError, match="runs past the end"):
+        read_header(past)
+    with pytest.raises(ReshardError, match="cannot read"):
+        read_header(tmp_path / "missing.safetensors")
