@@ -145,7 +145,7 @@ def _reshard(args: argparse.Namespace) -> int:
         ckpt = read_checkpoint(args.model)
         partition = (
             parse_partition(args.partition, pp=args.pp, num_layers=ckpt.num_layers)
-            if args.partition
+            if args.partition is not None
             else None
         )
         plan = make_plan(

@@ -45,6 +45,8 @@ def run_identity(plan: Plan) -> dict:
         "runtime": plan.runtime,
         "partition": list(plan.partition),
         "mtp": plan.mtp,
+        "max_file_bytes": plan.max_file_bytes,
+        "max_header_bytes": plan.max_header_bytes,
         "tool_version": __version__,
     }
 

@@ -97,6 +97,8 @@ class Plan:
     stages: tuple[StagePlan, ...]  # all pp stages, whether built in this run or not
     ranks: tuple[int, ...]  # stages to build in this run
     dropped: tuple[str, ...]  # tensors left out on purpose (--no-mtp)
+    max_file_bytes: int
+    max_header_bytes: int
 
     @property
     def launch_env(self) -> str:
@@ -169,7 +171,18 @@ def make_plan(
         )
         for r in range(pp)
     )
-    return Plan(ckpt, pp, runtime, tuple(sizes), mtp, stages, tuple(ranks), tuple(dropped))
+    return Plan(
+        ckpt,
+        pp,
+        runtime,
+        tuple(sizes),
+        mtp,
+        stages,
+        tuple(ranks),
+        tuple(dropped),
+        max_file_bytes,
+        max_header_bytes,
+    )
 
 
 def _role(name: str, num_layers: int) -> names.Role:

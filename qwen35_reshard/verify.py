@@ -120,7 +120,6 @@ class _Stage:
     run_identity: dict | None  # identity recorded by the run directory, if any
     manifest: dict | None = None
     digests: dict[str, str] = field(default_factory=dict)  # sha256 computed from the files
-    headers: dict[str, Header] = field(default_factory=dict)
 
 
 def verify(
@@ -151,7 +150,7 @@ def verify(
     for stage in stages:
         _check_stage(stage, report, ckpt, chunk_bytes)
     if ckpt is not None:
-        _check_against_source(ckpt, [s for s in stages if s.summary.complete], report, chunk_bytes)
+        _check_against_source(ckpt, [s for s in stages if s.manifest is not None], report, chunk_bytes)
     return report
 
 
@@ -159,7 +158,9 @@ def verify(
 
 
 def _is_run_dir(root: Path) -> bool:
-    if (root / RUN_MANIFEST).exists() or (root / RUN_MARKER).exists():
+    # A run killed before its marker was renamed into place leaves only the marker's temporary.
+    names = (RUN_MANIFEST, RUN_MARKER, f".{RUN_MARKER}{PARTIAL_SUFFIX}", f".{RUN_MANIFEST}{PARTIAL_SUFFIX}")
+    if any((root / name).exists() for name in names):
         return True
     return any(_STAGE_DIR.fullmatch(p.name) and p.is_dir() for p in root.iterdir())
 
@@ -182,6 +183,13 @@ def _check_run_dir(root: Path, display: str, report: VerifyReport) -> list[_Stag
     A finished run has ``reshard.json`` and no run marker. Stages the run manifest records as
     complete must be present; stages it never built (``--rank``) are noted, not failed.
     """
+    for p in sorted(root.iterdir()):
+        if p.name.endswith(PARTIAL_SUFFIX):
+            report.findings.append(
+                Finding(
+                    INCOMPLETE, f"{display}/{p.name} is left from an unfinished run; {_RERUN}", file=p.name
+                )
+            )
     marker = _read_json_finding(root / RUN_MARKER, display, report)
     run = _read_json_finding(root / RUN_MANIFEST, display, report)
     if (root / RUN_MARKER).exists():
@@ -201,11 +209,11 @@ def _check_run_dir(root: Path, display: str, report: VerifyReport) -> list[_Stag
                 file=RUN_MANIFEST,
             )
         )
-    record = run if run is not None else marker
+    record, record_name = (run, RUN_MANIFEST) if run is not None else (marker, RUN_MARKER)
     identity = record.get("identity") if isinstance(record, dict) else None
     if record is not None and not isinstance(identity, dict):
         report.findings.append(
-            Finding(CORRUPT, f"{display}/{RUN_MANIFEST}: no identity; the file is damaged", file=RUN_MANIFEST)
+            Finding(CORRUPT, f"{display}/{record_name}: no identity; the file is damaged", file=record_name)
         )
         identity = None
 
@@ -539,7 +547,7 @@ def _check_data_file(stage: _Stage, m: dict, file: str, add: _Add, chunk_bytes: 
     if size != want:
         add(
             CORRUPT,
-            f"{where} is {size} bytes but {STAGE_MANIFEST} records {want}: truncated or replaced",
+            f"{where} is {size} bytes but {STAGE_MANIFEST} records {want}: truncated, extended or replaced",
             file=file,
         )
         return
@@ -549,7 +557,6 @@ def _check_data_file(stage: _Stage, m: dict, file: str, add: _Add, chunk_bytes: 
     except ReshardError as e:
         add(CORRUPT, str(e), file=file)
         return
-    stage.headers[file] = header
     recorded = {n: t for n, t in m["tensors"].items() if t["file"] == file}
     found = {t.name: t for t in header.tensors}
     for name in sorted(set(found) - set(recorded)):
@@ -647,7 +654,7 @@ def _check_layers(stage: _Stage, m: dict, add: _Add) -> None:
 def _check_against_source(
     ckpt: Checkpoint, stages: list[_Stage], report: VerifyReport, chunk_bytes: int
 ) -> None:
-    """Placement and bytes of every tensor of the complete ``stages`` against the source.
+    """Placement and bytes of every tensor of ``stages`` (those with a valid manifest) against the source.
 
     The plan is rebuilt from each stage manifest's settings (pp, runtime, partition, mtp);
     each needed source tensor is hashed once, even when it is replicated on several stages.
@@ -721,11 +728,12 @@ def _compare_placement(ckpt: Checkpoint, plan: Plan, stage: _Stage, add: _Add) -
             f"{stage.display} lacks source tensor {name!r}, which the plan ({where}) puts on stage {rank}",
             tensor=name,
         )
+    extra = sorted(set(actual) - expected)
     owners: dict[str, list[int]] = {}
-    for s in plan.stages:
+    for s in plan.stages if extra else ():
         for t in s.tensors:
             owners.setdefault(t.name, []).append(s.rank)
-    for name in sorted(set(actual) - expected):
+    for name in extra:
         if name not in ckpt.tensors:
             why = f"the source {ckpt.root} has no such tensor"
         elif name in plan.dropped:

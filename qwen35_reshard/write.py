@@ -115,7 +115,7 @@ def write_plan(
         _write_atomic(out / manifest.RUN_MANIFEST, manifest.dumps(manifest.run_manifest(plan, complete)))
         _remove(out / RUN_MARKER)
         _fsync_dir(out)
-    except OSError as e:  # config, manifest or index writes; data copies convert their own
+    except OSError as e:  # a full disk, a file-size limit, ... while writing anything
         raise _write_error(e, out, needed) from None
     finally:
         # Whatever stopped the run (Ctrl-C, SIGTERM, a full disk), leave no temporary file.
@@ -229,7 +229,7 @@ def _read_journal(path: Path) -> dict[str, dict[str, str]]:
 def _side_file_bytes(plan: Plan) -> int:
     """Bytes of config.json and the other non-weight files that every stage gets a copy of."""
     root = plan.checkpoint.root
-    return sum(os.path.getsize(root / name) for name in (CONFIG_NAME, *plan.checkpoint.extra_files))
+    return sum(os.path.getsize(root / name) for name in {CONFIG_NAME, *plan.checkpoint.extra_files})
 
 
 def _check_free_space(out: Path, needed: int) -> None:
@@ -297,8 +297,6 @@ def _copy_files(
                     fut.cancel()
                 raise
         return total
-    except OSError as e:
-        raise _write_error(e, out, sum(f.size for _, f in to_write)) from None
     finally:
         for o in opened:
             if o.fd >= 0:
@@ -347,9 +345,11 @@ def _finish_stage(plan: Plan, stage_dir: Path, stage: StagePlan, digests: dict[s
         os.replace(tmp, stage_dir / name)
     index_bytes = manifest.dumps(manifest.stage_index(stage))
     stage_manifest = manifest.stage_manifest(plan, stage, digests, index_bytes)
+    # The journal goes before the stage can look complete: a finished stage never holds one
+    # (later runs skip finished stages, so one left behind would never be cleaned up).
+    _remove(stage_dir / JOURNAL)
     _write_atomic(stage_dir / manifest.STAGE_MANIFEST, manifest.dumps(stage_manifest))
     _write_atomic(stage_dir / INDEX_NAME, index_bytes)
-    _remove(stage_dir / JOURNAL)
     _fsync_dir(stage_dir)
 
 

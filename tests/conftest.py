@@ -23,6 +23,8 @@ import pytest
 EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+# Weight files, never carried into a stage as side files (pickles are never even opened).
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -80,7 +82,7 @@ class RefSource:
     num_layers: int
     tied: bool
     tensors: dict[str, RefTensor]
-    side_files: dict[str, bytes]  # every top-level non-weight file except the index
+    side_files: dict[str, bytes]  # top-level non-weight, non-hidden files except the index
 
 
 class Ref:
@@ -163,7 +165,10 @@ class Ref:
         side = {
             p.name: p.read_bytes()
             for p in sorted(root.iterdir())
-            if p.is_file() and p.name != INDEX_NAME and not p.name.endswith(".safetensors")
+            if p.is_file()
+            and p.name != INDEX_NAME
+            and not p.name.startswith(".")
+            and not p.name.endswith(WEIGHT_SUFFIXES)
         }
         tied = bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
         return RefSource(root, config, text["num_hidden_layers"], tied, tensors, side)

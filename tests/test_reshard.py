@@ -8,6 +8,7 @@ dtypes and shapes, and plain reads at offsets parsed with json/struct for the by
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -59,6 +60,12 @@ def check_split(ref, model, out, *, pp, runtime="sglang", partition=None, keep_m
     assert run["mtp"] == mtp and sorted(run["dropped"]) == dropped
     assert [s["layers"] for s in run["stages"]] == layers
     assert [s["dir"] for s in run["stages"]] == [f"pp{r}" for r in range(pp)]
+    copies = {n: sum(n in e for e in expected) for n in src.tensors}
+    for r, s in enumerate(run["stages"]):
+        assert s["complete"] == (r in built)
+        assert s["tensors"] == len(expected[r])
+        assert s["source_files"] == sorted({src.tensors[n].file for n in expected[r]})
+        assert s["replicated"] == sorted(n for n in expected[r] if copies[n] > 1)
 
     for r in built:
         stage = out / f"pp{r}"
@@ -75,6 +82,8 @@ def check_split(ref, model, out, *, pp, runtime="sglang", partition=None, keep_m
         assert set(weight_map) == expected[r], f"pp{r} holds the wrong tensors"
         assert set(weight_map.values()) == set(weights), "index and directory disagree on files"
         assert index["metadata"]["total_size"] == sum(len(src.tensors[n].data) for n in weight_map)
+        assert run["stages"][r]["files"] == len(weights)
+        assert run["stages"][r]["bytes"] == sum((stage / w).stat().st_size for w in weights)
         numbers = sorted(tuple(map(int, SHARD_RE.fullmatch(w).groups())) for w in weights)
         assert numbers == [(k, len(weights)) for k in range(1, len(weights) + 1)]
 
@@ -107,6 +116,7 @@ def check_split(ref, model, out, *, pp, runtime="sglang", partition=None, keep_m
                     len(s.data),
                 )
                 assert entry["sha256"] == hashlib.sha256(s.data).hexdigest(), name
+                assert entry["replicated"] == (copies[name] > 1), name
     return expected
 
 
@@ -179,6 +189,26 @@ def data_order(path: Path) -> list[str]:
     header = json.loads(raw[8 : 8 + struct.unpack("<Q", raw[:8])[0]])
     header.pop("__metadata__", None)
     return sorted(header, key=lambda n: header[n]["data_offsets"])
+
+
+@pytest.mark.parametrize(
+    ("kind", "runtime", "pp", "ranks", "chunk"),
+    [
+        ("fused", "vllm", 3, None, 1000),
+        ("fp8", "sglang", 4, [1, 3], 4093),
+        ("per_expert_tied", "vllm", 2, None, 777),
+    ],
+)
+def test_small_copy_chunks(ref, make_checkpoint, tmp_path, monkeypatch, kind, runtime, pp, ranks, chunk):
+    # Real tensors are far larger than the copy chunk: cut the tiny ones across many chunks,
+    # with replicated tensors (several destinations) and gaps between the runs a stage reads.
+    from qwen35_reshard import write
+    from qwen35_reshard.copy import copy_segments
+
+    monkeypatch.setattr(write, "copy_segments", functools.partial(copy_segments, chunk_bytes=chunk))
+    model = make_checkpoint(**CASES[kind])
+    qwen35_reshard.reshard(model, tmp_path / "out", pp=pp, runtime=runtime, ranks=ranks, workers=2)
+    check_split(ref, model, tmp_path / "out", pp=pp, runtime=runtime, ranks=ranks)
 
 
 def test_layer_straddling_two_shards_and_name_sorted_shards(ref, make_checkpoint, tmp_path):
@@ -269,6 +299,34 @@ def test_empty_tensor_is_copied(ref, make_checkpoint, tmp_path):
     append_tensor(model, last_shard, "model.language_model.layers.7.mlp.empty_probe", "BF16", [0, 64], b"")
     qwen35_reshard.reshard(model, tmp_path / "out", pp=2)
     check_split(ref, model, tmp_path / "out", pp=2)
+
+
+def test_only_indexed_weights_and_top_level_side_files_are_carried(ref, make_checkpoint, tmp_path):
+    model = make_checkpoint(fresh=True, layout="fused")
+    clean = tmp_path / "clean"
+    qwen35_reshard.reshard(model, clean, pp=2)
+    # stale data beside the real shards: a shard the index does not list, a pickle, a subdir
+    (model / "stray.safetensors").write_bytes((model / "model-00001-of-00004.safetensors").read_bytes())
+    (model / "pytorch_model.bin").write_bytes(b"not a pickle, never opened")
+    (model / "original").mkdir()
+    (model / "original" / "params.json").write_text("{}")
+    out = tmp_path / "out"
+    qwen35_reshard.reshard(model, out, pp=2)
+    check_split(ref, model, out, pp=2)
+    assert tree(out) == tree(clean)
+
+
+def test_cli_max_file_size_cuts_stage_files(ref, make_checkpoint, tmp_path):
+    model = make_checkpoint(layout="per_expert_fp8")
+    out = tmp_path / "out"
+    run_cli("--pp", 2, "--max-file-size", "100KB", model, out)
+    for r in range(2):
+        files = sorted((out / f"pp{r}").glob("*.safetensors"))
+        assert len(files) > 2
+        for p in files:
+            raw = p.read_bytes()
+            assert len(raw) - 8 - struct.unpack("<Q", raw[:8])[0] <= 100_000, p
+    check_split(ref, model, out, pp=2)
 
 
 def test_unplaced_tensor_is_an_error_naming_it(make_checkpoint, tmp_path):
@@ -423,6 +481,7 @@ def test_cli_plan_subcommand(make_checkpoint, tmp_path):
         (["--pp", "3", "--partition", "4,4"], "2 entries"),
         (["--pp", "9"], "--pp 9"),
         (["--pp", "2", "--rank", "2"], "--rank 2"),
+        (["--pp", "3", "--partition", ""], "integers"),
     ],
 )
 def test_cli_bad_arguments_fail_cleanly(make_checkpoint, tmp_path, args, needle):
