@@ -106,7 +106,10 @@ def launch_lines(plan: Plan, out: str) -> list[str]:
             f"--nnodes {pp} --node-rank $R --dist-init-addr HEAD_IP:PORT"
         )
     else:
-        cmd = f"{env} vllm serve {out}/pp$R --pipeline-parallel-size {pp}"
+        cmd = (
+            f"{env} vllm serve {out}/pp$R --pipeline-parallel-size {pp}"
+            "   # each node must see its own stage at the model path: README, 'Deploying the stages'"
+        )
     return [cmd]
 
 
