@@ -93,6 +93,9 @@ class VerifyReport:
     def ok(self) -> bool:
         return not self.findings
 
+    def findings_for(self, stage: str) -> list[Finding]:
+        return [f for f in self.findings if f.stage == stage]
+
     def counts(self) -> dict[str, int]:
         return {k: sum(1 for f in self.findings if f.kind == k) for k in KINDS}
 
@@ -675,6 +678,8 @@ def _check_against_source(
         if plan is None:
             continue
         to_compare += _compare_placement(ckpt, plan, stage, add)
+        if _recorded_limits(m) is not None and not report.findings_for(stage.summary.stage):
+            _compare_layout(plan, stage, add)
     wanted = sorted({name for _, name in to_compare})
     source_digests = _hash_source(ckpt, wanted, chunk_bytes)
     report.source_bytes_hashed = sum(ckpt.tensors[n].nbytes for n in wanted)
@@ -692,8 +697,13 @@ def _check_against_source(
 
 
 def _plan_for(ckpt: Checkpoint, m: dict, plans: dict, add: _Add, display: str) -> Plan | None:
-    """The plan the stage's recorded settings give for ``ckpt``; None (with a finding) if none."""
-    key = (m["pp"], m["runtime"], tuple(m["partition"]), m.get("mtp"))
+    """The plan the stage's recorded settings give for ``ckpt``; None (with a finding) if none.
+
+    Output file limits are taken from the run identity when it records them (so the exact file
+    layout can be compared); older manifests get the defaults, which decide stages alike.
+    """
+    limits = _recorded_limits(m) or {}
+    key = (m["pp"], m["runtime"], tuple(m["partition"]), m.get("mtp"), tuple(sorted(limits.items())))
     if key not in plans:
         try:
             partition = parse_partition(
@@ -705,6 +715,7 @@ def _plan_for(ckpt: Checkpoint, m: dict, plans: dict, add: _Add, display: str) -
                 runtime=m["runtime"],
                 partition=partition,
                 keep_mtp=m.get("mtp") != MTP_DROPPED,
+                **limits,
             )
         except ReshardError as e:
             plans[key] = None
@@ -714,6 +725,38 @@ def _plan_for(ckpt: Checkpoint, m: dict, plans: dict, add: _Add, display: str) -
                 f"{m['partition']}) does not fit the source: {e}",
             )
     return plans[key]
+
+
+def _recorded_limits(m: dict) -> dict[str, int] | None:
+    """``max_file_bytes`` and ``max_header_bytes`` from the manifest's run identity, if recorded."""
+    identity = m.get("identity")
+    keys = ("max_file_bytes", "max_header_bytes")
+    if not isinstance(identity, dict) or not all(_is_uint(identity.get(k)) and identity[k] > 0 for k in keys):
+        return None
+    return {k: identity[k] for k in keys}
+
+
+def _compare_layout(plan: Plan, stage: _Stage, add: _Add) -> None:
+    """Each data file is the plan's: same name, and header bytes equal to the plan's header.
+
+    With every tensor's bytes checked elsewhere, this makes every byte of every file the one
+    the plan dictates. Only for stages that hold exactly the right tensors.
+    """
+    for f in plan.stages[stage.manifest["stage"]].files:
+        path = stage.path / f.name
+        where = f"{stage.display}/{f.name}"
+        try:
+            with open(path, "rb") as fh:
+                head = fh.read(len(f.header))
+        except FileNotFoundError:
+            add(MISSING, f"{where} is missing; the plan lays the stage out in it", file=f.name)
+            continue
+        if head != f.header:
+            add(
+                DIFFERENT,
+                f"{where}: header differs from the plan's (other tensors, order or offsets in this file)",
+                file=f.name,
+            )
 
 
 def _compare_placement(ckpt: Checkpoint, plan: Plan, stage: _Stage, add: _Add) -> list[tuple[_Stage, str]]:

@@ -91,6 +91,7 @@ def write_plan(
         else:
             todo.append(stage)
     if not todo and (out / manifest.RUN_MANIFEST).exists():
+        _remove(out / RUN_MARKER)  # left if a run was killed between its last two steps
         return result
 
     digests: dict[int, dict[str, str]] = {}
@@ -137,6 +138,10 @@ def _prepare_out(plan: Plan, out: Path, identity: dict, *, overwrite: bool) -> N
     if out.exists() and not out.is_dir():
         raise ReshardError(f"OUT {out} exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)
+    # A run killed while writing its marker or run manifest leaves only their temporary files:
+    # ours, never worth keeping, and they must not make OUT look foreign to the next run.
+    for name in (RUN_MARKER, manifest.RUN_MANIFEST):
+        _remove(out / f".{name}{PARTIAL_SUFFIX}")
     entries = sorted(out.iterdir())
     if not entries:
         return

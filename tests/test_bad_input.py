@@ -326,11 +326,11 @@ def test_pp_out_of_range(capsys, make_checkpoint, out, pp):
     assert_clean_failure(*run_cli(capsys, "--pp", pp, model, out), out, "--pp")
 
 
-@pytest.mark.parametrize("partition", ["1,2", "a,b", "0,8", "3,3", "4,4,", "-1,9"])
+@pytest.mark.parametrize("partition", ["1,2,5", "a,b", "0,8", "3,3", "4,4,", "-1,9", ""])
 def test_bad_partition(capsys, make_checkpoint, out, partition):
     model = make_checkpoint()
-    code, stdout, stderr = run_cli(capsys, "--pp", "2", "--partition", partition, model, out)
-    assert_clean_failure(code, stdout, stderr, out, "--partition", repr(partition))
+    code, stdout, stderr = run_cli(capsys, "--pp", "2", f"--partition={partition}", model, out)
+    assert_clean_failure(code, stdout, stderr, out, "--partition", partition)
 
 
 def test_bad_rank(capsys, make_checkpoint, out):

@@ -495,6 +495,40 @@ def test_tensors_missing_from_their_stage(model, tmp_path):
     assert "model.language_model.embed_tokens.weight" in {f.tensor for f in missing}
 
 
+def test_files_swapped_within_a_stage_differ_from_the_plan(model, tmp_path):
+    """A self-consistent stage whose files are not laid out as the plan says: only the source
+    (with the file limits the run identity records) can tell."""
+    out = tmp_path / "out"
+    qwen35_reshard.reshard(model, out, pp=2, max_file_bytes=150_000)
+    stage = out / "pp1"
+    a, b = sorted(p.name for p in stage.glob("*.safetensors"))[:2]
+    os.rename(stage / a, stage / "tmp")
+    os.rename(stage / b, stage / a)
+    os.rename(stage / "tmp", stage / b)
+    swap = {a: b, b: a}
+
+    def fix_index(index):
+        index["weight_map"] = {n: swap.get(f, f) for n, f in index["weight_map"].items()}
+
+    edit_json(stage / INDEX, fix_index)
+    index_sha = hashlib.sha256((stage / INDEX).read_bytes()).hexdigest()
+
+    def fix_manifest(m):
+        m["files"][a], m["files"][b] = m["files"][b], m["files"][a]
+        for info in m["tensors"].values():
+            info["file"] = swap.get(info["file"], info["file"])
+        m["index_sha256"] = index_sha
+
+    edit_json(stage / MANIFEST, fix_manifest)
+    assert verify(out).ok, verify(out).findings
+    report = verify(out, model)
+    assert {(f.kind, f.stage, f.file) for f in report.findings} == {
+        ("different", "pp1", a),
+        ("different", "pp1", b),
+    }
+    assert "header differs from the plan's" in report.findings[0].message
+
+
 def test_other_checkpoint_with_same_shapes_differs_everywhere(tiny, out, tmp_path):
     """Same config, index and sizes (so the same fingerprint), other bytes: every tensor differs."""
     other = tiny.build_checkpoint(tmp_path / "other", seed=1)

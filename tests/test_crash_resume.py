@@ -1,0 +1,517 @@
+"""Crash safety and resume, with real processes, real signals and real kernel limits.
+
+A real ``python -m qwen35_reshard`` run is killed (SIGKILL) or interrupted (SIGINT, SIGTERM)
+while it copies, stopped by a full filesystem (a small tmpfs in a private mount namespace) or
+by a file-size limit (RLIMIT_FSIZE). After each: nothing looks complete to the loader, to
+``verify`` or to a server (no stage index, no run manifest), and running the same command
+again finishes the job with output byte-identical to a clean run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from qwen35_reshard import loader
+from qwen35_reshard.verify import verify
+
+INDEX = "model.safetensors.index.json"
+STAGE_MANIFEST = "reshard-stage.json"
+RUN_MANIFEST = "reshard.json"
+RUN_MARKER = ".reshard-run.json"
+PP = 4
+
+# Big enough that copying takes a good fraction of a second even on a fast machine, so a run
+# can be caught between its first finished file and its end (~270 MB, 17 source shards).
+BIG = dict(layers=8, experts=64, hidden=512, moe_intermediate=128, vision=False, shard_bytes=16_000_000)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def command(model: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "qwen35_reshard", "--pp", str(PP), str(model), str(out),
+        "--workers", "1", "--json", *extra,
+    ]  # fmt: skip
+
+
+def start(model: Path, out: Path, logs: Path) -> tuple[subprocess.Popen, Path, Path]:
+    """Start a real run; stdout and stderr go to files so that a full pipe never blocks it."""
+    logs.mkdir(parents=True, exist_ok=True)
+    stdout, stderr = logs / "stdout", logs / "stderr"
+    with open(stdout, "w") as o, open(stderr, "w") as e:
+        proc = subprocess.Popen(command(model, out), stdout=o, stderr=e)
+    return proc, stdout, stderr
+
+
+def run(model: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(command(model, out, *extra), capture_output=True, text=True, timeout=300)
+
+
+def wait_until(proc: subprocess.Popen, ready, timeout: float = 120.0) -> None:
+    """Poll (every millisecond) until ``ready()`` while ``proc`` still runs."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert proc.poll() is None, (
+            "the run ended before the moment to stop it came; the checkpoint is too small for "
+            "this machine: raise BIG's sizes"
+        )
+        assert time.monotonic() < deadline, "timed out waiting for the run"
+        time.sleep(0.001)
+
+
+def partials(out: Path) -> list[Path]:
+    return sorted(p for p in out.rglob("*.partial"))
+
+
+def copying(out: Path) -> bool:
+    """A stage data file is being written."""
+    return any(out.glob("pp*/.model-*.safetensors.partial"))
+
+
+def journaled(out: Path) -> bool:
+    """At least one data file finished (renamed and journaled) while others are still being written."""
+    for journal in out.glob("pp*/.reshard-journal.jsonl"):
+        try:
+            if journal.read_text().endswith("\n") and copying(out):
+                return True
+        except FileNotFoundError:
+            pass
+    return False
+
+
+def digests(root: Path) -> dict[str, str]:
+    """sha256 of every file under ``root`` (hidden ones too), streamed."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_file():
+            h = hashlib.sha256()
+            with open(p, "rb") as f:
+                while chunk := f.read(1 << 22):
+                    h.update(chunk)
+            out[str(p.relative_to(root))] = h.hexdigest()
+    return out
+
+
+def assert_nothing_complete(out: Path) -> None:
+    """No stage index, no run manifest; loader and verify refuse every stage; verify fails."""
+    assert not (out / RUN_MANIFEST).exists()
+    assert list(out.glob(f"pp*/{INDEX}")) == [], "a stage index exists: a server would load it"
+    for r in range(PP):
+        with pytest.raises(loader.StageError):
+            loader.open_stage(out, pp_rank=r)
+    report = verify(out)
+    assert not report.ok
+    assert not any(s.complete for s in report.stages)
+    assert {f.kind for f in report.findings} == {"incomplete"}
+
+
+def assert_only_complete_stages_look_complete(out: Path) -> None:
+    """Every stage that has an index is a finished stage that verifies; no run manifest."""
+    assert not (out / RUN_MANIFEST).exists()
+    assert partials(out) == []
+    for stage in sorted(out.glob("pp*")):
+        if (stage / INDEX).exists():
+            assert (stage / STAGE_MANIFEST).exists()
+            assert verify(stage).ok, verify(stage).findings
+        else:
+            with pytest.raises(loader.StageError):
+                loader.open_stage(stage)
+    assert not verify(out).ok
+
+
+def one_error_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, stderr
+    assert "Traceback" not in stderr
+    assert stderr.rstrip("\n").splitlines()[-1] == lines[0], "the error must be the last line"
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def big(tiny, tmp_path_factory):
+    return Path(tiny.build_checkpoint(tmp_path_factory.mktemp("big") / "model", **BIG))
+
+
+@pytest.fixture(scope="module")
+def big_clean(big, tmp_path_factory):
+    """The same command run once without interruption: the bytes every resumed run must match."""
+    out = tmp_path_factory.mktemp("clean") / "out"
+    p = run(big, out)
+    assert p.returncode == 0, p.stderr
+    return digests(out)
+
+
+@pytest.fixture(scope="module")
+def small(tiny, tmp_path_factory):
+    return Path(tiny.build_checkpoint(tmp_path_factory.mktemp("small") / "model"))
+
+
+@pytest.fixture(scope="module")
+def small_clean(small, tmp_path_factory):
+    out = tmp_path_factory.mktemp("clean") / "out"
+    p = run(small, out)
+    assert p.returncode == 0, p.stderr
+    return out
+
+
+# --------------------------------------------------------------------------- SIGKILL
+
+
+@pytest.mark.parametrize("moment", ["marker", "copying", "journaled"])
+def test_sigkill_mid_run_then_resume(big, big_clean, tmp_path, moment):
+    out = tmp_path / "out"
+    ready = {
+        "marker": lambda: (out / RUN_MARKER).exists(),
+        "copying": lambda: copying(out),
+        "journaled": lambda: journaled(out),
+    }[moment]
+    proc, _, stderr = start(big, out, tmp_path / "logs")
+    wait_until(proc, ready)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=60) == -signal.SIGKILL, stderr.read_text()
+
+    assert (out / RUN_MARKER).exists()
+    assert_nothing_complete(out)
+
+    again = run(big, out)
+    assert again.returncode == 0, again.stderr
+    result = json.loads(again.stdout)["result"]
+    assert result["built"] == list(range(PP))
+    if moment == "journaled":
+        assert result["files_kept"] >= 1, "finished files of the killed run were not kept"
+    assert digests(out) == big_clean
+    assert verify(out).ok
+
+    done = run(big, out)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["status"] == "nothing_to_do"
+    assert "nothing to do" in done.stderr
+    assert digests(out) == big_clean
+
+
+def test_sigkill_at_many_moments_then_resume(small, small_clean, tmp_path):
+    """Kill the same command again and again, each time a little later (so that some kills land
+    while files are created, copied, renamed, or while a stage's manifest and index are written);
+    after every kill only finished stages look finished, and the last run completes the split."""
+    out = tmp_path / "out"
+    started = time.monotonic()
+    assert run(small, tmp_path / "timing").returncode == 0
+    duration = time.monotonic() - started
+    finished = False
+    steps = 20
+    for k in range(1, steps + 1):
+        proc, _, stderr = start(small, out, tmp_path / f"logs{k}")
+        time.sleep(duration * (0.45 + 0.6 * k / steps))  # the first ~40% is interpreter start-up
+        proc.send_signal(signal.SIGKILL)
+        code = proc.wait(timeout=60)
+        if code == 0:
+            finished = True
+            break
+        assert code == -signal.SIGKILL, stderr.read_text()
+        if (out / RUN_MANIFEST).exists() and not (out / RUN_MARKER).exists():
+            assert verify(out).ok  # killed after its last write, on its way out
+            break
+        for stage in sorted(out.glob("pp*")):
+            if (stage / INDEX).exists():
+                assert verify(stage).ok, verify(stage).findings
+            else:
+                with pytest.raises(loader.StageError):
+                    loader.open_stage(stage)
+    if not finished:
+        assert run(small, out).returncode == 0
+    assert digests(out) == digests(small_clean)
+    assert verify(out, small).ok
+
+
+def test_resumed_split_verifies_against_the_source(big, tmp_path):
+    out = tmp_path / "out"
+    proc, _, _ = start(big, out, tmp_path / "logs")
+    wait_until(proc, lambda: journaled(out))
+    proc.kill()
+    proc.wait(timeout=60)
+    assert run(big, out).returncode == 0
+    report = verify(out, big)
+    assert report.ok, report.findings
+
+
+@pytest.mark.parametrize(
+    "moment",
+    ["marker_being_written", "manifest_written_index_not", "run_manifest_written_marker_not_removed"],
+)
+def test_killed_between_two_writes(small, small_clean, tmp_path, moment):
+    """The exact on-disk state of a run killed between two of its writes, then the same command.
+
+    (The random-moment test above reaches these only by luck; here each is made on purpose.)
+    """
+    out = Path(shutil.copytree(small_clean, tmp_path / "out"))
+    run_record = json.loads((out / RUN_MANIFEST).read_bytes())
+    (out / RUN_MARKER).write_text(json.dumps({"identity": run_record["identity"]}))
+    if moment == "marker_being_written":  # the very first write of the very first run
+        shutil.rmtree(out)
+        out.mkdir()
+        (out / f".{RUN_MARKER}.partial").write_text('{"identi')
+        assert {(f.kind, f.file) for f in verify(out).findings} == {
+            ("incomplete", f".{RUN_MARKER}.partial"),
+            ("incomplete", RUN_MANIFEST),
+        }
+    elif moment == "manifest_written_index_not":
+        (out / RUN_MANIFEST).unlink()
+        (out / "pp2" / INDEX).unlink()
+        with pytest.raises(loader.StageError):
+            loader.open_stage(out, pp_rank=2)
+        assert {(f.kind, f.stage) for f in verify(out).findings} == {
+            ("incomplete", None),
+            ("incomplete", "pp2"),
+        }
+    else:
+        assert {(f.kind, f.file) for f in verify(out).findings} == {("incomplete", RUN_MARKER)}
+    again = run(small, out)
+    assert again.returncode == 0, again.stderr
+    assert digests(out) == digests(small_clean)
+    assert verify(out, small).ok
+
+
+# --------------------------------------------------------------------------- Ctrl-C and SIGTERM
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_interrupt_stops_cleanly_and_says_how_to_resume(big, big_clean, tmp_path, sig):
+    out = tmp_path / "out"
+    proc, stdout, stderr = start(big, out, tmp_path / "logs")
+    wait_until(proc, lambda: copying(out))
+    proc.send_signal(sig)
+    assert proc.wait(timeout=60) == 130, stderr.read_text()
+    err = stderr.read_text()
+    assert "Traceback" not in err
+    last = err.rstrip("\n").splitlines()[-1]
+    assert last.startswith("interrupted:") and "run the same command again to resume" in last
+    assert json.loads(stdout.read_text())["status"] == "error"
+    assert partials(out) == [], "temporary files were left behind"
+    assert_nothing_complete(out)
+
+    again = run(big, out)
+    assert again.returncode == 0, again.stderr
+    assert digests(out) == big_clean
+
+
+# --------------------------------------------------------------------------- other commands on OUT
+
+
+def test_a_different_command_is_refused_unless_overwrite(small, tmp_path):
+    out = tmp_path / "out"
+    assert run(small, out).returncode == 0
+    before = digests(out)
+
+    other = subprocess.run(
+        [sys.executable, "-m", "qwen35_reshard", "--pp", "2", str(small), str(out)],
+        capture_output=True,
+        text=True,
+    )
+    assert other.returncode == 2
+    line = one_error_line(other.stderr)
+    assert str(out) in line and "--overwrite" in line
+    assert digests(out) == before
+
+    replaced = subprocess.run(
+        [sys.executable, "-m", "qwen35_reshard", "--pp", "2", "--overwrite", str(small), str(out)],
+        capture_output=True,
+        text=True,
+    )
+    assert replaced.returncode == 0, replaced.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["pp0", "pp1", RUN_MANIFEST]
+    assert verify(out, small).ok
+
+
+def test_an_interrupted_run_is_not_resumed_by_another_command(big, tmp_path):
+    out = tmp_path / "out"
+    proc, _, _ = start(big, out, tmp_path / "logs")
+    wait_until(proc, lambda: copying(out))
+    proc.kill()
+    proc.wait(timeout=60)
+    other = subprocess.run(
+        [sys.executable, "-m", "qwen35_reshard", "--pp", "2", str(big), str(out)],
+        capture_output=True,
+        text=True,
+    )
+    assert other.returncode == 2 and "--overwrite" in one_error_line(other.stderr)
+    assert_nothing_complete(out)
+
+
+def test_overwrite_refuses_files_it_did_not_write(small, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    p = subprocess.run(
+        [sys.executable, "-m", "qwen35_reshard", "--pp", "2", "--overwrite", str(small), str(out)],
+        capture_output=True,
+        text=True,
+    )
+    assert p.returncode == 2 and "notes.txt" in one_error_line(p.stderr)
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+# --------------------------------------------------------------------------- a full disk
+
+
+def _mount_namespace(probe: Path) -> list[str] | None:
+    """A command prefix that runs in a private mount namespace where tmpfs can be mounted.
+
+    Root gets a plain mount namespace; anyone else a user namespace mapped to root (where the
+    kernel allows unprivileged user namespaces). The mount vanishes with the namespace.
+    """
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        return None
+    candidates = [[unshare, "--user", "--map-root-user", "--mount"]]
+    if os.geteuid() == 0:
+        candidates.insert(0, [unshare, "--mount"])
+    probe.mkdir(exist_ok=True)
+    for prefix in candidates:
+        p = subprocess.run([*prefix, "mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(probe)],
+                           capture_output=True)  # fmt: skip
+        if p.returncode == 0:
+            return prefix
+    return None
+
+
+# Runs inside the namespace: mount a tmpfs of the given size, run the steps (commands, or
+# ["remount", size]), copy OUT after each command to a snapshot outside the tmpfs.
+_DRIVER = """
+import json, os, shutil, subprocess, sys
+cfg = json.loads(sys.argv[1])
+subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={cfg['size']}", "tmpfs", cfg["mnt"]], check=True)
+results = []
+for step in cfg["steps"]:
+    if step[0] == "remount":
+        subprocess.run(["mount", "-o", f"remount,size={step[1]}", cfg["mnt"]], check=True)
+        continue
+    p = subprocess.run(step, capture_output=True, text=True)
+    snap = os.path.join(cfg["snapshots"], str(len(results)))
+    if os.path.exists(cfg["out"]):
+        shutil.copytree(cfg["out"], snap, symlinks=True)
+    results.append({"rc": p.returncode, "stdout": p.stdout, "stderr": p.stderr, "snapshot": snap})
+print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def namespace(tmp_path_factory):
+    prefix = _mount_namespace(tmp_path_factory.mktemp("probe"))
+    if prefix is None:
+        pytest.skip(
+            "cannot mount a small tmpfs here (needs root or unprivileged user namespaces): the "
+            "full-disk paths are NOT tested on this machine; test_file_size_limit still runs"
+        )
+    return prefix
+
+
+def on_small_filesystem(namespace, tmp_path: Path, size: int, steps: list) -> list[dict]:
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    snapshots = tmp_path / "snapshots"
+    snapshots.mkdir()
+    cfg = {
+        "mnt": str(mnt),
+        "size": size,
+        "out": str(mnt / "out"),
+        "snapshots": str(snapshots),
+        "steps": steps,
+    }
+    p = subprocess.run([*namespace, sys.executable, "-c", _DRIVER, json.dumps(cfg)], capture_output=True,
+                       text=True, timeout=300)  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout)
+
+
+def stage_sizes(clean: Path) -> tuple[int, int]:
+    """(data file bytes, bytes of config.json and the other side files) over all stages."""
+    data = sum(p.stat().st_size for p in clean.glob("pp*/*.safetensors"))
+    side = sum(
+        p.stat().st_size
+        for p in clean.glob("pp*/*")
+        if not p.name.endswith(".safetensors") and p.name not in (INDEX, STAGE_MANIFEST)
+    )
+    return data, side
+
+
+def test_clearly_short_free_space_is_refused_up_front(namespace, small, small_clean, tmp_path):
+    data, side = stage_sizes(small_clean)
+    out = tmp_path / "fs" / "out"
+    [first] = on_small_filesystem(namespace, tmp_path, 256 * 1024, [command(small, out)])
+    assert first["rc"] == 2, first["stderr"]
+    line = one_error_line(first["stderr"])
+    assert f"OUT {out} has" in line and "free" in line
+    assert f"{(data + side) / 1e6:.2f} MB" in line, f"the space needed ({data + side} bytes) is not named"
+    snap = Path(first["snapshot"])
+    assert list(snap.rglob("*.safetensors")) == [], "refused up front, yet data was written"
+    assert_only_complete_stages_look_complete(snap)
+
+
+def test_disk_full_mid_run_then_resume(namespace, small, small_clean, tmp_path):
+    """Enough bytes by the plan's totals, too few once every file takes whole pages: the run
+    starts, fails on ENOSPC with one line, and finishes after the filesystem grows."""
+    data, side = stage_sizes(small_clean)
+    page = 4096
+    size = -(-(data + side + 2 * page) // page) * page  # + the run marker's page
+    out = tmp_path / "fs" / "out"
+    first, second, third = on_small_filesystem(
+        namespace,
+        tmp_path,
+        size,
+        [command(small, out), ["remount", str(64 << 20)], command(small, out), command(small, out)],
+    )
+    assert first["rc"] == 2, first["stderr"]
+    line = one_error_line(first["stderr"])
+    assert f"OUT {out}" in line and "no space left on device" in line
+    assert f"{(data + side) / 1e6:.2f} MB" in line and "run the same command again to resume" in line
+    assert_only_complete_stages_look_complete(Path(first["snapshot"]))
+
+    assert second["rc"] == 0, second["stderr"]
+    assert json.loads(second["stdout"])["status"] == "ok"
+    assert digests(Path(second["snapshot"])) == digests(small_clean)
+    assert json.loads(third["stdout"])["status"] == "nothing_to_do"
+
+
+# --------------------------------------------------------------------------- a file-size limit
+
+
+_LIMITED = (
+    "import os, resource, signal, sys\n"
+    "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"  # writes past the limit fail with EFBIG
+    "limit = int(sys.argv[1])\n"
+    "resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))\n"
+    "os.execv(sys.executable, [sys.executable, '-m', 'qwen35_reshard', *sys.argv[2:]])\n"
+)
+
+
+def test_file_size_limit_fails_cleanly_then_resumes(small, small_clean, tmp_path):
+    """RLIMIT_FSIZE (a real kernel limit, no mount needed): a write that fails mid-run."""
+    out = tmp_path / "out"
+    limit = 300_000  # the stage files of the small checkpoint are 250-460 KB
+    p = subprocess.run(
+        [sys.executable, "-c", _LIMITED, str(limit), *command(small, out)[3:]],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 2, p.stderr
+    line = one_error_line(p.stderr)
+    assert str(out) in line and "File too large" in line
+    assert partials(out) == []
+    assert_only_complete_stages_look_complete(out)
+
+    again = run(small, out)
+    assert again.returncode == 0, again.stderr
+    assert digests(out) == digests(small_clean)
+    assert verify(out, small).ok
