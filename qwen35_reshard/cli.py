@@ -10,12 +10,14 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import re
 import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from . import __version__, manifest
 from .errors import ReshardError
@@ -29,9 +31,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv``; return the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "verify":
-        from . import verify
-
-        return _run_guarded(verify.command, verify.parser().parse_args(argv[1:]))
+        return _run_guarded(_verify, _verify_parser().parse_args(argv[1:]))
     if argv and argv[0] == "plan":
         args = _parser(plan_only=True).parse_args(argv[1:])
         args.dry_run = True
@@ -53,6 +53,17 @@ def _run_guarded(command: Callable[[argparse.Namespace], int], args: argparse.Na
     except KeyboardInterrupt:
         _fail(args, "interrupted: unfinished files were removed; run the same command again to resume")
         return 130
+    except BrokenPipeError:
+        # The reader of our output went away (e.g. `| head`): nothing left to say to anyone.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    """argparse with the tool's one-line ``error: ...`` (exit 2) instead of usage + error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:
@@ -66,7 +77,7 @@ def _fail(args: argparse.Namespace, message: str) -> None:
 
 
 def _parser(*, plan_only: bool) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _ArgumentParser(
         prog="qwen35-reshard plan" if plan_only else "qwen35-reshard",
         description=(
             "Show how MODEL splits into pipeline stages."
@@ -198,3 +209,37 @@ def _print_json(
             "seconds": round(seconds, 3),
         }
     print(json.dumps(doc, indent=2))
+
+
+def _verify_parser() -> argparse.ArgumentParser:
+    """The ``qwen35-reshard verify`` command line."""
+    p = _ArgumentParser(
+        prog="qwen35-reshard verify",
+        description=(
+            "Check a split: every stage's files (strict safetensors), index, config.json and manifest, "
+            "and every tensor's bytes. With --source, also that every source tensor is exactly where "
+            "the plan puts it, with identical bytes. Exit 0 when all is well, 1 when something is "
+            "missing, extra, different, corrupt or incomplete, 2 for bad input."
+        ),
+    )
+    p.add_argument(
+        "out", metavar="OUT", type=Path, help="the run directory, or one stage directory (OUT/pp2)"
+    )
+    p.add_argument("--source", metavar="MODEL", type=Path, help="the checkpoint the split was made from")
+    p.add_argument("--json", action="store_true", help="print the full report as JSON on stdout")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    p.add_argument("--version", action="version", version=f"qwen35-reshard {__version__}")
+    return p
+
+
+def _verify(args: argparse.Namespace) -> int:
+    """Run ``verify`` for parsed ``args``: human report on stderr, ``--json`` on stdout."""
+    from .report import verify_lines
+    from .verify import verify
+
+    report = verify(args.out, args.source)
+    for line in verify_lines(report):
+        print(line, file=sys.stderr)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    return 0 if report.ok else 1

@@ -17,6 +17,7 @@ from rich.progress import (
 from rich.table import Table
 
 from .plan import Plan, StagePlan
+from .verify import Finding, VerifyReport
 from .write import Reporter, WriteResult
 
 
@@ -129,3 +130,33 @@ def summary(console: Console, plan: Plan, result: WriteResult, out: str, seconds
     console.print(f"  [bold]{plan.launch_env}[/]", soft_wrap=True, highlight=False)
     for line in launch_lines(plan, out):
         console.print(f"  {line}", soft_wrap=True, highlight=False)
+
+
+def verify_lines(report: VerifyReport, *, per_stage: int = 20) -> list[str]:
+    """One line per stage, up to ``per_stage`` findings each, and a closing verdict."""
+    lines = []
+    by_stage: dict[str | None, list[Finding]] = {}
+    for f in report.findings:
+        by_stage.setdefault(f.stage, []).append(f)
+    for f in by_stage.pop(None, []):
+        lines.append(f"  {f.kind}: {f.message}")
+    for s in report.stages:
+        found = by_stage.pop(s.stage, [])
+        state = "ok" if not found else f"{len(found)} problem(s)"
+        lines.append(
+            f"{s.path}: {state} ({s.tensors} tensors in {s.files} files, {s.bytes_hashed} bytes hashed)"
+        )
+        lines += [f"  {f.kind}: {f.message}" for f in found[:per_stage]]
+        if len(found) > per_stage:
+            lines.append(f"  ... and {len(found) - per_stage} more (see --json)")
+    for found in by_stage.values():  # stages recorded but absent
+        lines += [f"  {f.kind}: {f.message}" for f in found]
+    if report.not_built:
+        lines.append(f"not built here (--rank): {', '.join(f'pp{r}' for r in report.not_built)}")
+    against = f" against {report.source}" if report.source else ""
+    if report.ok:
+        lines.append(f"verify OK: {report.target}{against}, {len(report.stages)} stage(s)")
+    else:
+        counts = ", ".join(f"{n} {k}" for k, n in report.counts().items() if n)
+        lines.append(f"verify FAILED: {report.target}{against}: {len(report.findings)} problem(s): {counts}")
+    return lines

@@ -49,7 +49,7 @@ class Checkpoint:
     files: tuple[str, ...]  # data files, sorted
     file_sizes: dict[str, int]
     tensors: dict[str, SourceTensor]  # ordered by (file, offset)
-    extra_files: tuple[str, ...]  # non-weight files to carry into every stage, sorted
+    extra_files: tuple[str, ...]  # non-weight files for every stage, config.json included; sorted
 
     def path(self, name: str) -> Path:
         return self.root / name

@@ -14,18 +14,15 @@ A stage without its manifest or index is reported as incomplete, never accepted.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
 import os
 import re
-import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import __version__
 from .copy import CHUNK_BYTES
 from .errors import ReshardError
 from .header import DTYPE_SIZES, Header, read_header
@@ -507,7 +504,7 @@ def _check_config(stage: _Stage, m: dict, ckpt: Checkpoint | None, add: _Add) ->
         )
     if ckpt is None:
         return
-    for name in (CONFIG_NAME, *ckpt.extra_files):
+    for name in ckpt.extra_files:
         _compare_side_file(stage, ckpt, name, add)
 
 
@@ -875,67 +872,3 @@ def _plain_safetensors_name(name: object) -> bool:
         and "\\" not in name
         and not name.startswith(".")
     )
-
-
-# --------------------------------------------------------------------------- command line
-
-
-def parser() -> argparse.ArgumentParser:
-    """The ``qwen35-reshard verify`` command line."""
-    p = argparse.ArgumentParser(
-        prog="qwen35-reshard verify",
-        description=(
-            "Check a split: every stage's files (strict safetensors), index, config.json and manifest, "
-            "and every tensor's bytes. With --source, also that every source tensor is exactly where "
-            "the plan puts it, with identical bytes. Exit 0 when all is well, 1 when something is "
-            "missing, extra, different, corrupt or incomplete, 2 for bad input."
-        ),
-    )
-    p.add_argument(
-        "out", metavar="OUT", type=Path, help="the run directory, or one stage directory (OUT/pp2)"
-    )
-    p.add_argument("--source", metavar="MODEL", type=Path, help="the checkpoint the split was made from")
-    p.add_argument("--json", action="store_true", help="print the full report as JSON on stdout")
-    p.add_argument("--debug", action="store_true", help="show tracebacks")
-    p.add_argument("--version", action="version", version=f"qwen35-reshard {__version__}")
-    return p
-
-
-def command(args: argparse.Namespace) -> int:
-    """Run ``verify`` for parsed ``args``: human report on stderr, ``--json`` on stdout."""
-    report = verify(args.out, args.source)
-    for line in human_lines(report):
-        print(line, file=sys.stderr)
-    if args.json:
-        print(json.dumps(report.to_dict(), indent=2))
-    return 0 if report.ok else 1
-
-
-def human_lines(report: VerifyReport, *, per_stage: int = 20) -> list[str]:
-    """One line per stage, up to ``per_stage`` findings each, and a closing verdict."""
-    lines = []
-    by_stage: dict[str | None, list[Finding]] = {}
-    for f in report.findings:
-        by_stage.setdefault(f.stage, []).append(f)
-    for f in by_stage.pop(None, []):
-        lines.append(f"  {f.kind}: {f.message}")
-    for s in report.stages:
-        found = by_stage.pop(s.stage, [])
-        state = "ok" if not found else f"{len(found)} problem(s)"
-        lines.append(
-            f"{s.path}: {state} ({s.tensors} tensors in {s.files} files, {s.bytes_hashed} bytes hashed)"
-        )
-        lines += [f"  {f.kind}: {f.message}" for f in found[:per_stage]]
-        if len(found) > per_stage:
-            lines.append(f"  ... and {len(found) - per_stage} more (see --json)")
-    for found in by_stage.values():  # stages recorded but absent
-        lines += [f"  {f.kind}: {f.message}" for f in found]
-    if report.not_built:
-        lines.append(f"not built here (--rank): {', '.join(f'pp{r}' for r in report.not_built)}")
-    against = f" against {report.source}" if report.source else ""
-    if report.ok:
-        lines.append(f"verify OK: {report.target}{against}, {len(report.stages)} stage(s)")
-    else:
-        counts = ", ".join(f"{n} {k}" for k, n in report.counts().items() if n)
-        lines.append(f"verify FAILED: {report.target}{against}: {len(report.findings)} problem(s): {counts}")
-    return lines

@@ -234,7 +234,7 @@ def _read_journal(path: Path) -> dict[str, dict[str, str]]:
 def _side_file_bytes(plan: Plan) -> int:
     """Bytes of config.json and the other non-weight files that every stage gets a copy of."""
     root = plan.checkpoint.root
-    return sum(os.path.getsize(root / name) for name in {CONFIG_NAME, *plan.checkpoint.extra_files})
+    return sum(os.path.getsize(root / name) for name in plan.checkpoint.extra_files)
 
 
 def _check_free_space(out: Path, needed: int) -> None:
@@ -343,7 +343,7 @@ def _finish_file(o: _OpenFile, out: Path, digests: dict[int, dict[str, str]]) ->
 def _finish_stage(plan: Plan, stage_dir: Path, stage: StagePlan, digests: dict[str, str]) -> None:
     """Copy the non-weight files, then write the manifest and, last, the index."""
     root = plan.checkpoint.root
-    for name in (CONFIG_NAME, *plan.checkpoint.extra_files):
+    for name in plan.checkpoint.extra_files:
         tmp = stage_dir / f".{name}{PARTIAL_SUFFIX}"
         shutil.copyfile(root / name, tmp)
         _fsync_path(tmp)
