@@ -89,13 +89,14 @@ class RichReporter(Reporter):
         self.progress.advance(self.task, nbytes)
 
     def stage_done(self, stage: StagePlan) -> None:
-        self.progress.stop()
+        self.close()  # copying is over once stages finish; the bar stays as the last record
         self.console.print(
             f"[green]done[/] {stage.dirname}: {len(stage.tensors)} tensors, {human_bytes(stage.size)}"
         )
 
     def close(self) -> None:
-        self.progress.stop()
+        if self.progress.live.is_started:
+            self.progress.stop()
 
 
 def launch_lines(plan: Plan, out: str) -> list[str]:
