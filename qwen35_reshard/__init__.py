@@ -2,7 +2,8 @@
 
 The library mirrors the pipeline: ``source.read_checkpoint`` (index and headers into plain
 data) -> ``plan.make_plan`` (pure placement) -> ``write.write_plan`` (byte-range copies) ->
-``verify``; ``loader`` is the server-side shim that reads what the writer wrote.
+``verify.verify``; ``stage.read_stage`` checks a stage directory for both ``verify`` and
+``loader``, the server-side shim that reads what the writer wrote.
 """
 
 from __future__ import annotations
