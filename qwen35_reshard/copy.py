@@ -1,17 +1,40 @@
 """Move tensor bytes from one source shard to their output files, reading each byte once.
 
-A source shard is read once, in offset order, in bounded chunks into a small ring of reused
-buffers. The reading thread writes each chunk to every stage file that needs it (more than
-one for tensors replicated on purpose) and hands the same buffer to a hashing thread, which
-updates each tensor's sha256. ``os.preadv``, ``os.pwrite`` and ``hashlib`` release the GIL,
-so hashing runs beside the reads and writes instead of after them; a buffer is reused only
-once it has been both written and hashed. Memory stays at ``RING_BUFFERS`` chunks whatever
-the size of the tensors or the checkpoint.
+A source shard is read once, in offset order, in windows of at most ``chunk_bytes``. Each
+tensor goes to every stage file that needs it (more than one for tensors replicated on
+purpose) and its sha256 is computed on the way, by a second thread, so that hashing runs
+beside the copying instead of after it. Two ways to move a window, chosen per source shard:
+
+- kernel (the default on Linux, whenever the tensors go somewhere): ``os.copy_file_range``
+  copies each run of bytes file to file inside the kernel, the way ``cp`` does; the hashing
+  thread then reads the same bytes through a read-only ``mmap`` of the window, straight from
+  the page cache the copy has just filled. No copy of the data passes through Python
+  buffers, and storage is read once. Where ``copy_file_range`` is refused (another
+  filesystem, an old kernel), the window is written with ``pwrite`` from the mapping.
+- buffer (hashing only, as ``verify`` does, or where ``mmap`` is refused): ``os.preadv``
+  into a small ring of reused buffers, ``pwrite`` from them, hashing in the second thread.
+
+``copy_file_range``, ``preadv``, ``pwrite`` and ``hashlib`` release the GIL. At most
+``RING_BUFFERS`` windows are in flight per source shard, so memory stays bounded whatever the
+size of the tensors or of the checkpoint.
+
+The page cache is used as a stream, not a store: each output range is handed to writeback as
+soon as it is written (write-behind) and dropped from the cache a few ranges later, and each
+source window is dropped once hashed. A split of hundreds of GB then moves through a bounded
+amount of page cache instead of evicting everything else on the machine, and the data reaches
+the disk during the copy rather than all at the final fsync. This is advice to the kernel
+only (``posix_fadvise``); durability still comes from the fsync of every finished file.
+
+``sendfile`` is not used as a fallback: it writes at the output's shared file position, which
+two workers filling one file would race on.
 """
 
 from __future__ import annotations
 
+import collections
+import errno
 import hashlib
+import mmap
 import os
 import queue
 import threading
@@ -21,9 +44,17 @@ from dataclasses import dataclass, field
 from .errors import ReshardError
 
 CHUNK_BYTES = 8 * 1024 * 1024
-# One buffer being read and written, one being hashed, and slack for the two to drift.
+# One window being copied, one being hashed, and slack for the two to drift.
 RING_BUFFERS = 4
+# Output runs of at least this size are handed to writeback as soon as they are written and
+# dropped from the page cache DROP_LAG runs later; smaller ones (runs of tiny tensors) are
+# left to the kernel, to keep the number of calls down. DROP_BEHIND = False keeps all pages.
+WRITE_BEHIND_BYTES = 1024 * 1024
+DROP_LAG = 8
+DROP_BEHIND = True
 _EMPTY_SHA256 = hashlib.sha256().hexdigest()
+# copy_file_range errors that mean "not between these two files": fall back to pwrite.
+_NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL}
 
 
 @dataclass
@@ -36,7 +67,7 @@ class Segment:
     dests: list[tuple[int, int]] = field(default_factory=list)  # (output fd, absolute offset)
 
 
-# A piece of a segment inside one chunk: (segment, absolute begin, absolute end).
+# A piece of a segment inside one window: (segment, absolute begin, absolute end).
 _Piece = tuple[Segment, int, int]
 
 
@@ -50,31 +81,25 @@ def copy_segments(
 ) -> dict[str, str]:
     """Copy ``segments`` out of ``src_path``; return each tensor's sha256 hex digest.
 
-    Every source byte is read exactly once, however many outputs it goes to. ``on_progress``
-    gets the number of source bytes read and written after each chunk (hashing may trail by
-    a few chunks; all digests are final when this returns). Writes that are adjacent in both
-    the buffer and an output file go out as one ``pwrite``.
+    Every source byte is read from the file once, however many outputs it goes to; bytes no
+    segment covers are skipped. ``on_progress`` gets the number of source bytes copied after
+    each window (hashing may trail by a few windows; all digests are final when this
+    returns). Runs adjacent in both the source and an output file are copied as one.
     """
     segments = sorted(segments, key=lambda s: s.offset)
     digests = {s.name: _EMPTY_SHA256 for s in segments if s.nbytes == 0}
-    hasher = _Hasher([s for s in segments if s.nbytes], digests, chunk_bytes)
     fd = os.open(src_path, os.O_RDONLY)
+    hasher = _Hasher(fd, [s for s in segments if s.nbytes], digests)
     try:
         hasher.start()
         _advise_sequential(fd)
+        mover = _Mover(fd, src_path, kernel=any(s.dests for s in segments), chunk_bytes=chunk_bytes)
         for pos, n, pieces in _chunks(segments, chunk_bytes):
             if should_stop():
                 raise KeyboardInterrupt
-            index = hasher.take_free_buffer()
-            view = hasher.views[index]
-            got = os.preadv(fd, [view[:n]], pos)
-            if got != n:
-                raise ReshardError(
-                    f"{src_path}: file ended at byte {pos + got} while reading tensor data up to byte "
-                    f"{pos + n}; was the source changed or truncated during the run?"
-                )
-            _write_pieces(view, pos, pieces)
-            hasher.submit(index, pos, pieces)
+            hasher.wait_for_room()
+            window, view = mover.move(pos, n, pieces)
+            hasher.submit(window, view, pos, pieces)
             on_progress(n)
     except BaseException:
         hasher.cancel()
@@ -87,7 +112,7 @@ def copy_segments(
 
 
 def _chunks(segments: list[Segment], chunk_bytes: int) -> Iterator[tuple[int, int, list[_Piece]]]:
-    """Cut runs of source-adjacent, non-empty segments into reads of at most ``chunk_bytes``.
+    """Cut runs of source-adjacent, non-empty segments into windows of at most ``chunk_bytes``.
 
     Yields ``(position, length, pieces)``; gaps between runs (tensors this run does not
     need) are skipped, never read.
@@ -108,44 +133,137 @@ def _chunks(segments: list[Segment], chunk_bytes: int) -> Iterator[tuple[int, in
                 seg_end = seg.offset + seg.nbytes
                 pieces.append((seg, max(seg.offset, pos), min(seg_end, chunk_end)))
                 if seg_end > chunk_end:
-                    break  # continues in the next chunk
+                    break  # continues in the next window
                 k += 1
             yield pos, chunk_end - pos, pieces
             pos = chunk_end
         i = j
 
 
-def _write_pieces(view: memoryview, pos: int, pieces: list[_Piece]) -> None:
-    """Write each piece of the chunk at ``pos`` (held in ``view``) to all its destinations."""
-    pending: dict[int, list[int]] = {}  # out fd -> [dst offset, buf begin, buf end]
+def _runs(pieces: list[_Piece]) -> list[tuple[int, int, int, int]]:
+    """``(out fd, source offset, length, output offset)`` for each piece's destinations,
+    merging runs that are adjacent both in the source and in the same output file."""
+    runs: list[list[int]] = []
+    last: dict[int, list[int]] = {}
     for seg, a, b in pieces:
         for out_fd, out_off in seg.dests:
             dst = out_off + (a - seg.offset)
-            op = pending.get(out_fd)
-            if op is not None and op[0] + (op[2] - op[1]) == dst and op[2] == a - pos:
-                op[2] = b - pos
+            r = last.get(out_fd)
+            if r is not None and r[1] + r[2] == a and r[3] + r[2] == dst:
+                r[2] += b - a
             else:
-                if op is not None:
-                    _pwrite_all(out_fd, view[op[1] : op[2]], op[0])
-                pending[out_fd] = [dst, a - pos, b - pos]
-    for out_fd, (dst, b0, b1) in pending.items():
-        _pwrite_all(out_fd, view[b0:b1], dst)
+                r = last[out_fd] = [out_fd, a, b - a, dst]
+                runs.append(r)
+    return [(r[0], r[1], r[2], r[3]) for r in runs]
+
+
+class _Mover:
+    """Moves one window of the source to its destinations and returns it for hashing."""
+
+    def __init__(self, fd: int, src_path: str, *, kernel: bool, chunk_bytes: int) -> None:
+        self.fd = fd
+        self.src_path = src_path
+        self.map = kernel  # hash through an mmap of the window (else: read into a buffer)
+        self.kernel_copy = kernel and hasattr(os, "copy_file_range")
+        self.chunk_bytes = chunk_bytes
+        self.buffers: list[memoryview] = []
+        self.next_buffer = 0
+        self.written: collections.deque[tuple[int, int, int]] = collections.deque()
+
+    def move(self, pos: int, n: int, pieces: list[_Piece]) -> tuple[mmap.mmap | None, memoryview | None]:
+        """Copy the window ``[pos, pos + n)``; return ``(mapping, None)`` or ``(None, buffer)``."""
+        file_size = os.fstat(self.fd).st_size
+        if file_size < pos + n:  # never touch a mapping past the end of the file: that is SIGBUS
+            self._truncated(file_size, pos + n)
+        window = self._map(pos, n) if self.map else None
+        if window is None:
+            view = self._read(pos, n)
+            self._write_from(view, pos, pieces)
+            return None, view
+        try:
+            base = pos - pos % mmap.ALLOCATIONGRANULARITY
+            for out_fd, src, size, dst in _runs(pieces):
+                done = self._copy_in_kernel(out_fd, src, size, dst) if self.kernel_copy else 0
+                if done < size:  # no kernel copy between these files: write from the mapping
+                    with memoryview(window) as view:
+                        _pwrite_all(out_fd, view[src + done - base : src + size - base], dst + done)
+                self._behind(out_fd, dst, size)
+        except BaseException:
+            _close(window)
+            raise
+        return window, None
+
+    def _map(self, pos: int, n: int) -> mmap.mmap | None:
+        base = pos - pos % mmap.ALLOCATIONGRANULARITY
+        try:
+            return mmap.mmap(self.fd, pos + n - base, prot=mmap.PROT_READ, offset=base)
+        except OSError:
+            self.map = self.kernel_copy = False  # a filesystem without mmap: read instead
+            return None
+
+    def _copy_in_kernel(self, out_fd: int, src: int, size: int, dst: int) -> int:
+        """Copy a run with copy_file_range; return how much was copied before it was refused."""
+        done = 0
+        while done < size:
+            try:
+                got = os.copy_file_range(self.fd, out_fd, size - done, src + done, dst + done)
+            except OSError as e:
+                if e.errno not in _NO_KERNEL_COPY:
+                    raise
+                self.kernel_copy = False
+                break
+            if got == 0:
+                self._truncated(src + done, src + size)
+            done += got
+        return done
+
+    def _read(self, pos: int, n: int) -> memoryview:
+        if len(self.buffers) < RING_BUFFERS:
+            self.buffers.append(memoryview(bytearray(self.chunk_bytes)))
+        view = self.buffers[self.next_buffer][:n]
+        self.next_buffer = (self.next_buffer + 1) % RING_BUFFERS
+        got = os.preadv(self.fd, [view], pos)
+        if got != n:
+            self._truncated(pos + got, pos + n)
+        if DROP_BEHIND:
+            _drop(self.fd, pos, n)  # the bytes are in the buffer now
+        return view
+
+    def _write_from(self, view: memoryview, base: int, pieces: list[_Piece]) -> None:
+        for out_fd, src, size, dst in _runs(pieces):
+            _pwrite_all(out_fd, view[src - base : src - base + size], dst)
+            self._behind(out_fd, dst, size)
+
+    def _behind(self, out_fd: int, dst: int, size: int) -> None:
+        """Start writeback of a run just written; drop the run written DROP_LAG runs ago,
+        by now normally on disk (pages not yet clean are left for the fsync)."""
+        if size < WRITE_BEHIND_BYTES:
+            return
+        _drop(out_fd, dst, size)  # on dirty pages: starts their writeback, drops nothing
+        if DROP_BEHIND:
+            self.written.append((out_fd, dst, size))
+            if len(self.written) > DROP_LAG:
+                _drop(*self.written.popleft())
+
+    def _truncated(self, at: int, wanted: int) -> None:
+        raise ReshardError(
+            f"{self.src_path}: file ended at byte {at} while reading tensor data up to byte "
+            f"{wanted}; was the source changed or truncated during the run?"
+        )
 
 
 class _Hasher:
-    """A thread that hashes the chunks the reader hands it, and the ring of buffers they share.
+    """A thread that hashes the windows the copying thread hands it, in order.
 
-    The reader takes a free buffer, fills and writes it, and submits it; the thread hashes it
-    and puts it back on the free list. Chunks are hashed in submission order, so each tensor's
-    sha256 sees its bytes in order.
+    At most ``RING_BUFFERS`` windows are in flight: the copying thread waits for room before
+    it moves the next one, and a buffer of the ring is reused only after it was hashed.
+    Mappings are closed here, once hashed.
     """
 
-    def __init__(self, segments: list[Segment], digests: dict[str, str], chunk_bytes: int) -> None:
-        self.views = [memoryview(bytearray(chunk_bytes)) for _ in range(RING_BUFFERS)]
-        self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
-        for i in range(RING_BUFFERS):
-            self._free.put(i)
-        self._jobs: queue.SimpleQueue[tuple[int, int, list[_Piece]] | None] = queue.SimpleQueue()
+    def __init__(self, src_fd: int, segments: list[Segment], digests: dict[str, str]) -> None:
+        self._src_fd = src_fd
+        self._room = threading.Semaphore(RING_BUFFERS)
+        self._jobs: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
         self._hashers = {s.name: hashlib.sha256() for s in segments}
         self._digests = digests
         self._cancelled = False
@@ -155,20 +273,21 @@ class _Hasher:
     def start(self) -> None:
         self._thread.start()
 
-    def take_free_buffer(self) -> int:
-        index = self._free.get()
+    def wait_for_room(self) -> None:
+        self._room.acquire()
         self.raise_error()
-        return index
 
-    def submit(self, index: int, pos: int, pieces: list[_Piece]) -> None:
-        self._jobs.put((index, pos, pieces))
+    def submit(
+        self, window: mmap.mmap | None, view: memoryview | None, pos: int, pieces: list[_Piece]
+    ) -> None:
+        self._jobs.put((window, view, pos, pieces))
 
     def cancel(self) -> None:
-        """Stop hashing: chunks still queued are only handed back."""
+        """Stop hashing: windows still queued are only released."""
         self._cancelled = True
 
     def finish(self) -> None:
-        """Wait until every submitted chunk is hashed (or dropped, after ``cancel``)."""
+        """Wait until every submitted window is hashed (or released, after ``cancel``)."""
         if self._thread.is_alive():
             self._jobs.put(None)
             self._thread.join()
@@ -178,19 +297,38 @@ class _Hasher:
             raise self._error
 
     def _run(self) -> None:
-        hashers, digests = self._hashers, self._digests
         while (job := self._jobs.get()) is not None:
-            index, pos, pieces = job
-            if not self._cancelled and self._error is None:
-                try:
-                    view = self.views[index]
-                    for seg, a, b in pieces:
-                        hashers[seg.name].update(view[a - pos : b - pos])
-                        if b == seg.offset + seg.nbytes:
-                            digests[seg.name] = hashers.pop(seg.name).hexdigest()
-                except BaseException as e:  # re-raised in the reader's thread
-                    self._error = e
-            self._free.put(index)
+            window, view, pos, pieces = job
+            try:
+                if not self._cancelled and self._error is None:
+                    if window is not None:
+                        base = pos - pos % mmap.ALLOCATIONGRANULARITY
+                        with memoryview(window) as mapped:
+                            self._hash(mapped, base, pieces)
+                    else:
+                        self._hash(view, pos, pieces)
+            except BaseException as e:  # re-raised in the copying thread
+                self._error = e
+            finally:
+                if window is not None:
+                    _close(window)
+                    if DROP_BEHIND:  # copied and hashed: the source window is done with
+                        _drop(self._src_fd, pos, pieces[-1][2] - pos)
+                self._room.release()
+
+    def _hash(self, view: memoryview, base: int, pieces: list[_Piece]) -> None:
+        hashers = self._hashers
+        for seg, a, b in pieces:
+            hashers[seg.name].update(view[a - base : b - base])
+            if b == seg.offset + seg.nbytes:
+                self._digests[seg.name] = hashers.pop(seg.name).hexdigest()
+
+
+def _close(window: mmap.mmap) -> None:
+    try:
+        window.close()
+    except BufferError:
+        pass  # a traceback still holds a view of it: unmapped when that is garbage-collected
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -198,6 +336,16 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         n = os.pwrite(fd, data, offset)
         data = data[n:]
         offset += n
+
+
+def _drop(fd: int, offset: int, size: int) -> None:
+    """POSIX_FADV_DONTNEED on a range: on Linux it starts asynchronous writeback of the range's
+    dirty pages and drops its clean ones from the page cache. Advice only: errors are ignored."""
+    if hasattr(os, "posix_fadvise"):
+        try:
+            os.posix_fadvise(fd, offset, size, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            pass
 
 
 def _advise_sequential(fd: int) -> None:

@@ -1,0 +1,526 @@
+"""Benchmark qwen35-reshard against the copy floor (cp) and the naive load/filter/save way.
+
+Run by hand, not as a test. For each checkpoint size it builds a synthetic checkpoint with
+the Qwen3.5-35B-A3B structure (examples/tiny_checkpoint.py, preset qwen3.5-35b-a3b-scaled:
+40 layers of both kinds, 256 fused experts, MTP, vision tower, real names) and then measures,
+on the same files and in interleaved order, for ``--rounds`` rounds:
+
+- ``reshard``: ``qwen35-reshard --pp P --workers W MODEL OUT`` (one row per ``--workers`` value);
+- ``cp``: ``cp`` of the source shards the stages need (all of them for pp >= 2), then
+  ``sync`` of the copies, so that it too ends with its data on disk as the other two do;
+- ``naive``: benchmarks/naive_split.py (``load_file`` each needed shard, keep the stage's
+  tensors, ``save_file`` per stage, fsync).
+
+Each run is its own child process; its wall time comes from the parent, its peak RSS and CPU
+times from ``os.wait4`` (that child and its descendants only). With ``--cache cold`` (root
+only) the page cache is dropped before each run; with ``warm`` the source is read into the
+page cache before each run. Medians are reported. Then:
+
+- ``--dry-run`` time on a headers-only (sparse) Qwen3.5-397B-A17B-FP8-shaped checkpoint;
+- bytes read by ``loader.open_stage(OUT, pp_rank=r).iter_weights()`` per stage (rchar from
+  /proc/self/io of a child process: every byte that went through read(), page cache or not)
+  against the whole checkpoint.
+
+Disk: a source and one output exist at a time (about twice the size); everything is under
+``--workdir`` and deleted at the end (``--keep`` keeps the checkpoints).
+
+    python benchmarks/bench_reshard.py                       # 2 GB and 6 GB, 5 rounds
+    python benchmarks/bench_reshard.py --sizes 1e9 --rounds 1 --cache warm   # quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+BUILDER = REPO / "examples" / "tiny_checkpoint.py"
+NAIVE = Path(__file__).resolve().parent / "naive_split.py"
+PY = sys.executable
+CACHE_NOTE = {
+    "cold": "written back and dropped before every run",
+    "warm": "source read into the page cache before every run",
+}
+
+
+@dataclass
+class Run:
+    size: str
+    method: str
+    round: int
+    cache: str
+    wall: float
+    user: float
+    sys: float
+    maxrss_mb: float
+    bytes_written: int
+    extra: dict
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def shard_files(model: Path) -> list[Path]:
+    index = json.loads((model / "model.safetensors.index.json").read_text())
+    return [model / f for f in sorted(set(index["weight_map"].values()))]
+
+
+def drop_caches() -> bool:
+    """Write back dirty pages and drop the page cache; False when not permitted (not root)."""
+    subprocess.run(["sync"], check=True)
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def prepare_cache(mode: str, model: Path) -> None:
+    """Cold: write back and drop the page cache. Warm: read the source into it."""
+    if mode == "cold":
+        if not drop_caches():
+            raise SystemExit("cannot drop the page cache (needs root): use --cache warm")
+    else:
+        subprocess.run(["sync"], check=True)
+        buf = bytearray(8 << 20)
+        for p in shard_files(model):
+            with open(p, "rb", buffering=0) as f:
+                while f.readinto(buf):
+                    pass
+
+
+# A fresh, small interpreter starts each measured command and reports that command's own
+# wall time and rusage. Spawning straight from this process would not do: a spawned child
+# shares its parent's memory until exec, and Linux carries that high-water mark into the
+# child's ru_maxrss, so every peak would read at least this process's size. The launcher's
+# own size (~10 MB) is the floor of the reported peaks.
+_LAUNCHER = """
+import json, os, sys, time
+result, argv = sys.argv[1], sys.argv[2:]
+t0 = time.perf_counter()
+pid = os.posix_spawnp(argv[0], argv, os.environ)
+_, status, ru = os.wait4(pid, 0)
+wall = time.perf_counter() - t0
+with open(result, "w") as f:
+    json.dump({"wall": wall, "user": ru.ru_utime, "sys": ru.ru_stime, "maxrss_kb": ru.ru_maxrss,
+               "code": os.waitstatus_to_exitcode(status)}, f)
+"""
+
+
+def run_child(argv: list[str], log: Path) -> tuple[dict, str]:
+    """Run ``argv`` through the launcher; return its measurements and the command's stdout."""
+    result = log.with_suffix(".json")
+    with open(log, "w") as err:
+        out = subprocess.run(
+            [PY, "-S", "-c", _LAUNCHER, str(result), *argv], stdout=subprocess.PIPE, stderr=err, text=True
+        ).stdout
+    return json.loads(result.read_text()), out
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+# --------------------------------------------------------------------------- the measurements
+
+
+def build(model: Path, target_bytes: int) -> None:
+    if model.exists():
+        shutil.rmtree(model)
+    t0 = time.perf_counter()
+    subprocess.run(
+        [
+            PY,
+            str(BUILDER),
+            str(model),
+            "--preset",
+            "qwen3.5-35b-a3b-scaled",
+            "--target-bytes",
+            str(target_bytes),
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+    print(f"  built {model} ({gb(dir_bytes(model))}) in {time.perf_counter() - t0:.0f} s", flush=True)
+
+
+_KEEP_CACHE = (
+    "import sys; import qwen35_reshard.copy as c; c.DROP_BEHIND = False; "
+    "from qwen35_reshard.cli import main; sys.exit(main(sys.argv[1:]))"
+)
+
+
+def methods(model: Path, out: Path, args: argparse.Namespace) -> dict[str, list[str]]:
+    shards = " ".join(f"'{p}'" for p in shard_files(model))
+    split = ["--pp", str(args.pp), str(model), str(out)]
+    m = {
+        f"reshard --workers {w}": [PY, "-m", "qwen35_reshard", "--workers", str(w), *split]
+        for w in args.workers
+    }
+    if args.ablation:
+        # The same engine with the page cache kept (copy.DROP_BEHIND = False): what streaming
+        # through the page cache, rather than filling it, is worth on this machine.
+        w = max(args.workers)
+        m[f"reshard --workers {w}, cache kept"] = [PY, "-c", _KEEP_CACHE, "--workers", str(w), *split]
+    # The time of cp alone (its copies still in the page cache) is printed for the report too.
+    m["cp + sync"] = [
+        "sh",
+        "-c",
+        f"mkdir -p '{out}' && s=$(date +%s%N) && cp {shards} '{out}/' && e=$(date +%s%N) && "
+        f'sync \'{out}\'/* && echo "{{\\"cp_only_seconds\\": $(( (e - s) / 1000000 ))e-3}}"',
+    ]
+    m["naive load/save"] = [PY, str(NAIVE), str(model), str(out), "--pp", str(args.pp)]
+    return m
+
+
+def measure_size(label: str, model: Path, work: Path, args: argparse.Namespace, cache: str) -> list[Run]:
+    out = work / "out"
+    logs = work / "logs"
+    logs.mkdir(exist_ok=True)
+    todo = methods(model, out, args)
+    names = list(todo)
+    runs = []
+    for r in range(args.rounds):
+        order = names[r % len(names) :] + names[: r % len(names)]  # rotate: no method always first
+        for name in order:
+            shutil.rmtree(out, ignore_errors=True)
+            prepare_cache(cache, model)
+            log = logs / f"{label}-{cache}-{r}-{name.split()[0]}.log"
+            m, stdout = run_child(todo[name], log)
+            if m["code"] != 0:
+                raise SystemExit(f"{name} failed (exit {m['code']}); see {log}:\n{log.read_text()[-2000:]}")
+            extra = json.loads(stdout.strip().splitlines()[-1]) if stdout.strip() else {}
+            written = dir_bytes(out)
+            run = Run(
+                label, name, r, cache, m["wall"], m["user"], m["sys"], m["maxrss_kb"] / 1024, written, extra
+            )
+            runs.append(run)
+            print(
+                f"  [{cache} round {r + 1}] {name:22s} {run.wall:7.2f} s  {gb(run.bytes_written)}  "
+                f"peak RSS {run.maxrss_mb:6.0f} MB  cpu {run.user:.2f}u+{run.sys:.2f}s",
+                flush=True,
+            )
+    shutil.rmtree(out, ignore_errors=True)
+    return runs
+
+
+def check_output(model: Path, work: Path, pp: int) -> str:
+    """One untimed split, checked by ``qwen35-reshard verify OUT --source MODEL``; left for the loader."""
+    out = work / "verified"
+    shutil.rmtree(out, ignore_errors=True)
+    subprocess.run(
+        [PY, "-m", "qwen35_reshard", "--pp", str(pp), str(model), str(out)], check=True, capture_output=True
+    )
+    v = subprocess.run(
+        [PY, "-m", "qwen35_reshard", "verify", str(out), "--source", str(model)],
+        capture_output=True,
+        text=True,
+    )
+    if v.returncode != 0:
+        raise SystemExit(f"verify failed:\n{v.stdout}\n{v.stderr}")
+    return (v.stdout + v.stderr).strip().splitlines()[-1]
+
+
+_LOADER_CHILD = """
+import json, sys
+from qwen35_reshard import loader
+def io():
+    d = dict(l.split(": ") for l in open("/proc/self/io").read().splitlines())
+    return int(d["rchar"]), int(d["read_bytes"])
+import torch  # imported before the first reading, so that its own files are not counted
+c0, b0 = io()
+stage = loader.open_stage(sys.argv[1], pp_rank=int(sys.argv[2]))
+n = t = 0
+for name, tensor in stage.iter_weights():
+    n += tensor.numel() * tensor.element_size()
+    t += 1
+c1, b1 = io()
+print(json.dumps({"tensors": t, "tensor_bytes": n, "rchar": c1 - c0, "read_bytes": b1 - b0}))
+"""
+
+
+def measure_loader(model: Path, work: Path, pp: int) -> list[dict]:
+    out = work / "verified"
+    whole = sum(p.stat().st_size for p in shard_files(model))
+    rows = []
+    for r in range(pp):
+        drop_caches()  # when permitted, read_bytes then counts what came from storage
+        res = subprocess.run(
+            [PY, "-c", _LOADER_CHILD, str(out), str(r)], capture_output=True, text=True, check=True
+        )
+        d = json.loads(res.stdout.strip().splitlines()[-1])
+        d["stage"] = f"pp{r}"
+        d["stage_files_bytes"] = sum(p.stat().st_size for p in (out / f"pp{r}").glob("*.safetensors"))
+        d["checkpoint_bytes"] = whole
+        rows.append(d)
+    return rows
+
+
+def measure_dry_run(work: Path, rounds: int) -> dict:
+    model = work / "q397b-fp8-headers"
+    if not model.exists():
+        subprocess.run(
+            [PY, str(BUILDER), str(model), "--preset", "qwen3.5-397b-a17b-fp8-headers"],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+    index = json.loads((model / "model.safetensors.index.json").read_text())
+    tensors = len(index["weight_map"])
+    logical = sum(p.stat().st_size for p in shard_files(model))
+    on_disk = sum(p.stat().st_blocks * 512 for p in model.iterdir())
+    walls, rss = [], []
+    for _ in range(rounds):
+        m, _ = run_child(
+            [PY, "-m", "qwen35_reshard", "--pp", "4", "--dry-run", str(model), str(work / "dry-out")],
+            work / "dry-run.log",
+        )
+        if m["code"] != 0:
+            raise SystemExit(f"dry run failed; see {work / 'dry-run.log'}")
+        walls.append(m["wall"])
+        rss.append(m["maxrss_kb"] / 1024)
+    return {
+        "tensors": tensors,
+        "shards": len(shard_files(model)),
+        "logical_bytes": logical,
+        "on_disk_bytes": on_disk,
+        "walls": walls,
+        "median": median(walls),
+        "maxrss_mb": max(rss),
+    }
+
+
+# --------------------------------------------------------------------------- report
+
+
+def summarize(runs: list[Run], cache: str, size: str) -> tuple[list[str], dict]:
+    rows, med = [], {}
+    for method in dict.fromkeys(r.method for r in runs if r.cache == cache and r.size == size):
+        rs = [r for r in runs if r.cache == cache and r.size == size and r.method == method]
+        wall = median([r.wall for r in rs])
+        cpu = median([r.user + r.sys for r in rs])
+        rss = max(r.maxrss_mb for r in rs)
+        written = rs[-1].bytes_written
+        med[method] = (wall, rss, rs)
+        rows.append(
+            f"| {size} | {method} | {wall:.2f} | {min(r.wall for r in rs):.2f}–{max(r.wall for r in rs):.2f} "
+            f"| {gb(written)} | {written / wall / 1e9:.2f} GB/s | {cpu:.2f} | {rss:.0f} MB |"
+        )
+    return rows, med
+
+
+def report(runs, sizes, caches, args, dry, loader_rows, verified, env) -> str:
+    lines = [
+        f"qwen35-reshard benchmark, {env['date']}",
+        "",
+        f"- machine: {env['machine']}",
+        f"- command: `{env['command']}`",
+        "- every run is a separate process; wall time from its start to its exit, CPU and peak RSS "
+        "from os.wait4 (the process and its children); all three methods end with their output "
+        "fsynced (reshard does it itself, cp is followed by sync of the copies, the naive script "
+        "fsyncs each file)",
+        "",
+    ]
+    for cache in caches:
+        lines += [
+            f"### {cache} page cache ({CACHE_NOTE[cache]}); median of {args.rounds} rounds, interleaved",
+            "",
+            "| checkpoint | method | wall s (median) | min–max | bytes written | throughput | CPU s "
+            "| peak RSS |",
+            "|---|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        notes = []
+        for size in sizes:
+            rows, med = summarize(runs, cache, size)
+            lines += rows
+            cp, cp_runs = med["cp + sync"][0], med["cp + sync"][2]
+            cp_only = median([r.extra["cp_only_seconds"] for r in cp_runs])
+            naive, naive_rss = med["naive load/save"][0], med["naive load/save"][1]
+            naive_split = median([r.extra["split_seconds"] for r in med["naive load/save"][2]])
+            for w in args.workers:
+                wall, rss, _ = med[f"reshard --workers {w}"]
+                notes.append(
+                    f"- {size}, --workers {w}: reshard / (cp + sync) time **{wall / cp:.2f}x** "
+                    f"(/ cp alone, before its sync: {wall / cp_only:.2f}x); naive / reshard time "
+                    f"**{naive / wall:.1f}x** ({naive_split / wall:.1f}x leaving out naive's "
+                    f"{naive - naive_split:.1f} s of start-up and imports); naive / reshard peak RSS "
+                    f"**{naive_rss / rss:.1f}x**"
+                )
+            kept = [m for m in med if m.endswith("cache kept")]
+            for m in kept:
+                notes.append(f"- {size}, {m}: reshard / (cp + sync) time **{med[m][0] / cp:.2f}x**")
+        for w in args.workers:
+            peaks = [summarize(runs, cache, size)[1][f"reshard --workers {w}"][1] for size in sizes]
+            notes.append(
+                f"- reshard --workers {w} peak RSS by checkpoint size: "
+                + ", ".join(f"{size}: {p:.0f} MB" for size, p in zip(sizes, peaks, strict=True))
+            )
+        lines += ["", *notes, ""]
+    lines += [
+        "### --dry-run on a Qwen3.5-397B-A17B-FP8-shaped checkpoint (headers only, sparse)",
+        "",
+        f"{dry['tensors']:,} tensors in {dry['shards']} shards ({gb(dry['logical_bytes'])} logical, "
+        f"{dry['on_disk_bytes'] / 1e6:.0f} MB on disk): `qwen35-reshard --pp 4 --dry-run` "
+        f"median **{dry['median']:.2f} s** over {len(dry['walls'])} runs "
+        f"({', '.join(f'{w:.2f}' for w in dry['walls'])}), peak RSS {dry['maxrss_mb']:.0f} MB",
+        "",
+    ]
+    if loader_rows:
+        whole = loader_rows[0]["checkpoint_bytes"]
+        lines += [
+            f"### Loading one stage through the shim ({sizes[-1]} checkpoint, {gb(whole)} of shards)",
+            "",
+            "| stage | tensors | stage tensor bytes | bytes read (rchar) | from storage (read_bytes) "
+            "| rchar / checkpoint |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        for d in loader_rows:
+            lines.append(
+                f"| {d['stage']} | {d['tensors']} | {gb(d['tensor_bytes'])} | {gb(d['rchar'])} | "
+                f"{gb(d['read_bytes'])} | {d['rchar'] / whole:.1%} |"
+            )
+        total = sum(d["rchar"] for d in loader_rows)
+        lines += [
+            "",
+            f"All {len(loader_rows)} stages together read {gb(total)} "
+            f"({total / whole:.1%} of the checkpoint; "
+            "replicated tensors are read by each stage that holds them). A stock loader with pipeline "
+            f"parallelism reads every shard on every rank: {gb(whole)} per stage.",
+            "",
+        ]
+    lines += [f"Output checked with `qwen35-reshard verify OUT --source MODEL`: {verified}", ""]
+    return "\n".join(lines)
+
+
+def environment(args: argparse.Namespace) -> dict:
+    from importlib.metadata import version
+
+    commit = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    )
+    dirty = subprocess.run(
+        ["git", "-C", str(REPO), "status", "--porcelain", "--", "qwen35_reshard"],
+        capture_output=True,
+        text=True,
+    )
+    fs = (
+        subprocess.run(["df", "-T", str(args.workdir)], capture_output=True, text=True)
+        .stdout.splitlines()[-1]
+        .split()
+    )
+    cpu = "?"
+    try:
+        cpu = next(x.split(":", 1)[1].strip() for x in open("/proc/cpuinfo") if x.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": (
+            f"{os.cpu_count()} cores ({cpu}), {mem / 2**30:.0f} GiB RAM, {fs[1]} on {fs[0]}, "
+            f"Linux {platform.release()}, Python {platform.python_version()}, torch {version('torch')}, "
+            f"safetensors {version('safetensors')}, qwen35-reshard at {commit.stdout.strip()}"
+            f"{' (+ local changes)' if dirty.stdout.strip() else ''}"
+        ),
+        "command": "python benchmarks/bench_reshard.py " + " ".join(sys.argv[1:]),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--sizes", default="2e9,6e9", help="checkpoint sizes in bytes, comma-separated (default: 2e9,6e9)"
+    )
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--pp", type=int, default=4)
+    p.add_argument("--workers", default="1,2", help="--workers values to measure (default: 1,2)")
+    p.add_argument(
+        "--cache", default="auto", help="cold, warm, cold,warm or auto (cold when root may drop caches)"
+    )
+    p.add_argument("--workdir", type=Path, default=Path("/tmp/qwen35-reshard-bench"))
+    p.add_argument(
+        "--max-disk", type=float, default=15e9, help="refuse sizes whose source + one output exceed this"
+    )
+    p.add_argument("--dry-run-rounds", type=int, default=5)
+    p.add_argument(
+        "--ablation", action="store_true", help="also run reshard with the page cache kept (DROP_BEHIND off)"
+    )
+    p.add_argument("--keep", action="store_true", help="keep the built checkpoints")
+    p.add_argument("--output", type=Path, help="also write the report (markdown) and raw runs (.json) here")
+    args = p.parse_args(argv)
+    sizes = [int(float(s)) for s in args.sizes.split(",")]
+    args.workers = [int(w) for w in args.workers.split(",")]
+    caches = ["cold" if drop_caches() else "warm"] if args.cache == "auto" else args.cache.split(",")
+    for s in sizes:
+        if 2.2 * s > args.max_disk:
+            raise SystemExit(
+                f"size {gb(s)} needs about {gb(2.2 * s)} of disk at once, over --max-disk {gb(args.max_disk)}"
+            )
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    env = environment(args)
+    print(env["machine"], flush=True)
+
+    runs: list[Run] = []
+    labels = []
+    loader_rows: list[dict] = []
+    verified = ""
+    try:
+        for s in sizes:
+            label = f"{s / 1e9:g} GB"
+            labels.append(label)
+            model = args.workdir / f"q35b-{s}"
+            print(f"checkpoint {label}:", flush=True)
+            if not (args.keep and model.exists()):
+                build(model, s)
+            label = f"{gb(sum(p.stat().st_size for p in shard_files(model)))}"
+            labels[-1] = label
+            for cache in caches:
+                runs += measure_size(label, model, args.workdir, args, cache)
+            verified = check_output(model, args.workdir, args.pp)
+            print(f"  verify: {verified}", flush=True)
+            if s == sizes[-1]:
+                loader_rows = measure_loader(model, args.workdir, args.pp)
+            shutil.rmtree(args.workdir / "verified", ignore_errors=True)
+            if not args.keep:
+                shutil.rmtree(model)
+        print("dry run on the 397B-FP8-shaped headers:", flush=True)
+        dry = measure_dry_run(args.workdir, args.dry_run_rounds)
+    finally:
+        for name in ("out", "verified", "dry-out"):
+            shutil.rmtree(args.workdir / name, ignore_errors=True)
+        if not args.keep:
+            shutil.rmtree(args.workdir, ignore_errors=True)
+
+    text = report(runs, labels, caches, args, dry, loader_rows, verified, env)
+    print("\n" + text)
+    if args.output:
+        args.output.write_text(text)
+        args.output.with_suffix(".json").write_text(
+            json.dumps(
+                {"env": env, "runs": [asdict(r) for r in runs], "dry_run": dry, "loader": loader_rows},
+                indent=1,
+            )
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
