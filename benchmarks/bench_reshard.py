@@ -9,12 +9,13 @@ on the same files and in interleaved order, for ``--rounds`` rounds:
 - ``cp``: ``cp`` of the source shards the stages need (all of them for pp >= 2), then
   ``sync`` of the copies, so that it too ends with its data on disk as the other two do;
 - ``naive``: benchmarks/naive_split.py (``load_file`` each needed shard, keep the stage's
-  tensors, ``save_file`` per stage, fsync).
+  tensors, ``save_file`` per stage, fsync);
+- with ``--ablation``, also reshard with the page cache kept (``copy.DROP_BEHIND = False``).
 
-Each run is its own child process; its wall time comes from the parent, its peak RSS and CPU
-times from ``os.wait4`` (that child and its descendants only). With ``--cache cold`` (root
-only) the page cache is dropped before each run; with ``warm`` the source is read into the
-page cache before each run. Medians are reported. Then:
+Each run is its own process, started by a small launcher that reports its wall time and its
+``os.wait4`` rusage (CPU and peak RSS of that process and its descendants only). With
+``--cache cold`` (root only) the page cache is written back and dropped before each run; with
+``warm`` the source is read into the page cache before each run. Medians are reported. Then:
 
 - ``--dry-run`` time on a headers-only (sparse) Qwen3.5-397B-A17B-FP8-shaped checkpoint;
 - bytes read by ``loader.open_stage(OUT, pp_rank=r).iter_weights()`` per stage (rchar from
@@ -204,7 +205,8 @@ def measure_size(label: str, model: Path, work: Path, args: argparse.Namespace, 
         for name in order:
             shutil.rmtree(out, ignore_errors=True)
             prepare_cache(cache, model)
-            log = logs / f"{label}-{cache}-{r}-{name.split()[0]}.log"
+            slug = "".join(c if c.isalnum() else "-" for c in name)
+            log = logs / f"{label.replace(' ', '')}-{cache}-{r}-{slug}.log"
             m, stdout = run_child(todo[name], log)
             if m["code"] != 0:
                 raise SystemExit(f"{name} failed (exit {m['code']}); see {log}:\n{log.read_text()[-2000:]}")
