@@ -1,0 +1,92 @@
+"""The copy engine on random layouts: every destination gets exactly the source bytes, every
+tensor its sha256, gaps are never copied, and a short source or a stop request ends the copy."""
+
+import hashlib
+import os
+import random
+import threading
+
+import pytest
+
+from qwen35_reshard.copy import Segment, copy_segments
+from qwen35_reshard.errors import ReshardError
+
+
+def _random_case(rng: random.Random, tmp_path, trial: int):
+    sizes = [rng.choice([0, 0, 1, 3, 7, 100, 4096, 5000, 70000]) for _ in range(rng.randint(1, 40))]
+    data = rng.randbytes(16 + sum(sizes))
+    src = tmp_path / f"src{trial}"
+    src.write_bytes(data)
+    outs = [os.open(tmp_path / f"out{trial}-{i}", os.O_RDWR | os.O_CREAT) for i in range(rng.randint(1, 3))]
+    cursor = dict.fromkeys(outs, 8)
+    segments, pos = [], 16
+    for k, n in enumerate(sizes):
+        if rng.random() >= 0.2:  # else: a tensor this copy does not need (a gap)
+            dests = []
+            for fd in rng.sample(outs, rng.randint(1, len(outs))):  # replicated to several files
+                dests.append((fd, cursor[fd]))
+                cursor[fd] += n
+            segments.append(Segment(f"t{k}", pos, n, dests))
+        pos += n
+    rng.shuffle(segments)
+    return src, data, outs, segments
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_layouts_copy_exact_bytes_and_digests(tmp_path, seed):
+    rng = random.Random(seed)
+    for trial in range(25):
+        src, data, outs, segments = _random_case(rng, tmp_path, trial)
+        small = sum(s.nbytes for s in segments) < 20_000  # tiny windows only where they stay few
+        chunk = rng.choice([1, 7, 64, 4096] if small else [4096, 10000, 1 << 20])
+        progress: list[int] = []
+        try:
+            digests = copy_segments(str(src), segments, chunk_bytes=chunk, on_progress=progress.append)
+            assert set(digests) == {s.name for s in segments}
+            assert sum(progress) == sum(s.nbytes for s in segments)  # gaps are not read
+            for s in segments:
+                want = data[s.offset : s.offset + s.nbytes]
+                assert digests[s.name] == hashlib.sha256(want).hexdigest(), (seed, trial, s.name)
+                for fd, off in s.dests:
+                    assert os.pread(fd, s.nbytes, off) == want, (seed, trial, s.name, chunk)
+        finally:
+            for fd in outs:
+                os.close(fd)
+
+
+def test_hash_only_segments_read_and_hash(tmp_path):
+    data = random.Random(9).randbytes(300_000)
+    src = tmp_path / "src"
+    src.write_bytes(data)
+    segments = [Segment("a", 0, 100_000), Segment("b", 100_000, 0), Segment("c", 150_000, 150_000)]
+    digests = copy_segments(str(src), segments, chunk_bytes=4096)
+    assert digests == {
+        "a": hashlib.sha256(data[:100_000]).hexdigest(),
+        "b": hashlib.sha256(b"").hexdigest(),
+        "c": hashlib.sha256(data[150_000:]).hexdigest(),
+    }
+
+
+def test_short_source_is_an_error_naming_the_file(tmp_path):
+    src = tmp_path / "src"
+    src.write_bytes(b"x" * 100)
+    fd = os.open(tmp_path / "out", os.O_RDWR | os.O_CREAT)
+    try:
+        with pytest.raises(ReshardError, match="src: file ended at byte 100"):
+            copy_segments(str(src), [Segment("a", 50, 100, [(fd, 0)])], chunk_bytes=16)
+    finally:
+        os.close(fd)
+    assert not [t for t in threading.enumerate() if t is not threading.main_thread() and t.is_alive()]
+
+
+def test_stop_request_interrupts_the_copy(tmp_path):
+    src = tmp_path / "src"
+    src.write_bytes(b"x" * 100)
+    fd = os.open(tmp_path / "out", os.O_RDWR | os.O_CREAT)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            copy_segments(
+                str(src), [Segment("a", 0, 100, [(fd, 0)])], chunk_bytes=16, should_stop=lambda: True
+            )
+    finally:
+        os.close(fd)
