@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 
 from . import __version__
@@ -18,6 +19,8 @@ from .plan import Plan, StagePlan
 from .source import INDEX_NAME, Checkpoint
 
 STAGE_MANIFEST = "reshard-stage.json"
+# A stage directory's name, pp{rank}; no leading zeros, so each rank has one spelling.
+STAGE_DIR = re.compile(r"pp(0|[1-9][0-9]*)")
 RUN_MANIFEST = "reshard.json"
 STAGE_FORMAT = "qwen35-reshard/stage-v1"
 RUN_FORMAT = "qwen35-reshard/run-v1"

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from .errors import ReshardError
 from .header import DTYPE_SIZES, Header, read_header
-from .manifest import RUN_MANIFEST, STAGE_FORMAT, STAGE_MANIFEST
+from .manifest import RUN_MANIFEST, STAGE_DIR, STAGE_FORMAT, STAGE_MANIFEST
 from .source import CONFIG_NAME, INDEX_NAME
 from .split import RUNTIMES, layer_ranges
 from .write import RUN_MARKER
@@ -39,7 +39,6 @@ KINDS = (MISSING, EXTRA, DIFFERENT, CORRUPT, INCOMPLETE)
 
 RERUN = "run the same qwen35-reshard command again to resume"
 REBUILD = "delete it and run the same qwen35-reshard command again (or copy the stage again)"
-STAGE_DIR = re.compile(r"pp(0|[1-9][0-9]*)")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 

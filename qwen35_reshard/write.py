@@ -11,7 +11,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import re
 import shutil
 import threading
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
@@ -27,7 +26,6 @@ from .source import CONFIG_NAME, INDEX_NAME
 RUN_MARKER = ".reshard-run.json"  # identity of a run in progress; removed on success
 JOURNAL = ".reshard-journal.jsonl"  # finished data files of an unfinished stage, with digests
 PARTIAL_SUFFIX = ".partial"
-_STAGE_DIR = re.compile(r"pp[0-9]+")
 
 
 class Reporter:
@@ -157,7 +155,7 @@ def _prepare_out(plan: Plan, out: Path, identity: dict, *, overwrite: bool) -> N
     foreign = [
         p.name
         for p in entries
-        if not _STAGE_DIR.fullmatch(p.name) and p.name not in (RUN_MARKER, manifest.RUN_MANIFEST)
+        if not manifest.STAGE_DIR.fullmatch(p.name) and p.name not in (RUN_MARKER, manifest.RUN_MANIFEST)
     ]
     if foreign:
         raise ReshardError(
@@ -168,7 +166,7 @@ def _prepare_out(plan: Plan, out: Path, identity: dict, *, overwrite: bool) -> N
     # leaves no run manifest and no stage index beside half-deleted data.
     _remove(out / manifest.RUN_MANIFEST)
     for p in entries:
-        if _STAGE_DIR.fullmatch(p.name) and p.is_dir() and not p.is_symlink():
+        if manifest.STAGE_DIR.fullmatch(p.name) and p.is_dir() and not p.is_symlink():
             _remove(p / INDEX_NAME)
     for p in entries:
         if p.is_dir() and not p.is_symlink():
