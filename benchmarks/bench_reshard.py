@@ -8,8 +8,10 @@ on the same files and in interleaved order, for ``--rounds`` rounds:
 - ``reshard``: ``qwen35-reshard --pp P --workers W MODEL OUT`` (one row per ``--workers`` value);
 - ``cp``: ``cp`` of the source shards the stages need (all of them for pp >= 2), then
   ``sync`` of the copies, so that it too ends with its data on disk as the other two do;
-- ``naive``: benchmarks/naive_split.py (``load_file`` each needed shard, keep the stage's
-  tensors, ``save_file`` per stage, fsync);
+- ``naive, WAY``: benchmarks/naive_split.py --way WAY (``load_file`` shards, keep the stage's
+  tensors, ``save_file`` per stage, fsync), one row per ``--naive`` way: ``every-shard`` (each
+  stage loads every shard), ``index`` (each stage loads the shards the index lists for it) and
+  ``all-in-memory`` (each shard loaded once, the whole model held until it is saved);
 - with ``--ablation``, also reshard with the page cache kept (``copy.DROP_BEHIND = False``).
 
 Each run is its own process, started by a small launcher that reports its wall time and its
@@ -189,7 +191,8 @@ def methods(model: Path, out: Path, args: argparse.Namespace) -> dict[str, list[
         f"mkdir -p '{out}' && s=$(date +%s%N) && cp {shards} '{out}/' && e=$(date +%s%N) && "
         f'sync \'{out}\'/* && echo "{{\\"cp_only_seconds\\": $(( (e - s) / 1000000 ))e-3}}"',
     ]
-    m["naive load/save"] = [PY, str(NAIVE), str(model), str(out), "--pp", str(args.pp)]
+    for way in args.naive:
+        m[f"naive, {way}"] = [PY, str(NAIVE), str(model), str(out), "--pp", str(args.pp), "--way", way]
     return m
 
 
@@ -336,7 +339,7 @@ def report(runs, sizes, caches, args, dry, loader_rows, verified, env) -> str:
         f"- machine: {env['machine']}",
         f"- command: `{env['command']}`",
         "- every run is a separate process; wall time from its start to its exit, CPU and peak RSS "
-        "from os.wait4 (the process and its children); all three methods end with their output "
+        "from os.wait4 (the process and its children); all methods end with their output "
         "fsynced (reshard does it itself, cp is followed by sync of the copies, the naive script "
         "fsyncs each file)",
         "",
@@ -355,17 +358,20 @@ def report(runs, sizes, caches, args, dry, loader_rows, verified, env) -> str:
             lines += rows
             cp, cp_runs = med["cp + sync"][0], med["cp + sync"][2]
             cp_only = median([r.extra["cp_only_seconds"] for r in cp_runs])
-            naive, naive_rss = med["naive load/save"][0], med["naive load/save"][1]
-            naive_split = median([r.extra["split_seconds"] for r in med["naive load/save"][2]])
             for w in args.workers:
                 wall, rss, _ = med[f"reshard --workers {w}"]
                 notes.append(
                     f"- {size}, --workers {w}: reshard / (cp + sync) time **{wall / cp:.2f}x** "
-                    f"(/ cp alone, before its sync: {wall / cp_only:.2f}x); naive / reshard time "
-                    f"**{naive / wall:.1f}x** ({naive_split / wall:.1f}x leaving out naive's "
-                    f"{naive - naive_split:.1f} s of start-up and imports); naive / reshard peak RSS "
-                    f"**{naive_rss / rss:.1f}x**"
+                    f"(/ cp alone, before its sync: {wall / cp_only:.2f}x)"
                 )
+                for way in args.naive:
+                    naive, naive_rss, naive_runs = med[f"naive, {way}"]
+                    naive_split = median([r.extra["split_seconds"] for r in naive_runs])
+                    notes.append(
+                        f"  - naive, {way} / reshard: time **{naive / wall:.1f}x** "
+                        f"({naive_split / wall:.1f}x leaving out its {naive - naive_split:.1f} s of "
+                        f"start-up and imports), peak RSS **{naive_rss / rss:.1f}x**"
+                    )
             kept = [m for m in med if m.endswith("cache kept")]
             for m in kept:
                 notes.append(f"- {size}, {m}: reshard / (cp + sync) time **{med[m][0] / cp:.2f}x**")
@@ -455,6 +461,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pp", type=int, default=4)
     p.add_argument("--workers", default="1,2", help="--workers values to measure (default: 1,2)")
     p.add_argument(
+        "--naive",
+        default="every-shard,index,all-in-memory",
+        help="naive_split.py --way values to measure (default: all three)",
+    )
+    p.add_argument(
         "--cache", default="auto", help="cold, warm, cold,warm or auto (cold when root may drop caches)"
     )
     p.add_argument("--workdir", type=Path, default=Path("/tmp/qwen35-reshard-bench"))
@@ -470,6 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     sizes = [int(float(s)) for s in args.sizes.split(",")]
     args.workers = [int(w) for w in args.workers.split(",")]
+    args.naive = args.naive.split(",")
     caches = ["cold" if drop_caches() else "warm"] if args.cache == "auto" else args.cache.split(",")
     for s in sizes:
         if 2.2 * s > args.max_disk:

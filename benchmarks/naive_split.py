@@ -1,12 +1,20 @@
-"""The way people split a checkpoint by pipeline stage today, without qwen35-reshard.
+"""The ways people split a checkpoint by pipeline stage today, without qwen35-reshard.
 
-For each stage: ``safetensors.torch.load_file`` every shard that holds one of the stage's
-tensors (the index says which), keep the stage's tensors, ``save_file`` them as the stage's
-``model.safetensors``, fsync it. This is the generous version of that script: it uses the index
-to skip shards the stage does not need, places every tensor the way qwen35-reshard does for
-SGLang (so both write the same bytes), and never holds more than one stage plus one shard.
+``safetensors.torch.load_file`` shards, keep the stage's tensors by layer, ``save_file`` them
+as the stage's ``model.safetensors``, fsync it. Three versions of that script (``--way``):
 
-    python benchmarks/naive_split.py MODEL OUT --pp 4
+- ``every-shard`` (the default): for each stage, load every shard, keep the stage's tensors,
+  save. What a script run once per stage does; every shard is read once per stage.
+- ``index``: for each stage, load only the shards the index lists for the stage's tensors.
+  The careful version: a shard is read once per stage that needs it (two stages for a shard
+  that straddles a stage boundary).
+- ``all-in-memory``: load every shard once, sort all tensors into their stages, then save
+  each stage. Each shard is read once, but the whole model is held in memory.
+
+All three place every tensor the way qwen35-reshard does for SGLang, so all write the same
+bytes; the first two hold at most one stage plus one shard in memory.
+
+    python benchmarks/naive_split.py MODEL OUT --pp 4 [--way every-shard|index|all-in-memory]
 
 Prints one JSON line with the seconds spent importing torch/safetensors and in the split.
 """
@@ -21,6 +29,7 @@ import sys
 import time
 from pathlib import Path
 
+WAYS = ("every-shard", "index", "all-in-memory")
 _LAYER = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.")
 
 
@@ -51,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("model", type=Path)
     p.add_argument("out", type=Path)
     p.add_argument("--pp", type=int, required=True)
+    p.add_argument("--way", choices=WAYS, default=WAYS[0])
     args = p.parse_args(argv)
 
     t0 = time.perf_counter()
@@ -63,20 +73,34 @@ def main(argv: list[str] | None = None) -> int:
     tied = bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
     has_mtp = any(n.startswith("mtp.") for n in weight_map)
     ranges = sglang_ranges(text["num_hidden_layers"], args.pp)
-    for rank in range(args.pp):
-        wanted = {n for n in weight_map if rank in owners(n, ranges, tied, has_mtp)}
-        stage = {}
-        for shard in sorted({weight_map[n] for n in wanted}):
-            tensors = load_file(args.model / shard)
-            stage.update({k: v for k, v in tensors.items() if k in wanted})
-            del tensors
+    shards = sorted(set(weight_map.values()))
+    stages: list[dict] = [{} for _ in range(args.pp)]
+
+    def save(rank: int) -> None:
         out = args.out / f"pp{rank}"
         out.mkdir(parents=True, exist_ok=True)
-        save_file(stage, out / "model.safetensors", metadata={"format": "pt"})
+        save_file(stages[rank], out / "model.safetensors", metadata={"format": "pt"})
         fd = os.open(out / "model.safetensors", os.O_RDONLY)
         os.fsync(fd)
         os.close(fd)
-        del stage
+        stages[rank] = {}
+
+    if args.way == "all-in-memory":
+        for shard in shards:
+            for name, tensor in load_file(args.model / shard).items():
+                for rank in owners(name, ranges, tied, has_mtp):
+                    stages[rank][name] = tensor
+        for rank in range(args.pp):
+            save(rank)
+    else:
+        for rank in range(args.pp):
+            wanted = {n for n in weight_map if rank in owners(n, ranges, tied, has_mtp)}
+            needed = sorted({weight_map[n] for n in wanted}) if args.way == "index" else shards
+            for shard in needed:
+                tensors = load_file(args.model / shard)
+                stages[rank].update({k: v for k, v in tensors.items() if k in wanted})
+                del tensors
+            save(rank)
     t2 = time.perf_counter()
     print(json.dumps({"import_seconds": round(t1 - t0, 3), "split_seconds": round(t2 - t1, 3)}))
     return 0
