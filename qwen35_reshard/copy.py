@@ -78,6 +78,7 @@ def copy_segments(
     on_progress: Callable[[int], None] = lambda n: None,
     should_stop: Callable[[], bool] = lambda: False,
     chunk_bytes: int = CHUNK_BYTES,
+    kernel: bool = True,
 ) -> dict[str, str]:
     """Copy ``segments`` out of ``src_path``; return each tensor's sha256 hex digest.
 
@@ -85,6 +86,8 @@ def copy_segments(
     segment covers are skipped. ``on_progress`` gets the number of source bytes copied after
     each window (hashing may trail by a few windows; all digests are final when this
     returns). Runs adjacent in both the source and an output file are copied as one.
+    ``kernel=False`` moves the bytes through buffers, as is done anyway when nothing is
+    written or the source cannot be mapped.
     """
     segments = sorted(segments, key=lambda s: s.offset)
     digests = {s.name: _EMPTY_SHA256 for s in segments if s.nbytes == 0}
@@ -93,7 +96,9 @@ def copy_segments(
     try:
         hasher.start()
         _advise_sequential(fd)
-        mover = _Mover(fd, src_path, kernel=any(s.dests for s in segments), chunk_bytes=chunk_bytes)
+        mover = _Mover(
+            fd, src_path, kernel=kernel and any(s.dests for s in segments), chunk_bytes=chunk_bytes
+        )
         for pos, n, pieces in _chunks(segments, chunk_bytes):
             if should_stop():
                 raise KeyboardInterrupt

@@ -11,10 +11,14 @@ an independent expectation rather than with itself.
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import re
+import shutil
 import struct
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +32,33 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pic
 
 
 # --------------------------------------------------------------------------- checkpoints
+
+
+@pytest.fixture
+def other_fs_dir(tmp_path):
+    """A directory on another filesystem than ``tmp_path`` (tmpfs /dev/shm), between which
+    and ``tmp_path`` the kernel refuses copy_file_range, as it does across filesystems."""
+    if not Path("/dev/shm").is_dir():
+        pytest.skip("no /dev/shm: no second filesystem to copy across")
+    path = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="qwen35-reshard-test-"))
+    try:
+        (path / "probe").write_bytes(b"x")
+        src = os.open(path / "probe", os.O_RDONLY)
+        dst = os.open(tmp_path / "probe", os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            os.copy_file_range(src, dst, 1, 0, 0)
+            refused = None
+        except OSError as e:
+            refused = e.errno
+        finally:
+            os.close(src)
+            os.close(dst)
+            os.remove(tmp_path / "probe")
+        if refused not in (errno.EXDEV, errno.EOPNOTSUPP, errno.ENOSYS):
+            pytest.skip(f"this kernel copies between {path} and {tmp_path}: the fallback is unreachable so")
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -1,10 +1,14 @@
 """The copy engine on random layouts: every destination gets exactly the source bytes, every
-tensor its sha256, gaps are never copied, and a short source or a stop request ends the copy."""
+tensor its sha256, gaps are never copied, and a short source or a stop request ends the copy.
+Both ways of moving bytes are covered: the kernel copy, with its real refusal across
+filesystems (then pwrite from the mapping), and the buffers used where a source cannot be
+mapped."""
 
 import hashlib
 import os
 import random
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -12,12 +16,12 @@ from qwen35_reshard.copy import Segment, copy_segments
 from qwen35_reshard.errors import ReshardError
 
 
-def _random_case(rng: random.Random, tmp_path, trial: int):
+def _random_case(rng: random.Random, src_dir: Path, out_dir: Path, trial: int):
     sizes = [rng.choice([0, 0, 1, 3, 7, 100, 4096, 5000, 70000]) for _ in range(rng.randint(1, 40))]
     data = rng.randbytes(16 + sum(sizes))
-    src = tmp_path / f"src{trial}"
+    src = src_dir / f"src{trial}"
     src.write_bytes(data)
-    outs = [os.open(tmp_path / f"out{trial}-{i}", os.O_RDWR | os.O_CREAT) for i in range(rng.randint(1, 3))]
+    outs = [os.open(out_dir / f"out{trial}-{i}", os.O_RDWR | os.O_CREAT) for i in range(rng.randint(1, 3))]
     cursor = dict.fromkeys(outs, 8)
     segments, pos = [], 16
     for k, n in enumerate(sizes):
@@ -32,26 +36,37 @@ def _random_case(rng: random.Random, tmp_path, trial: int):
     return src, data, outs, segments
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_random_layouts_copy_exact_bytes_and_digests(tmp_path, seed):
-    rng = random.Random(seed)
+def _check_random_layouts(rng: random.Random, src_dir: Path, out_dir: Path, *, kernel: bool) -> None:
     for trial in range(25):
-        src, data, outs, segments = _random_case(rng, tmp_path, trial)
+        src, data, outs, segments = _random_case(rng, src_dir, out_dir, trial)
         small = sum(s.nbytes for s in segments) < 20_000  # tiny windows only where they stay few
         chunk = rng.choice([1, 7, 64, 4096] if small else [4096, 10000, 1 << 20])
         progress: list[int] = []
         try:
-            digests = copy_segments(str(src), segments, chunk_bytes=chunk, on_progress=progress.append)
+            digests = copy_segments(
+                str(src), segments, chunk_bytes=chunk, on_progress=progress.append, kernel=kernel
+            )
             assert set(digests) == {s.name for s in segments}
             assert sum(progress) == sum(s.nbytes for s in segments)  # gaps are not read
             for s in segments:
                 want = data[s.offset : s.offset + s.nbytes]
-                assert digests[s.name] == hashlib.sha256(want).hexdigest(), (seed, trial, s.name)
+                assert digests[s.name] == hashlib.sha256(want).hexdigest(), (trial, s.name)
                 for fd, off in s.dests:
-                    assert os.pread(fd, s.nbytes, off) == want, (seed, trial, s.name, chunk)
+                    assert os.pread(fd, s.nbytes, off) == want, (trial, s.name, chunk)
         finally:
             for fd in outs:
                 os.close(fd)
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "buffers"])
+@pytest.mark.parametrize("seed", range(4))
+def test_random_layouts_copy_exact_bytes_and_digests(tmp_path, seed, kernel):
+    _check_random_layouts(random.Random(seed), tmp_path, tmp_path, kernel=kernel)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_copy_across_filesystems_falls_back_to_pwrite(tmp_path, other_fs_dir, seed):
+    _check_random_layouts(random.Random(seed), other_fs_dir, tmp_path, kernel=True)
 
 
 def test_hash_only_segments_read_and_hash(tmp_path):

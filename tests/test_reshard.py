@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import struct
 import subprocess
 import sys
@@ -255,6 +256,15 @@ def test_hf_cache_snapshot(ref, make_checkpoint, tmp_path):
     assert (model / INDEX).is_symlink()
     qwen35_reshard.reshard(model, tmp_path / "out", pp=2)
     check_split(ref, model, tmp_path / "out", pp=2)
+
+
+def test_source_on_another_filesystem(ref, make_checkpoint, tmp_path, other_fs_dir):
+    # The kernel refuses copy_file_range from tmpfs to tmp_path: every byte takes the fallback.
+    model = other_fs_dir / "model"
+    shutil.copytree(make_checkpoint(layout="per_expert_fp8"), model)
+    run_cli("--pp", 3, model, tmp_path / "out")
+    check_split(ref, model, tmp_path / "out", pp=3)
+    assert "verify OK" in run_cli("verify", tmp_path / "out", "--source", model).stderr
 
 
 @pytest.mark.parametrize("runtime", ["sglang", "vllm"])
