@@ -1,9 +1,10 @@
-"""The device floor: copy whole shards with O_DIRECT reads and writes, no page cache at all.
+"""A bare copy of the shards with O_DIRECT reads and writes: no page cache, no hashing.
 
 Each shard is read and written in 8 MiB blocks through aligned buffers with ``O_DIRECT`` on
 both ends, ``--threads`` shards at a time (the last partial block goes through the page cache,
-as O_DIRECT needs whole blocks), then fsynced. No hashing, no layout work: the least a copy of
-these bytes can cost on this disk, to put the other methods' times in proportion.
+as O_DIRECT needs whole blocks), then fsynced. No hashing, no layout work, no page cache: a
+reference for what moving these bytes costs on this disk, beside ``cp`` (which goes through the
+page cache) and the naive way.
 
     python benchmarks/direct_copy.py OUT SHARD [SHARD ...] [--threads 2]
 
