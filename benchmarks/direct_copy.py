@@ -29,8 +29,13 @@ def copy_direct(src: Path, dst: Path) -> int:
     size = src.stat().st_size
     direct_end = size - size % ALIGN
     buf = mmap.mmap(-1, BLOCK)  # anonymous mappings are page-aligned
-    fin = os.open(src, os.O_RDONLY | os.O_DIRECT)
-    fout = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    try:
+        fin = os.open(src, os.O_RDONLY | os.O_DIRECT)
+        fout = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    except OSError as e:  # tmpfs and some others refuse O_DIRECT with EINVAL
+        raise SystemExit(
+            f"error: O_DIRECT open of {src} or {dst} failed ({e.strerror}); use a disk-backed --workdir"
+        ) from None
     try:
         pos = 0
         while pos < direct_end:
