@@ -70,6 +70,14 @@ def wait_until(proc: subprocess.Popen, ready, timeout: float = 120.0) -> None:
         time.sleep(0.001)
 
 
+def kill_when(model: Path, out: Path, logs: Path, ready) -> None:
+    """Start a real run, SIGKILL it once ``ready()`` holds, and check the kill is what ended it."""
+    proc, _, stderr = start(model, out, logs)
+    wait_until(proc, ready)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=60) == -signal.SIGKILL, stderr.read_text()
+
+
 def partials(out: Path) -> list[Path]:
     return sorted(p for p in out.rglob("*.partial"))
 
@@ -176,10 +184,7 @@ def test_sigkill_mid_run_then_resume(big, big_clean, tmp_path, moment):
         "copying": lambda: copying(out),
         "journaled": lambda: journaled(out),
     }[moment]
-    proc, _, stderr = start(big, out, tmp_path / "logs")
-    wait_until(proc, ready)
-    proc.send_signal(signal.SIGKILL)
-    assert proc.wait(timeout=60) == -signal.SIGKILL, stderr.read_text()
+    kill_when(big, out, tmp_path / "logs", ready)
 
     assert (out / RUN_MARKER).exists()
     assert_nothing_complete(out)
@@ -236,10 +241,7 @@ def test_sigkill_at_many_moments_then_resume(small, small_clean, tmp_path):
 
 def test_resumed_split_verifies_against_the_source(big, tmp_path):
     out = tmp_path / "out"
-    proc, _, _ = start(big, out, tmp_path / "logs")
-    wait_until(proc, lambda: journaled(out))
-    proc.kill()
-    proc.wait(timeout=60)
+    kill_when(big, out, tmp_path / "logs", lambda: journaled(out))
     assert run(big, out).returncode == 0
     report = verify(out, big)
     assert report.ok, report.findings
@@ -335,10 +337,7 @@ def test_a_different_command_is_refused_unless_overwrite(small, tmp_path):
 
 def test_an_interrupted_run_is_not_resumed_by_another_command(big, tmp_path):
     out = tmp_path / "out"
-    proc, _, _ = start(big, out, tmp_path / "logs")
-    wait_until(proc, lambda: copying(out))
-    proc.kill()
-    proc.wait(timeout=60)
+    kill_when(big, out, tmp_path / "logs", lambda: copying(out))
     other = subprocess.run(
         [sys.executable, "-m", "qwen35_reshard", "--pp", "2", str(big), str(out)],
         capture_output=True,
