@@ -154,6 +154,12 @@ def _reshard(args: argparse.Namespace) -> int:
     gc.disable()
     try:
         ckpt = read_checkpoint(args.model)
+        for name in ckpt.unlisted:
+            print(
+                f"warning: {ckpt.root / name} is not listed in the checkpoint's index: ignored, as the "
+                "servers ignore it",
+                file=sys.stderr,
+            )
         partition = (
             parse_partition(args.partition, pp=args.pp, num_layers=ckpt.num_layers)
             if args.partition is not None
@@ -226,6 +232,11 @@ def _verify_parser() -> argparse.ArgumentParser:
         "out", metavar="OUT", type=Path, help="the run directory, or one stage directory (OUT/pp2)"
     )
     p.add_argument("--source", metavar="MODEL", type=Path, help="the checkpoint the split was made from")
+    p.add_argument(
+        "--repair",
+        action="store_true",
+        help="rewrite from --source exactly the files found damaged, missing or truncated, then verify again",
+    )
     p.add_argument("--json", action="store_true", help="print the full report as JSON on stdout")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     p.add_argument("--version", action="version", version=f"qwen35-reshard {__version__}")
@@ -237,7 +248,20 @@ def _verify(args: argparse.Namespace) -> int:
     from .report import verify_lines
     from .verify import verify
 
-    report = verify(args.out, args.source)
+    if args.repair:
+        if args.source is None:
+            raise ReshardError("--repair rewrites files from the checkpoint: pass --source MODEL")
+        from .repair import repair
+
+        result = repair(args.out, args.source)
+        if not result.before.ok:
+            for line in verify_lines(result.before)[:-1]:
+                print(line, file=sys.stderr)
+            for path in result.rewritten:
+                print(f"repaired: {args.out / path}", file=sys.stderr)
+        report = result.after
+    else:
+        report = verify(args.out, args.source)
     for line in verify_lines(report):
         print(line, file=sys.stderr)
     if args.json:

@@ -143,7 +143,13 @@ class Stage:
         tensor of its dtype and shape (then moved to ``device``). With ``verify=True`` each
         tensor's bytes are hashed and compared to the manifest's sha256 before it is yielded.
         """
-        import torch
+        try:
+            import torch
+        except ModuleNotFoundError as e:
+            raise StageError(
+                "iter_weights needs torch, which is not installed: pip install 'qwen35-reshard[loader]' "
+                "(or torch itself)"
+            ) from e
 
         if sys.byteorder != "little":
             raise StageError("safetensors data is little-endian; this loader needs a little-endian host")
@@ -216,6 +222,23 @@ def _read_exact(f: io.RawIOBase, offset: int, buf: memoryview, where: str) -> No
         got += n
 
 
+def _no_stage_dir(root: Path, given: str, pp_rank: int) -> str:
+    """What to say when ``root`` has no ``pp{pp_rank}``: outside the split, or not built yet."""
+    if not root.is_dir():
+        return f"{given} is not a directory; pass the run directory OUT or a stage directory OUT/pp<rank>"
+    run = read_run_record(root, given)
+    pp = run[1].get("pp") if isinstance(run, tuple) else None
+    if isinstance(pp, int) and pp_rank >= pp:
+        return (
+            f"pp_rank {pp_rank} is outside the split in {given}: it has {pp} stages (pp0..pp{pp - 1}); "
+            f"the server's pipeline size must be {pp}, or split again with --pp {pp_rank + 1} or more"
+        )
+    return (
+        f"{given} has no pp{pp_rank}/: run qwen35-reshard --rank {pp_rank} (or without --rank) to "
+        f"build stage {pp_rank} there, or pass that stage's directory"
+    )
+
+
 def open_stage(path: str | os.PathLike[str], pp_rank: int | None = None) -> Stage:
     """Open and validate a stage directory.
 
@@ -234,11 +257,7 @@ def open_stage(path: str | os.PathLike[str], pp_rank: int | None = None) -> Stag
         elif (root / STAGE_MANIFEST).exists():
             display = given  # a stage directory passed together with its rank
         else:
-            what = "is not a directory" if not root.is_dir() else f"has no pp{pp_rank}/"
-            raise StageError(
-                f"{given} {what}: run qwen35-reshard --rank {pp_rank} (or without --rank) to "
-                f"build stage {pp_rank} there, or pass that stage's directory"
-            )
+            raise StageError(_no_stage_dir(root, given, pp_rank))
     else:
         display = given
         if not root.is_dir():

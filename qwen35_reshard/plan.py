@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from . import names
+from . import names, schema
 from .errors import ReshardError
 from .header import DTYPE_SIZES, encode_header
 from .source import Checkpoint, SourceTensor
@@ -123,7 +123,8 @@ def make_plan(
     """Assign every tensor of ``ckpt`` to stages and lay out each stage's files.
 
     Raises ReshardError for a tensor no rule places, layer ids that are not exactly
-    0..num_layers-1, or a split that does not fit the model.
+    0..num_layers-1, a tensor the config requires that is missing or has another shape (see
+    ``schema``), or a split that does not fit the model.
     """
     check_pp(ckpt.num_layers, pp)
     check_runtime(runtime)
@@ -140,6 +141,8 @@ def make_plan(
 
     roles = {n: _role(n, ckpt.num_layers) for n in ckpt.tensors}
     _check_layers_present(roles, ckpt.num_layers)
+    required = schema.required_tensors(ckpt.config, {n: t.dtype for n, t in ckpt.tensors.items()})
+    schema.check_complete(required.tensors, {n: t.shape for n, t in ckpt.tensors.items()}, str(ckpt.root))
     has_mtp = any(r.kind == names.MTP for r in roles.values())
     mtp = MTP_ABSENT if not has_mtp else MTP_KEPT if keep_mtp else MTP_DROPPED
     rank_of_layer = [r for r, (start, end) in enumerate(ranges) for _ in range(start, end)]

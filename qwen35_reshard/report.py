@@ -5,6 +5,8 @@ Everything here goes to stderr through rich, so stdout stays free for ``--json``
 
 from __future__ import annotations
 
+import shlex
+
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -118,6 +120,13 @@ def launch_lines(plan: Plan, out: str) -> list[str]:
 def summary(console: Console, plan: Plan, result: WriteResult, out: str, seconds: float) -> None:
     if result.nothing_to_do:
         console.print(f"[bold]{out} is already complete for this command: nothing to do.[/]")
+        # Completeness is judged from sizes and manifests, not bytes: say who reads the bytes.
+        source = shlex.quote(str(plan.checkpoint.root))
+        console.print(
+            f"Bytes are not re-read here; check them with: qwen35-reshard verify {shlex.quote(out)} "
+            f"--source {source} (add --repair to rebuild damaged files)",
+            soft_wrap=True,
+        )
     else:
         rate = result.bytes_copied / seconds if seconds > 0 else 0.0
         kept = f", {result.files_kept} files kept from an earlier run" if result.files_kept else ""
@@ -160,4 +169,11 @@ def verify_lines(report: VerifyReport, *, per_stage: int = 20) -> list[str]:
     else:
         counts = ", ".join(f"{n} {k}" for k, n in report.counts().items() if n)
         lines.append(f"verify FAILED: {report.target}{against}: {len(report.findings)} problem(s): {counts}")
+        lines.append(f"to rebuild the damaged files from the source: {repair_command(report)}")
     return lines
+
+
+def repair_command(report: VerifyReport) -> str:
+    """The command that mends what ``report`` found, with the source it names or the split records."""
+    source = report.source or report.recorded_source or "MODEL"
+    return f"qwen35-reshard verify {shlex.quote(report.target)} --source {shlex.quote(source)} --repair"

@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import schema
 from .errors import ReshardError
 from .header import read_header
 
@@ -50,6 +51,7 @@ class Checkpoint:
     file_sizes: dict[str, int]
     tensors: dict[str, SourceTensor]  # ordered by (file, offset)
     extra_files: tuple[str, ...]  # non-weight files for every stage, config.json included; sorted
+    unlisted: tuple[str, ...] = ()  # *.safetensors the index does not list: ignored, as servers do
 
     def path(self, name: str) -> Path:
         return self.root / name
@@ -120,34 +122,25 @@ def read_checkpoint(model_dir: str | os.PathLike[str]) -> Checkpoint:
         config_sha256=hashlib.sha256(config_bytes).hexdigest(),
         index_sha256=hashlib.sha256(index_bytes).hexdigest() if index_bytes is not None else None,
         num_layers=num_layers,
-        tied_embeddings=_tied(config) or not any(n.startswith("lm_head.") for n in tensors),
+        tied_embeddings=schema.tied_embeddings(config),
         files=tuple(files),
         file_sizes=file_sizes,
         tensors=tensors,
         extra_files=_extra_files(root, allowed, skip={INDEX_NAME, *files}),
+        unlisted=tuple(
+            sorted(p.name for p in root.iterdir() if p.name.endswith(".safetensors") and p.name not in files)
+        ),
     )
 
 
-def text_config(config: dict) -> dict:
-    """The language model's config: ``text_config`` of a multimodal config, else the config."""
-    sub = config.get("text_config")
-    return sub if isinstance(sub, dict) else config
-
-
 def _num_layers(config: dict, where: Path) -> int:
-    n = text_config(config).get("num_hidden_layers")
+    n = schema.text_config(config).get("num_hidden_layers")
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ReshardError(
             f"{where}: no positive integer num_hidden_layers (in text_config or at the top "
             "level); is this a Qwen3.5 MoE config?"
         )
     return n
-
-
-def _tied(config: dict) -> bool:
-    if "tie_word_embeddings" in config:
-        return bool(config["tie_word_embeddings"])
-    return bool(text_config(config).get("tie_word_embeddings", False))
 
 
 def _weight_map(index: object, where: Path) -> dict[str, str]:

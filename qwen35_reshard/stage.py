@@ -22,9 +22,11 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from . import names, schema
 from .errors import ReshardError
 from .header import DTYPE_SIZES, Header, read_header
 from .manifest import RUN_MANIFEST, STAGE_DIR, STAGE_FORMAT, STAGE_MANIFEST
+from .plan import _placement_rules as placement_rules
 from .source import CONFIG_NAME, INDEX_NAME
 from .split import RUNTIMES, layer_ranges
 from .write import RUN_MARKER
@@ -126,6 +128,7 @@ def read_stage(root: Path, display: str, run: tuple[str, dict] | None = None) ->
         )
     problems += _index_problems(root, display, m)
     problems += _config_problems(root, display, m)
+    problems += _schema_problems(root, display, m)
     by_file: dict[str, dict[str, StageTensor]] = {f: {} for f in m.files}
     for t in m.tensors.values():
         by_file[t.file][t.name] = t
@@ -362,6 +365,55 @@ def _config_problems(root: Path, display: str, m: StageManifest) -> list[Problem
         f"split from it, so it must be unchanged: {REBUILD}"
     )
     return [Problem(DIFFERENT, why, CONFIG_NAME)]
+
+
+def _schema_problems(root: Path, display: str, m: StageManifest) -> list[Problem]:
+    """The stage holds every tensor its layers and its role need, with the config's shapes.
+
+    The model's schema (see ``schema``) limited to the stage's layers, and of the other
+    parts to those the runtime's placement rules give this rank; the manifest's ``mtp``
+    says whether the MTP head ships. Checked against what the manifest lists (the data
+    files are checked against the manifest separately).
+    """
+    try:
+        config = json.loads((root / CONFIG_NAME).read_bytes())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return []  # reported by _config_problems: config.json must be the source's
+    if not isinstance(config, dict):
+        return []
+    dtypes = {n: t.dtype for n, t in m.tensors.items()}
+    kept = m.mtp == "kept"
+    try:
+        required = schema.required_tensors(
+            config, dtypes, layers=range(m.start_layer, m.end_layer), mtp=kept
+        ).tensors
+    except ReshardError as e:
+        return [Problem(DIFFERENT, f"{display}/{e}", CONFIG_NAME)]
+    owners = placement_rules(m.pp, m.runtime, schema.tied_embeddings(config), kept)
+    need = {n: s for n, s in required.items() if _holds(m, owners, n)}
+    missing, wrong = schema.compare(need, {n: t.shape for n, t in m.tensors.items()})
+    problems = []
+    if missing:
+        why = (
+            f"{display} lacks tensor {missing[0]!r} ({schema.others(len(missing) - 1)} missing), which "
+            f"stage {m.rank} needs for its layers [{m.start_layer}, {m.end_layer}) and its role under "
+            f"{m.runtime}'s placement; a server would leave it unloaded: {REBUILD}"
+        )
+        problems.append(Problem(MISSING, why, STAGE_MANIFEST, missing[0]))
+    for name, want, found in wrong:
+        why = (
+            f"{display}: tensor {name!r} has shape {list(found)} but {CONFIG_NAME} implies {list(want)}; "
+            f"{REBUILD}"
+        )
+        problems.append(Problem(DIFFERENT, why, STAGE_MANIFEST, name))
+    return problems
+
+
+def _holds(m: StageManifest, owners: dict[str, tuple[int, ...]], name: str) -> bool:
+    role = names.classify(name)
+    if role.kind == names.LAYER:
+        return m.start_layer <= role.layer < m.end_layer
+    return m.rank in owners[role.kind]
 
 
 def _read_data_file(

@@ -89,6 +89,7 @@ class VerifyReport:
     findings: list[Finding] = field(default_factory=list)
     not_built: list[int] = field(default_factory=list)  # stages of the split absent on purpose (--rank)
     source_bytes_hashed: int = 0
+    recorded_source: str | None = None  # the checkpoint path the stage manifests record
 
     @property
     def ok(self) -> bool:
@@ -109,6 +110,7 @@ class VerifyReport:
             "stages": [asdict(s) for s in self.stages],
             "not_built": self.not_built,
             "source_bytes_hashed": self.source_bytes_hashed,
+            "recorded_source": self.recorded_source,
             "findings": [asdict(f) for f in self.findings],
         }
 
@@ -312,6 +314,8 @@ def _check_stage(stage: _Stage, report: VerifyReport, ckpt: Checkpoint | None, c
     m = stage.manifest = found.manifest
     if m is None:
         return
+    if report.recorded_source is None and isinstance(m.source.get("path"), str):
+        report.recorded_source = m.source["path"]
     stage.summary.rank = m.rank
     stage.summary.complete = not any(p.file == INDEX_NAME for p in found.problems)
     for name in ckpt.extra_files if ckpt is not None else ():

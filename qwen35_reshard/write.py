@@ -79,7 +79,10 @@ def write_plan(
     reporter = reporter or Reporter()
     out = Path(out_dir)
     identity = manifest.run_identity(plan)
-    _prepare_out(plan, out, identity, overwrite=overwrite)
+    try:
+        created = _prepare_out(plan, out, identity, overwrite=overwrite)
+    except OSError as e:  # OUT cannot be created or read: nothing was written
+        raise _write_error(e, out, 0) from None
 
     result = WriteResult()
     todo = []
@@ -94,6 +97,9 @@ def write_plan(
 
     digests: dict[int, dict[str, str]] = {}
     needed = 0
+    # What this run adds before its first data file, so that a run that cannot start (a
+    # read-only or full OUT, no permission) leaves OUT as it found it.
+    created += [out / name for name in (RUN_MARKER, *(s.dirname for s in todo)) if not (out / name).exists()]
     try:
         _write_atomic(out / RUN_MARKER, manifest.dumps({"identity": identity}))
         _remove(out / manifest.RUN_MANIFEST)
@@ -104,6 +110,7 @@ def write_plan(
             to_write += [(stage, f) for f in stage.files if f.name not in kept]
         needed = sum(f.size for _, f in to_write) + len(todo) * _side_file_bytes(plan)
         _check_free_space(out, needed)
+        created = []  # from here on, finished files are kept for the next run to resume
 
         result.bytes_copied = _copy_files(plan, out, to_write, digests, workers, reporter)
         for stage in todo:
@@ -119,7 +126,76 @@ def write_plan(
     finally:
         # Whatever stopped the run (Ctrl-C, SIGTERM, a full disk), leave no temporary file.
         _remove_partials(out, todo)
+        _undo(created)
     return result
+
+
+def repair_files(
+    plan: Plan,
+    out_dir: str | os.PathLike[str],
+    files: dict[int, set[str]],
+    *,
+    run_manifest: bool = False,
+    workers: int = 1,
+    reporter: Reporter | None = None,
+) -> list[str]:
+    """Rewrite from the source exactly ``files`` of a finished split in ``out_dir``.
+
+    ``files`` maps a stage rank to names in its directory: its data files (rewritten from the
+    plan), or its index, manifest, config.json or another side file (then the stage's
+    non-weight files, manifest and index are written again, the manifest's digests taken from
+    the data files). ``run_manifest`` rewrites ``reshard.json`` too. Every other file is left
+    untouched; each rewritten one is replaced atomically, so a stage whose manifest and index
+    are intact stays consistent throughout. Returns the paths rewritten, relative to OUT.
+    """
+    reporter = reporter or Reporter()
+    out = Path(out_dir)
+    to_write: list[tuple[StagePlan, OutputFile]] = []
+    redo_meta: list[StagePlan] = []
+    done: list[str] = []
+    stages = [plan.stages[r] for r in sorted(files)]
+    try:
+        for stage in stages:
+            stage_dir = out / stage.dirname
+            names = files[stage.rank]
+            data = [f for f in stage.files if f.name in names]
+            stage_dir.mkdir(exist_ok=True)
+            if names - {f.name for f in stage.files}:
+                redo_meta.append(stage)
+                _remove(stage_dir / INDEX_NAME)  # not a complete-looking stage while it is mended
+            to_write += [(stage, f) for f in data]
+            done += [f"{stage.dirname}/{f.name}" for f in data]
+        digests: dict[int, dict[str, str]] = {s.rank: {} for s in stages}
+        _copy_files(plan, out, to_write, digests, workers, reporter)
+        for stage in stages:
+            stage_dir = out / stage.dirname
+            if stage in redo_meta:
+                rewritten = {f.name for f in stage.files if f.name in files[stage.rank]}
+                for f in stage.files:
+                    if f.name not in rewritten:
+                        digests[stage.rank].update(_file_digests(stage_dir / f.name, f))
+                _finish_stage(plan, stage_dir, stage, digests[stage.rank])
+                meta = (*plan.checkpoint.extra_files, manifest.STAGE_MANIFEST, INDEX_NAME)
+                done += [f"{stage.dirname}/{n}" for n in meta]
+            else:
+                _remove(stage_dir / JOURNAL)  # a finished stage holds none
+        if run_manifest:
+            complete = [s.rank for s in plan.stages if manifest.stage_is_complete(out / s.dirname)]
+            _write_atomic(out / manifest.RUN_MANIFEST, manifest.dumps(manifest.run_manifest(plan, complete)))
+            done.append(manifest.RUN_MANIFEST)
+        _fsync_dir(out)
+    except OSError as e:
+        raise _write_error(e, out, 0) from None
+    finally:
+        _remove_partials(out, stages)
+    return done
+
+
+def _file_digests(path: Path, f: OutputFile) -> dict[str, str]:
+    """sha256 of each tensor of the stage's data file ``path``, laid out as ``f`` says."""
+    data_start = len(f.header)
+    segments = [Segment(t.name, data_start + t.out_offset, t.source.nbytes) for t in f.tensors]
+    return copy_segments(str(path), segments)
 
 
 def check_out_dir(model_dir: Path, out_dir: Path) -> None:
@@ -131,21 +207,25 @@ def check_out_dir(model_dir: Path, out_dir: Path) -> None:
         )
 
 
-def _prepare_out(plan: Plan, out: Path, identity: dict, *, overwrite: bool) -> None:
+def _prepare_out(plan: Plan, out: Path, identity: dict, *, overwrite: bool) -> list[Path]:
+    """Create OUT if needed and check that this run may write into it.
+
+    Returns the directories created (OUT and any missing parents, outermost first).
+    """
     check_out_dir(plan.checkpoint.root, out)
     if out.exists() and not out.is_dir():
         raise ReshardError(f"OUT {out} exists and is not a directory")
-    out.mkdir(parents=True, exist_ok=True)
+    created = _make_dirs(out)
     # A run killed while writing its marker or run manifest leaves only their temporary files:
     # ours, never worth keeping, and they must not make OUT look foreign to the next run.
     for name in (RUN_MARKER, manifest.RUN_MANIFEST):
         _remove(out / f".{name}{PARTIAL_SUFFIX}")
     entries = sorted(out.iterdir())
     if not entries:
-        return
+        return created
     marker = manifest.read_json(out / RUN_MARKER) or manifest.read_json(out / manifest.RUN_MANIFEST)
     if marker is not None and marker.get("identity") == identity:
-        return
+        return created
     what = "a split made with other settings" if marker else "files not written by qwen35-reshard"
     if not overwrite:
         raise ReshardError(
@@ -173,6 +253,34 @@ def _prepare_out(plan: Plan, out: Path, identity: dict, *, overwrite: bool) -> N
             shutil.rmtree(p)
         elif p.name != manifest.RUN_MANIFEST:
             p.unlink()
+    return created
+
+
+def _make_dirs(path: Path) -> list[Path]:
+    """``mkdir -p path``, returning the directories it created, outermost first."""
+    missing = []
+    p = path
+    while not p.exists():
+        missing.append(p)
+        p = p.parent
+    created = []
+    try:
+        for d in reversed(missing):
+            d.mkdir()
+            created.append(d)
+    except OSError:
+        _undo(created)
+        raise
+    return created
+
+
+def _undo(created: list[Path]) -> None:
+    """Remove what a run that could not start created (files and empty directories), newest first."""
+    for p in reversed(created):
+        try:
+            p.rmdir() if p.is_dir() and not p.is_symlink() else p.unlink()
+        except OSError:
+            pass  # not empty (another writer?) or already gone: leave it
 
 
 def _resume_stage(stage_dir: Path, stage: StagePlan) -> tuple[set[str], dict[str, str]]:
@@ -389,7 +497,10 @@ def _write_error(e: OSError, out: Path, needed: int) -> ReshardError:
             f"OUT {out}: no space left on device ({e.strerror}); this run writes {_gb(needed)}: free "
             "space and run the same command again to resume"
         )
-    return ReshardError(f"{e.filename or out}: {e.strerror or e} while writing the split")
+    return ReshardError(
+        f"{e.filename or out}: {e.strerror or e}; cannot write the split there: choose another OUT "
+        "or fix its permissions"
+    )
 
 
 def _remove_partials(out: Path, stages: list[StagePlan]) -> None:

@@ -179,15 +179,15 @@ def test_a_missing_layer_is_an_error(checkpoints):
         make_plan(dataclasses.replace(ckpt, tensors=kept), pp=2)
 
 
-def test_missing_lm_head_counts_as_tied(make_checkpoint):
-    # config.json says untied but no lm_head ships: SGLang needs embed_tokens on the last rank.
+def test_missing_lm_head_with_an_untied_config_is_refused(make_checkpoint):
+    # config.json says untied but no lm_head ships: a server would run with lm_head unloaded
+    # (issue 10; it used to be taken as tied).
     model = make_checkpoint(fresh=True, layout="fused", tied=True)
     config = json.loads((model / "config.json").read_text())
     config["tie_word_embeddings"] = config["text_config"]["tie_word_embeddings"] = False
     (model / "config.json").write_text(json.dumps(config))
-    plan = make_plan(read_checkpoint(model), pp=3, keep_mtp=False)
-    embed = "model.language_model.embed_tokens.weight"
-    assert [embed in {t.name for t in s.tensors} for s in plan.stages] == [True, False, True]
+    with pytest.raises(ReshardError, match="lacks tensor 'lm_head.weight'"):
+        make_plan(read_checkpoint(model), pp=3, keep_mtp=False)
 
 
 def _parse_header(prefix: bytes):

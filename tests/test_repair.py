@@ -1,0 +1,127 @@
+"""``verify OUT --source MODEL --repair`` (issue 10): exactly the damaged, missing or truncated
+files are rebuilt from the source (and a stage's index and manifest when they are among them),
+files that are fine are not rewritten, and the result is byte-identical to a clean split.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PP = 3
+
+
+def cli(*args) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "qwen35_reshard", *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+
+
+def files(out: Path) -> dict[str, tuple[int, int, int]]:
+    """Every file under ``out``: (inode, modification time, size), which a rewrite changes."""
+    return {
+        str(p.relative_to(out)): (p.stat().st_ino, p.stat().st_mtime_ns, p.stat().st_size)
+        for p in sorted(out.rglob("*"))
+        if p.is_file()
+    }
+
+
+def same_bytes(a: Path, b: Path) -> None:
+    assert sorted(files(a)) == sorted(files(b))
+    for name in files(a):
+        assert filecmp.cmp(a / name, b / name, shallow=False), name
+
+
+@pytest.fixture(scope="module")
+def model(make_checkpoint):
+    return make_checkpoint(layout="per_expert_fp8", shard_bytes=100_000)
+
+
+@pytest.fixture(scope="module")
+def clean(model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("clean") / "out"
+    r = cli("--pp", PP, model, out, "--max-file-size", "150000")
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+@pytest.fixture
+def out(clean, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(clean, out)
+    return out
+
+
+def data_files(stage: Path) -> list[Path]:
+    return sorted(stage.glob("model-*.safetensors"))
+
+
+def test_flipped_byte_truncated_and_deleted_files_are_rebuilt_and_nothing_else(model, clean, out):
+    flipped, truncated, deleted = (
+        data_files(out / "pp1")[1],
+        data_files(out / "pp2")[0],
+        data_files(out / "pp0")[-1],
+    )
+    raw = bytearray(flipped.read_bytes())
+    raw[-100] ^= 0x01
+    flipped.write_bytes(raw)
+    before = files(out)
+
+    r = cli("verify", out)
+    assert r.returncode == 1
+    last = r.stderr.rstrip("\n").splitlines()[-1]
+    assert f"qwen35-reshard verify {out} --source {model.resolve()} --repair" in last, last
+
+    # A plain re-run judges completeness by sizes and manifests: fast, and says who checks bytes.
+    r = cli("--pp", PP, model, out, "--max-file-size", "150000")
+    assert r.returncode == 0 and "nothing to do" in r.stderr and f"verify {out} --source" in r.stderr, (
+        r.stderr
+    )
+    assert files(out) == before
+
+    with open(truncated, "r+b") as f:
+        f.truncate(truncated.stat().st_size - 1000)
+    deleted.unlink()
+    damaged = {str(p.relative_to(out)) for p in (flipped, truncated, deleted)}
+    before = files(out)
+    r = cli("verify", out, "--source", model, "--repair")
+    assert r.returncode == 0, r.stderr
+    repaired = {
+        line.split(str(out) + "/", 1)[1] for line in r.stderr.splitlines() if line.startswith("repaired: ")
+    }
+    assert repaired == damaged
+    assert "verify OK" in r.stderr.splitlines()[-1]
+    after = files(out)
+    for name, st in before.items():
+        if name not in damaged:  # untouched: same inode, same modification time
+            assert after[name] == st, name
+    same_bytes(out, clean)
+
+
+@pytest.mark.parametrize(
+    "lost",
+    ["pp1/reshard-stage.json", "pp1/model.safetensors.index.json", "pp2/config.json", "reshard.json", "pp0"],
+)
+def test_lost_metadata_or_stage_is_rebuilt(model, clean, out, lost):
+    target = out / lost
+    shutil.rmtree(target) if target.is_dir() else target.unlink()
+    before = files(out)
+    r = cli("verify", out, "--source", model, "--repair")
+    assert r.returncode == 0, r.stderr
+    after = files(out)
+    data_kept = [n for n in before if n.endswith(".safetensors")]
+    for name in data_kept:
+        assert after[name] == before[name], f"{name} was rewritten"
+    same_bytes(out, clean)
+
+
+def test_repair_needs_the_source(out):
+    r = cli("verify", out, "--repair")
+    assert r.returncode == 2 and "--source" in r.stderr.splitlines()[-1]
