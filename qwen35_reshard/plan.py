@@ -16,7 +16,15 @@ from . import names, schema
 from .errors import ReshardError
 from .header import DTYPE_SIZES, encode_header
 from .source import Checkpoint, SourceTensor
-from .split import check_partition, check_pp, check_runtime, default_partition, launch_env, layer_ranges
+from .split import (
+    check_partition,
+    check_pp,
+    check_runtime,
+    default_partition,
+    launch_env,
+    layer_ranges,
+    placement_rules,
+)
 
 DEFAULT_MAX_FILE_BYTES = 5 * 1024**3
 # The Hub reads remote headers only up to 25 MB; stay well below with room for long names.
@@ -146,7 +154,7 @@ def make_plan(
     has_mtp = any(r.kind == names.MTP for r in roles.values())
     mtp = MTP_ABSENT if not has_mtp else MTP_KEPT if keep_mtp else MTP_DROPPED
     rank_of_layer = [r for r, (start, end) in enumerate(ranges) for _ in range(start, end)]
-    place = _placement_rules(pp, runtime, ckpt.tied_embeddings, mtp == MTP_KEPT)
+    place = placement_rules(pp, runtime, ckpt.tied_embeddings, mtp == MTP_KEPT)
 
     per_stage: list[list[tuple[SourceTensor, bool]]] = [[] for _ in range(pp)]
     dropped = []
@@ -211,25 +219,6 @@ def _check_layers_present(roles: dict[str, names.Role], num_layers: int) -> None
             f"decoder layer {missing[0]} has no tensors ({len(missing)} of {num_layers} layers "
             "missing); the checkpoint is incomplete or config.json's num_hidden_layers is wrong"
         )
-
-
-def _placement_rules(pp: int, runtime: str, tied: bool, mtp_kept: bool) -> dict[str, tuple[int, ...]]:
-    """Ranks that hold each non-layer role, per the runtime's model construction."""
-    first, last, every = (0,), (pp - 1,), tuple(range(pp))
-    if runtime == "vllm":
-        embed, visual = every, every
-    else:
-        # SGLang builds embed_tokens on the last rank too when lm_head is tied to it or the
-        # MTP draft (which keeps its own embedding copy there) is loaded.
-        embed = tuple(sorted({0, pp - 1})) if tied or mtp_kept else first
-        visual = first
-    return {
-        names.EMBED: embed,
-        names.VISUAL: visual,
-        names.NORM: last,
-        names.LM_HEAD: last,
-        names.MTP: last,
-    }
 
 
 def _layout_files(

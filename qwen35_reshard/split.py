@@ -7,6 +7,7 @@ variables) overrides the default, and the launch line always states it.
 
 from __future__ import annotations
 
+from . import names
 from .errors import ReshardError
 
 RUNTIMES = ("sglang", "vllm")
@@ -83,3 +84,26 @@ def layer_ranges(partition: list[int]) -> list[tuple[int, int]]:
 def launch_env(runtime: str, partition: list[int]) -> str:
     """The environment assignment that makes the server use exactly this split."""
     return f"{PARTITION_ENV[runtime]}={','.join(map(str, partition))}"
+
+
+def placement_rules(pp: int, runtime: str, tied: bool, mtp_kept: bool) -> dict[str, tuple[int, ...]]:
+    """Ranks that hold each non-layer role, per the runtime's model construction.
+
+    The plan places tensors by it, and the stage checks (loader, verify) derive from it what a
+    stage must hold: one rule for both.
+    """
+    first, last, every = (0,), (pp - 1,), tuple(range(pp))
+    if runtime == "vllm":
+        embed, visual = every, every
+    else:
+        # SGLang builds embed_tokens on the last rank too when lm_head is tied to it or the
+        # MTP draft (which keeps its own embedding copy there) is loaded.
+        embed = tuple(sorted({0, pp - 1})) if tied or mtp_kept else first
+        visual = first
+    return {
+        names.EMBED: embed,
+        names.VISUAL: visual,
+        names.NORM: last,
+        names.LM_HEAD: last,
+        names.MTP: last,
+    }

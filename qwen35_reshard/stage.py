@@ -26,9 +26,8 @@ from . import names, schema
 from .errors import ReshardError
 from .header import DTYPE_SIZES, Header, read_header
 from .manifest import RUN_MANIFEST, STAGE_DIR, STAGE_FORMAT, STAGE_MANIFEST
-from .plan import _placement_rules as placement_rules
 from .source import CONFIG_NAME, INDEX_NAME
-from .split import RUNTIMES, layer_ranges
+from .split import RUNTIMES, layer_ranges, placement_rules
 from .write import RUN_MARKER
 
 # Kinds of problem.
