@@ -258,7 +258,7 @@ def _verify(args: argparse.Namespace) -> int:
             for line in verify_lines(result.before)[:-1]:
                 print(line, file=sys.stderr)
             for path in result.rewritten:
-                print(f"repaired: {args.out / path}", file=sys.stderr)
+                print(f"repaired: {path}", file=sys.stderr)
         report = result.after
     else:
         report = verify(args.out, args.source)

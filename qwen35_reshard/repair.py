@@ -25,7 +25,7 @@ from .write import RUN_MARKER, repair_files
 
 @dataclass(frozen=True)
 class RepairResult:
-    """What a repair did: the first report, the paths rewritten (relative to OUT), the last report."""
+    """What a repair did: the first report, the paths of the files rewritten, the last report."""
 
     before: VerifyReport
     rewritten: list[str]
@@ -55,7 +55,9 @@ def repair(
         )
     plan = _plan(ckpt, identity)
     files, run_manifest = _damaged(before, plan)
-    rewritten = repair_files(plan, out, files, run_manifest=run_manifest, workers=workers)
+    rewritten = [
+        str(out / p) for p in repair_files(plan, out, files, run_manifest=run_manifest, workers=workers)
+    ]
     return RepairResult(before, rewritten, verify(target, source))
 
 

@@ -125,3 +125,16 @@ def test_lost_metadata_or_stage_is_rebuilt(model, clean, out, lost):
 def test_repair_needs_the_source(out):
     r = cli("verify", out, "--repair")
     assert r.returncode == 2 and "--source" in r.stderr.splitlines()[-1]
+
+
+def test_one_stage_directory_is_repaired_on_its_own(model, clean, out):
+    damaged = data_files(out / "pp2")[-1]
+    raw = bytearray(damaged.read_bytes())
+    raw[-1] ^= 0x80
+    damaged.write_bytes(raw)
+    r = cli("verify", out / "pp2", "--source", model, "--repair")
+    assert r.returncode == 0, r.stderr
+    assert [line for line in r.stderr.splitlines() if line.startswith("repaired: ")] == [
+        f"repaired: {damaged}"
+    ]
+    same_bytes(out, clean)
