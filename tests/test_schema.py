@@ -132,7 +132,7 @@ def test_transformers_saves_hold_exactly_the_schema(saves, which):
     assert f"{prefix}layers.7.mlp.gate.weight" in derived.tensors
     fused = f"{prefix}layers.0.mlp.experts.gate_up_proj"
     assert (fused in derived.tensors) == which.endswith("fused")
-    read_checkpoint(model)  # the whole source check passes
+    check(model)  # the whole source check (read, plan) passes
 
 
 @pytest.mark.parametrize("which", SAVES)
