@@ -180,6 +180,11 @@ MISSING = {
     "per-expert down_proj": ({"layout": "per_expert"}, f"{LM}layers.2.mlp.experts.3.down_proj.weight"),
     "fp8 scale": ({"layout": "per_expert_fp8"}, f"{LM}layers.7.mlp.experts.1.gate_proj.weight_scale_inv"),
     "fp8 weight": ({"layout": "per_expert_fp8"}, f"{LM}layers.0.linear_attn.in_proj_qkv.weight"),
+    # Kept BF16 by modules_to_not_convert: no scale counts as missing with it ("0 others").
+    "bf16 weight of an fp8 checkpoint": (
+        {"layout": "per_expert_fp8"},
+        f"{LM}layers.2.mlp.shared_expert_gate.weight",
+    ),
     "mtp": ({}, "mtp.layers.0.mlp.experts.2.up_proj.weight"),
     "mtp head": ({}, "mtp.pre_fc_norm_hidden.weight"),
     "vision": ({}, "model.visual.blocks.1.mlp.linear_fc2.bias"),
@@ -327,3 +332,17 @@ def test_a_stage_lacking_what_its_layers_and_role_need_is_refused(
         assert report.findings[0].tensor == name and "needs for its layers" in report.findings[0].message
         if source is None:  # the stage is otherwise consistent: the schema alone finds it
             assert len(report.findings) == 1, report.findings
+
+
+def test_an_fp8_scale_of_another_block_shape_is_refused(make_checkpoint):
+    model = make_checkpoint(fresh=True, layout="per_expert_fp8")
+    path = model / "config.json"
+    config = json.loads(path.read_bytes())
+    config["quantization_config"]["weight_block_size"] = [32, 32]
+    path.write_text(json.dumps(config))
+    with pytest.raises(ReshardError) as e:
+        check(model)
+    msg = str(e.value)
+    # in_proj_qkv [256, 64]: [2, 1] blocks of 128, [8, 2] of 32.
+    assert f"'{LM}layers.0.linear_attn.in_proj_qkv.weight_scale_inv' has shape [2, 1]" in msg
+    assert "config.json implies [8, 2]" in msg and "others with a wrong shape" in msg
