@@ -376,11 +376,15 @@ def describe_model(
     text_only: bool = False,
     dtype_scale: int = 1,
     vision_dims: Mapping[str, int] | None = None,
+    text_overrides: Mapping[str, Any] | None = None,
 ) -> tuple[dict[str, Any], list[TensorSpec]]:
     """config.json content and every tensor in state-dict order, without writing anything.
 
     Takes the model-shape options of `build_checkpoint` (see there); tests use it for
     the expected names/shapes, presets to size a model before building it.
+    text_overrides: text_config values to use instead of the derived ones, e.g. the real
+    122B-A10B's head counts ({"num_attention_heads": 32, "linear_num_value_heads": 64}),
+    which the rules from hidden_size do not give.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -395,6 +399,7 @@ def describe_model(
         mtp=mtp,
         tied=tied,
     )
+    text.update(text_overrides or {})
     vision_cfg = None if text_only or not vision else _vision_config(vision_dims or {}, hidden)
     fp8 = layout == "per_expert_fp8"
     p = "model." if text_only else "model.language_model."

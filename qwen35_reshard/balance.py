@@ -1,0 +1,338 @@
+"""``--partition balanced``: the layer split whose fullest stage needs the least memory. Pure.
+
+Both servers size every rank's cache to the smallest over the ranks, so the fullest stage
+decides what fits. The inputs are what the checkpoint's headers say, placed by the plan's own
+rules: the bytes of every decoder layer, and the bytes each stage holds whatever its layers
+are (embed_tokens, norm, lm_head, mtp.*, the vision tower, where the runtime puts them).
+
+The optimum is exact: a dynamic programme over contiguous splits (stage r takes layers
+[i, j)), O(pp * L^2) stage evaluations per objective. Objectives apply in order, each one
+restricting the next:
+
+1. capacity mode only: the most requests the worst stage can hold;
+2. the fewest bytes on the fullest stage;
+3. among exact ties: the evenest layer counts (smallest sum of squares), then the runtime's
+   default split when it is one of them, then the evenest stage bytes (sum of squares).
+
+A stage the runtime cannot serve (``allowed``) is never part of the answer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from itertools import accumulate
+
+from . import names
+from .capacity import Capacity, Serving, serving_costs
+from .errors import ReshardError
+from .plan import MTP_KEPT, Plan, make_plan
+from .source import Checkpoint, text_config
+from .split import check_pp, check_runtime, default_partition, layer_ranges
+
+# The non-layer parts a stage may hold, in display order.
+PARTS = (names.EMBED, names.LM_HEAD, names.NORM, names.MTP, names.VISUAL)
+
+# A function of one stage: (rank, first layer, end layer exclusive).
+StageFn = Callable[[int, int, int], int]
+StageTest = Callable[[int, int, int], bool]
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Bytes of everything a split distributes, as placed for one runtime and stage count."""
+
+    layer_bytes: tuple[int, ...]  # decoder layer i
+    full_attention: tuple[bool, ...]  # layer i is full attention (else linear attention)
+    fixed: tuple[Mapping[str, int], ...]  # stage r: bytes of each non-layer part it holds
+
+
+@dataclass(frozen=True)
+class StageLoad:
+    """What one stage of a split holds, and in capacity mode how many requests fit."""
+
+    rank: int
+    start: int
+    end: int  # exclusive
+    full_layers: int
+    linear_layers: int
+    layer_bytes: int
+    parts: Mapping[str, int]  # non-layer bytes by part
+    free_bytes: int | None = None  # per GPU after the weights (capacity mode)
+    requests: int | None = None  # requests at full context that fit (capacity mode)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.layer_bytes + sum(self.parts.values())
+
+
+class _Stages:
+    """Any stage's bytes and capacity in O(1), from prefix sums over the layers."""
+
+    def __init__(self, costs: Costs, serving: Serving | None) -> None:
+        self.costs = costs
+        self.serving = serving
+        self.pp = len(costs.fixed)
+        self.num_layers = len(costs.layer_bytes)
+        self._bytes = [0, *accumulate(costs.layer_bytes)]
+        self._full = [0, *accumulate(int(f) for f in costs.full_attention)]
+        self._fixed = [sum(parts.values()) for parts in costs.fixed]
+
+    def total(self, r: int, i: int, j: int) -> int:
+        return self._bytes[j] - self._bytes[i] + self._fixed[r]
+
+    def requests(self, r: int, i: int, j: int) -> int:
+        return self._capacity(r, i, j)[1]
+
+    def load(self, r: int, i: int, j: int) -> StageLoad:
+        full = self._full[j] - self._full[i]
+        free, requests = self._capacity(r, i, j) if self.serving is not None else (None, None)
+        return StageLoad(
+            r, i, j, full, j - i - full, self._bytes[j] - self._bytes[i], self.costs.fixed[r], free, requests
+        )
+
+    def _capacity(self, r: int, i: int, j: int) -> tuple[int, int]:
+        """Free bytes per GPU after the weights, and the requests that fit in them."""
+        s = self.serving
+        full = self._full[j] - self._full[i]
+        draft = s.draft_layers if r == self.pp - 1 else 0
+        free = s.budget_bytes - -(-self.total(r, i, j) // s.tp)
+        per_request = s.context_length * s.kv_bytes_per_token * (full + draft) + (
+            (j - i - full) * s.linear_state_bytes
+        )
+        return free, max(0, free // per_request)
+
+
+def evaluate(costs: Costs, partition: Sequence[int], serving: Serving | None = None) -> list[StageLoad]:
+    """Every stage's load under ``partition`` (layers per stage)."""
+    stages = _Stages(costs, serving)
+    bounds = [0, *accumulate(partition)]
+    return [stages.load(r, bounds[r], bounds[r + 1]) for r in range(len(partition))]
+
+
+def balance(
+    costs: Costs,
+    *,
+    default: Sequence[int],
+    allowed: Callable[[int, int], bool] = lambda start, end: True,
+    serving: Serving | None = None,
+) -> list[int] | None:
+    """The best split (layers per stage) by the objectives above; None if none is allowed.
+
+    ``allowed(start, end)``: whether the runtime can serve a stage holding layers
+    [start, end). ``default``: the runtime's own split, preferred among exact ties.
+    ``serving``: capacity mode, the split first maximises the requests of the worst stage.
+    """
+    stages = _Stages(costs, serving)
+    n, pp = stages.num_layers, stages.pp
+    keys: list[StageFn] = [stages.total]
+    if serving is not None:
+        keys.insert(0, lambda r, i, j: -stages.requests(r, i, j))
+    ok: StageTest = lambda r, i, j: allowed(i, j)
+    for key in keys:
+        best = _min_max(n, pp, key, ok)
+        if best is None:
+            return None
+        ok = _at_most(ok, key, best)
+    bounds = [0, *accumulate(default)]
+    if len(default) == pp and bounds[-1] == n and all(ok(r, bounds[r], bounds[r + 1]) for r in range(pp)):
+        return list(default)
+    return _min_sum(n, pp, lambda r, i, j: ((j - i) ** 2, stages.total(r, i, j) ** 2), ok)
+
+
+def _at_most(ok: StageTest, key: StageFn, best: int) -> StageTest:
+    return lambda r, i, j: ok(r, i, j) and key(r, i, j) <= best
+
+
+def _min_max(n: int, pp: int, key: StageFn, ok: StageTest) -> int | None:
+    """Smallest possible max over stages of ``key``, over splits whose every stage is ``ok``."""
+    prev: list[int | None] = [None] * (n + 1)  # prev[j]: best for layers [0, j), stages so far
+    for r in range(pp):
+        cur: list[int | None] = [None] * (n + 1)
+        for j in range(r + 1, n - (pp - r - 1) + 1):
+            for i in range(r, j) if r else (0,):
+                if (r and prev[i] is None) or not ok(r, i, j):
+                    continue
+                v = key(r, i, j) if r == 0 else max(prev[i], key(r, i, j))
+                if cur[j] is None or v < cur[j]:
+                    cur[j] = v
+        prev = cur
+    return prev[n]
+
+
+def _min_sum(
+    n: int, pp: int, cost: Callable[[int, int, int], tuple[int, ...]], ok: StageTest
+) -> list[int] | None:
+    """The split whose stages' ``cost`` tuples sum to the least (lexicographically)."""
+    prev: list[tuple[int, ...] | None] = [None] * (n + 1)
+    back: list[list[int]] = []
+    for r in range(pp):
+        cur: list[tuple[int, ...] | None] = [None] * (n + 1)
+        came_from = [0] * (n + 1)
+        for j in range(r + 1, n - (pp - r - 1) + 1):
+            for i in range(r, j) if r else (0,):
+                if (r and prev[i] is None) or not ok(r, i, j):
+                    continue
+                c = cost(r, i, j)
+                v = c if r == 0 else tuple(a + b for a, b in zip(prev[i], c, strict=True))
+                if cur[j] is None or v < cur[j]:
+                    cur[j], came_from[j] = v, i
+        back.append(came_from)
+        prev = cur
+    if prev[n] is None:
+        return None
+    bounds = [n]
+    for r in range(pp - 1, -1, -1):
+        bounds.append(back[r][bounds[-1]])
+    bounds.reverse()
+    return [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+# --------------------------------------------------------------------------- from a checkpoint
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The balanced split, and the runtime's default split beside it."""
+
+    partition: tuple[int, ...]
+    stages: tuple[StageLoad, ...]
+    default: tuple[int, ...]
+    default_stages: tuple[StageLoad, ...]
+    default_problem: str | None  # why the runtime cannot serve its own default split, if so
+    serving: Serving | None
+    costs: Costs  # what the choice was made from
+
+    @property
+    def default_optimal(self) -> bool:
+        """The default split is as good as any (it is then the one chosen)."""
+        return self.partition == self.default
+
+    def to_dict(self) -> dict:
+        """Plain JSON-ready data: both splits, stage by stage, bytes in bytes."""
+        return {
+            "partition": list(self.partition),
+            "default": list(self.default),
+            "default_optimal": self.default_optimal,
+            "default_problem": self.default_problem,
+            "capacity": None if self.serving is None else dataclasses.asdict(self.serving),
+            "stages": [_load_dict(s) for s in self.stages],
+            "default_stages": [_load_dict(s) for s in self.default_stages],
+        }
+
+
+def _load_dict(load: StageLoad) -> dict:
+    return {**dataclasses.asdict(load), "parts": dict(load.parts), "total_bytes": load.total_bytes}
+
+
+def choose(
+    ckpt: Checkpoint, *, pp: int, runtime: str, keep_mtp: bool = True, capacity: Capacity | None = None
+) -> Choice:
+    """The balanced split of ``ckpt`` over ``pp`` stages for ``runtime``.
+
+    Stage bytes come from the headers, placed by the plan's own rules (``assign``); with
+    ``capacity`` the split first maximises the requests the worst stage holds. Raises
+    ReshardError when no split over ``pp`` stages is one the runtime can serve.
+    """
+    check_pp(ckpt.num_layers, pp)
+    check_runtime(runtime)
+    default = default_partition(ckpt.num_layers, pp, runtime)
+    plan = make_plan(ckpt, pp=pp, runtime=runtime, partition=default, keep_mtp=keep_mtp)
+    costs = stage_costs(plan)
+    types = layer_types(ckpt.config, ckpt.num_layers)
+    serving = None
+    if capacity is not None:
+        text = text_config(ckpt.config)
+        draft = text.get("mtp_num_hidden_layers", 1) if plan.mtp == MTP_KEPT else 0
+        serving = serving_costs(text, runtime, capacity, draft_layers=draft)
+    partition = balance(
+        costs,
+        default=default,
+        allowed=lambda start, end: servable(runtime, types[start:end], [end - start]) is None,
+        serving=serving,
+    )
+    problem = servable(runtime, types, default)
+    if partition is None:
+        raise ReshardError(
+            f"no split of the {ckpt.num_layers} decoder layers into {pp} stages can be served by "
+            f"{runtime} ({problem}); use fewer stages"
+        )
+    return Choice(
+        tuple(partition),
+        tuple(evaluate(costs, partition, serving)),
+        tuple(default),
+        tuple(evaluate(costs, default, serving)),
+        problem,
+        serving,
+        costs,
+    )
+
+
+def stage_costs(plan: Plan) -> Costs:
+    """Per-layer bytes and each stage's non-layer bytes, as the plan places the tensors.
+
+    Where a runtime puts a non-layer tensor depends on the stage count, never on the layer
+    counts, so the plan of any one split gives every stage's fixed bytes.
+    """
+    ckpt = plan.checkpoint
+    layer_bytes = [0] * ckpt.num_layers
+    fixed: list[dict[str, int]] = [{} for _ in plan.stages]
+    for stage in plan.stages:
+        for placed in stage.tensors:
+            role = names.classify(placed.name)
+            if role.kind == names.LAYER:
+                layer_bytes[role.layer] += placed.source.nbytes
+            else:
+                part = fixed[stage.rank]
+                part[role.kind] = part.get(role.kind, 0) + placed.source.nbytes
+    full = tuple(t == FULL_ATTENTION for t in layer_types(ckpt.config, ckpt.num_layers))
+    return Costs(tuple(layer_bytes), full, tuple(fixed))
+
+
+# --------------------------------------------------------------------------- model rules
+# To move beside the other rules (layer types with the checkpoint's config, servable with the
+# runtimes' split rules) once the package layout settles.
+
+FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
+
+
+def layer_types(config: dict, num_layers: int) -> list[str]:
+    """Attention kind of each decoder layer: ``text_config.layer_types``, else as transformers
+    derives it from ``full_attention_interval`` (layer i is full attention when
+    (i + 1) % interval == 0, every 4th by default)."""
+    text = text_config(config)
+    types = text.get("layer_types")
+    if types is None:
+        interval = text.get("full_attention_interval", 4)
+        if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
+            raise ReshardError(f"config.json: full_attention_interval {interval!r} is not a positive integer")
+        return [FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(num_layers)]
+    if (
+        not isinstance(types, list)
+        or len(types) != num_layers
+        or any(t not in (FULL_ATTENTION, LINEAR_ATTENTION) for t in types)
+    ):
+        raise ReshardError(
+            f"config.json: layer_types must list {num_layers} entries, each {FULL_ATTENTION} or "
+            f"{LINEAR_ATTENTION}"
+        )
+    return list(types)
+
+
+def servable(runtime: str, layer_types: Sequence[str], partition: Sequence[int]) -> str | None:
+    """Why ``runtime`` cannot serve this split of a model with these layer types, or None.
+
+    vLLM cannot run a pipeline stage without a full-attention layer (measured on its CPU
+    build; on GPUs, vLLM issues #51752 and #54710 report the engine failing to start when a
+    hybrid model's PP rank owns no attention layer), so every stage needs one.
+    """
+    if runtime != "vllm":
+        return None
+    for rank, (start, end) in enumerate(layer_ranges(list(partition))):
+        if FULL_ATTENTION not in layer_types[start:end]:
+            return (
+                f"stage {rank} (layers {start}-{end - 1}) has no full-attention layer, and vLLM "
+                "cannot serve a pipeline stage without one"
+            )
+    return None

@@ -1,0 +1,91 @@
+"""What serving costs a stage besides its weights: KV cache and linear-attention state. Pure.
+
+Every formula is per GPU of a stage's tensor-parallel group (size ``tp``) and is derived in
+docs/partition.md from the servers' source:
+
+- KV cache per token per full-attention layer: ``2 * max(1, kv_heads // tp) * head_dim * 2``
+  (K and V, heads replicated when tp exceeds them, a BF16 cache: both servers' "auto" for a
+  BF16 model, the FP8 releases included);
+- Gated DeltaNet state per request per linear-attention layer: the conv window
+  ``(2 * Hk * Dk + Hv * Dv) / tp * (kernel - 1) * 2`` (BF16) plus the recurrent state
+  ``Hv / tp * Dk * Dv * b``, where b is the config's ``mamba_ssm_dtype`` when it names one,
+  else float32 (4) for SGLang and the model's BF16 (2) for vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import ReshardError
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_CACHE_BYTES = 2  # BF16 KV cache and conv state
+_DEFAULT_SSM_DTYPE = {"sglang": "float32", "vllm": "bfloat16"}
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """How the server will run each stage: what capacity mode sizes the split for."""
+
+    gpu_bytes: int  # memory of one GPU
+    mem_fraction: float  # share of it the server uses for weights and cache
+    tp: int  # tensor-parallel size of each stage
+    context_length: int  # tokens per request
+
+
+@dataclass(frozen=True)
+class Serving:
+    """Per-GPU memory a stage can use and what one request costs it, for the optimiser."""
+
+    budget_bytes: int  # GPU memory x the server's memory fraction
+    tp: int  # the stage's weights are spread over tp GPUs
+    context_length: int  # tokens of KV cache per request
+    kv_bytes_per_token: int  # per full-attention layer
+    linear_state_bytes: int  # per request per linear-attention layer (conv + recurrent)
+    draft_layers: int  # full-attention MTP draft layers with KV on the last stage (0: none)
+
+
+def serving_costs(text_config: dict, runtime: str, capacity: Capacity, *, draft_layers: int) -> Serving:
+    """The per-GPU budget and per-request state of a stage, from the model's config."""
+    if not 0 < capacity.mem_fraction <= 1 or capacity.tp < 1 or capacity.context_length < 1:
+        raise ReshardError(
+            "capacity: the memory fraction must be in (0, 1], the tensor-parallel size and the "
+            "context length at least 1"
+        )
+    tp = capacity.tp
+    kv = 2 * max(1, _int(text_config, "num_key_value_heads") // tp) * _int(text_config, "head_dim")
+    return Serving(
+        budget_bytes=int(capacity.gpu_bytes * capacity.mem_fraction),
+        tp=tp,
+        context_length=capacity.context_length,
+        kv_bytes_per_token=kv * _CACHE_BYTES,
+        linear_state_bytes=linear_state_bytes(text_config, runtime, tp),
+        draft_layers=draft_layers,
+    )
+
+
+def linear_state_bytes(text_config: dict, runtime: str, tp: int) -> int:
+    """Conv window plus recurrent state of one request in one linear-attention layer."""
+    hk, dk = _int(text_config, "linear_num_key_heads"), _int(text_config, "linear_key_head_dim")
+    hv, dv = _int(text_config, "linear_num_value_heads"), _int(text_config, "linear_value_head_dim")
+    kernel = _int(text_config, "linear_conv_kernel_dim")
+    ssm = text_config.get("mamba_ssm_dtype") or _DEFAULT_SSM_DTYPE[runtime]
+    if ssm not in _DTYPE_BYTES:
+        raise ReshardError(f"config.json: mamba_ssm_dtype {ssm!r} is not one of {', '.join(_DTYPE_BYTES)}")
+    conv = _ceil(2 * hk * dk + hv * dv, tp) * (kernel - 1) * _CACHE_BYTES
+    recurrent = _ceil(hv, tp) * dk * dv * _DTYPE_BYTES[ssm]
+    return conv + recurrent
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _int(text_config: dict, key: str) -> int:
+    value = text_config.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ReshardError(
+            f"config.json: no positive integer {key} in the text config; capacity mode needs "
+            "it to size the KV cache and linear-attention state"
+        )
+    return value
