@@ -27,8 +27,8 @@ from itertools import accumulate
 from . import names
 from .capacity import Capacity, Serving, serving_costs
 from .errors import ReshardError
-from .plan import MTP_KEPT, Plan, make_plan
-from .source import Checkpoint, text_config
+from .plan import MTP_KEPT, make_plan
+from .source import Checkpoint, SourceTensor, text_config
 from .split import check_pp, check_runtime, default_partition, layer_ranges
 
 # The non-layer parts a stage may hold, in display order.
@@ -238,13 +238,12 @@ def choose(
     check_pp(ckpt.num_layers, pp)
     check_runtime(runtime)
     default = default_partition(ckpt.num_layers, pp, runtime)
-    plan = make_plan(ckpt, pp=pp, runtime=runtime, partition=default, keep_mtp=keep_mtp)
-    costs = stage_costs(plan)
+    costs, mtp = stage_costs(ckpt, pp=pp, runtime=runtime, keep_mtp=keep_mtp)
     types = layer_types(ckpt.config, ckpt.num_layers)
     serving = None
     if capacity is not None:
         text = text_config(ckpt.config)
-        draft = text.get("mtp_num_hidden_layers", 1) if plan.mtp == MTP_KEPT else 0
+        draft = text.get("mtp_num_hidden_layers", 1) if mtp == MTP_KEPT else 0
         serving = serving_costs(text, runtime, capacity, draft_layers=draft)
     partition = balance(
         costs,
@@ -269,25 +268,42 @@ def choose(
     )
 
 
-def stage_costs(plan: Plan) -> Costs:
-    """Per-layer bytes and each stage's non-layer bytes, as the plan places the tensors.
+def stage_costs(ckpt: Checkpoint, *, pp: int, runtime: str, keep_mtp: bool) -> tuple[Costs, str]:
+    """Per-layer bytes, and each stage's non-layer bytes as the plan places them; the MTP state.
 
-    Where a runtime puts a non-layer tensor depends on the stage count, never on the layer
-    counts, so the plan of any one split gives every stage's fixed bytes.
+    A decoder layer's tensors all go to the stage that owns the layer; where the runtime puts
+    every other tensor depends on the stage count, never on the layer counts. So the plan of
+    the default split, made for the non-layer tensors and one tensor per layer (which keeps
+    the plan's checks whole, at a hundredth of the 397B-FP8's 189,000 tensors), gives every
+    stage's fixed bytes by the runtime's own rules.
     """
-    ckpt = plan.checkpoint
     layer_bytes = [0] * ckpt.num_layers
+    kept: dict[str, SourceTensor] = {}
+    seen: set[int] = set()
+    for name, src in ckpt.tensors.items():
+        role = names.classify(name)
+        if role is not None and role.kind == names.LAYER and role.layer < ckpt.num_layers:
+            layer_bytes[role.layer] += src.nbytes
+            if role.layer in seen:
+                continue
+            seen.add(role.layer)
+        kept[name] = src  # anything no rule places goes to the plan, which names it
+    slim = dataclasses.replace(ckpt, tensors=kept)
+    plan = make_plan(
+        slim,
+        pp=pp,
+        runtime=runtime,
+        partition=default_partition(ckpt.num_layers, pp, runtime),
+        keep_mtp=keep_mtp,
+    )
     fixed: list[dict[str, int]] = [{} for _ in plan.stages]
     for stage in plan.stages:
         for placed in stage.tensors:
-            role = names.classify(placed.name)
-            if role.kind == names.LAYER:
-                layer_bytes[role.layer] += placed.source.nbytes
-            else:
-                part = fixed[stage.rank]
-                part[role.kind] = part.get(role.kind, 0) + placed.source.nbytes
+            kind = names.classify(placed.name).kind
+            if kind != names.LAYER:
+                fixed[stage.rank][kind] = fixed[stage.rank].get(kind, 0) + placed.source.nbytes
     full = tuple(t == FULL_ATTENTION for t in layer_types(ckpt.config, ckpt.num_layers))
-    return Costs(tuple(layer_bytes), full, tuple(fixed))
+    return Costs(tuple(layer_bytes), full, tuple(fixed)), plan.mtp
 
 
 # --------------------------------------------------------------------------- model rules
