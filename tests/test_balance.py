@@ -376,3 +376,18 @@ def test_the_default_is_reported_optimal_where_it_is(fixture_397b):
         assert choice.default_optimal and choice.partition == choice.default
         assert choice.default_stages == choice.stages
     assert not choose(ckpt, pp=4, runtime="sglang", keep_mtp=True).default_optimal
+
+
+def test_the_balanced_split_is_written_and_verified_like_an_explicit_one(ref, make_checkpoint, tmp_path):
+    from test_reshard import check_split
+
+    from qwen35_reshard import reshard
+    from qwen35_reshard.verify import verify
+
+    model = make_checkpoint(**SMALL["untied"])
+    choice = choose(read_checkpoint(model), pp=3, runtime="vllm")
+    assert not choice.default_optimal  # MTP on the last stage: the even split is not the best
+    out = tmp_path / "out"
+    reshard(model, out, pp=3, runtime="vllm", partition=list(choice.partition))
+    check_split(ref, model, out, pp=3, runtime="vllm", partition=list(choice.partition))
+    assert verify(out, model).ok
