@@ -221,8 +221,9 @@ def issue_costs(shapes, shape, dtype, pp):
     """SGLang costs with MTP kept, the vision tower counted once on the first stage as the
     issue's numbers did, whatever the current placement rule for it is; and the default."""
     choice = choose(shapes.checkpoint(shape, dtype), pp=pp, runtime="sglang")
-    fixed = [{k: v for k, v in f.items() if k != "visual"} for f in choice.costs.fixed]
-    fixed[0]["visual"] = max(f.get("visual", 0) for f in choice.costs.fixed)  # one copy's bytes
+    fixed = [{k: v for k, v in f.items() if not k.startswith("visual")} for f in choice.costs.fixed]
+    # The first stage holds the whole tower under every rule so far (pos_embed included).
+    fixed[0]["visual"] = sum(v for k, v in choice.costs.fixed[0].items() if k.startswith("visual"))
     return Costs(choice.costs.layer_bytes, choice.costs.full_attention, tuple(fixed)), list(choice.default)
 
 
