@@ -24,12 +24,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
-from . import names
+from . import names, schema
 from .capacity import Capacity, Serving, serving_costs
 from .errors import ReshardError
-from .plan import MTP_KEPT, make_plan
-from .source import Checkpoint, SourceTensor, text_config
-from .split import check_pp, check_runtime, default_partition, layer_ranges
+from .plan import MTP_ABSENT, MTP_DROPPED, MTP_KEPT
+from .schema import text_config
+from .source import Checkpoint
+from .split import check_pp, check_runtime, default_partition, layer_ranges, placement_rules
 
 # The non-layer parts a stage may hold, in display order.
 PARTS = (names.EMBED, names.LM_HEAD, names.NORM, names.MTP, names.VISUAL)
@@ -239,7 +240,7 @@ def choose(
     check_runtime(runtime)
     default = default_partition(ckpt.num_layers, pp, runtime)
     costs, mtp = stage_costs(ckpt, pp=pp, runtime=runtime, keep_mtp=keep_mtp)
-    types = layer_types(ckpt.config, ckpt.num_layers)
+    types = layer_types(ckpt.config)
     serving = None
     if capacity is not None:
         text = text_config(ckpt.config)
@@ -269,71 +270,46 @@ def choose(
 
 
 def stage_costs(ckpt: Checkpoint, *, pp: int, runtime: str, keep_mtp: bool) -> tuple[Costs, str]:
-    """Per-layer bytes, and each stage's non-layer bytes as the plan places them; the MTP state.
+    """Per-layer bytes, each stage's non-layer bytes by the runtime's placement rules (the ones
+    the plan places by), and the MTP state (kept, dropped or absent).
 
-    A decoder layer's tensors all go to the stage that owns the layer; where the runtime puts
-    every other tensor depends on the stage count, never on the layer counts. So the plan of
-    the default split, made for the non-layer tensors and one tensor per layer (which keeps
-    the plan's checks whole, at a hundredth of the 397B-FP8's 189,000 tensors), gives every
-    stage's fixed bytes by the runtime's own rules.
+    A decoder layer's tensors all go to the stage that owns the layer; where every other
+    tensor goes depends on the stage count, never on the layer counts.
     """
-    layer_bytes = [0] * ckpt.num_layers
-    kept: dict[str, SourceTensor] = {}
-    seen: set[int] = set()
-    for name, src in ckpt.tensors.items():
+    roles = {}
+    for name in ckpt.tensors:
         role = names.classify(name)
-        if role is not None and role.kind == names.LAYER and role.layer < ckpt.num_layers:
+        if role is None or (role.kind == names.LAYER and role.layer >= ckpt.num_layers):
+            raise ReshardError(f"tensor {name!r}: no stage can hold it (plan the split to see why)")
+        roles[name] = role
+    has_mtp = any(r.kind == names.MTP for r in roles.values())
+    mtp = MTP_ABSENT if not has_mtp else MTP_KEPT if keep_mtp else MTP_DROPPED
+    place = placement_rules(pp, runtime, ckpt.tied_embeddings, mtp == MTP_KEPT)
+    layer_bytes = [0] * ckpt.num_layers
+    fixed: list[dict[str, int]] = [{} for _ in range(pp)]
+    for name, src in ckpt.tensors.items():
+        role = roles[name]
+        if role.kind == names.LAYER:
             layer_bytes[role.layer] += src.nbytes
-            if role.layer in seen:
-                continue
-            seen.add(role.layer)
-        kept[name] = src  # anything no rule places goes to the plan, which names it
-    slim = dataclasses.replace(ckpt, tensors=kept)
-    plan = make_plan(
-        slim,
-        pp=pp,
-        runtime=runtime,
-        partition=default_partition(ckpt.num_layers, pp, runtime),
-        keep_mtp=keep_mtp,
-    )
-    fixed: list[dict[str, int]] = [{} for _ in plan.stages]
-    for stage in plan.stages:
-        for placed in stage.tensors:
-            kind = names.classify(placed.name).kind
-            if kind != names.LAYER:
-                fixed[stage.rank][kind] = fixed[stage.rank].get(kind, 0) + placed.source.nbytes
-    full = tuple(t == FULL_ATTENTION for t in layer_types(ckpt.config, ckpt.num_layers))
-    return Costs(tuple(layer_bytes), full, tuple(fixed)), plan.mtp
+        elif not (role.kind == names.MTP and mtp == MTP_DROPPED):
+            for r in place[role.kind]:
+                fixed[r][role.kind] = fixed[r].get(role.kind, 0) + src.nbytes
+    full = tuple(t == FULL_ATTENTION for t in layer_types(ckpt.config))
+    return Costs(tuple(layer_bytes), full, tuple(fixed)), mtp
 
 
 # --------------------------------------------------------------------------- model rules
-# To move beside the other rules (layer types with the checkpoint's config, servable with the
-# runtimes' split rules) once the package layout settles.
+# servable is to move beside the runtimes' split rules once the package layout settles.
 
-FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
+FULL_ATTENTION = "full_attention"
 
 
-def layer_types(config: dict, num_layers: int) -> list[str]:
-    """Attention kind of each decoder layer: ``text_config.layer_types``, else as transformers
-    derives it from ``full_attention_interval`` (layer i is full attention when
-    (i + 1) % interval == 0, every 4th by default)."""
-    text = text_config(config)
-    types = text.get("layer_types")
-    if types is None:
-        interval = text.get("full_attention_interval", 4)
-        if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
-            raise ReshardError(f"config.json: full_attention_interval {interval!r} is not a positive integer")
-        return [FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(num_layers)]
-    if (
-        not isinstance(types, list)
-        or len(types) != num_layers
-        or any(t not in (FULL_ATTENTION, LINEAR_ATTENTION) for t in types)
-    ):
-        raise ReshardError(
-            f"config.json: layer_types must list {num_layers} entries, each {FULL_ATTENTION} or "
-            f"{LINEAR_ATTENTION}"
-        )
-    return list(types)
+def layer_types(config: dict) -> list[str]:
+    """Attention kind of each decoder layer, as the model schema reads it from the config."""
+    try:
+        return schema._layer_types(text_config(config))
+    except ValueError as e:
+        raise ReshardError(f"config.json: {e}") from e
 
 
 def servable(runtime: str, layer_types: Sequence[str], partition: Sequence[int]) -> str | None:
