@@ -22,7 +22,6 @@ from typing import NoReturn
 from . import __version__, manifest
 from .errors import ReshardError
 from .plan import DEFAULT_MAX_FILE_BYTES, Plan, make_plan
-from .source import read_checkpoint
 from .split import RUNTIMES, parse_partition
 from .write import WriteResult, check_out_dir, write_plan
 
@@ -87,8 +86,11 @@ def _parser(*, plan_only: bool) -> argparse.ArgumentParser:
         ),
     )
     p.add_argument(
-        "model", metavar="MODEL", type=Path, help="checkpoint directory (plain or a HF cache snapshot)"
+        "model", metavar="MODEL", help="checkpoint directory (plain or a HF cache snapshot) or Hub repo id"
     )
+    p.add_argument("--revision", help="branch, tag or commit of a Hub repo (default: main)")
+    p.add_argument("--token", help="Hugging Face token (default: HF_TOKEN or the saved login)")
+    p.add_argument("--offline", action="store_true", help="use only the Hugging Face cache")
     p.add_argument("out", metavar="OUT", type=Path, nargs="?" if plan_only else None, help="output directory")
     p.add_argument("--pp", type=int, required=True, help="number of pipeline stages")
     p.add_argument(
@@ -142,21 +144,25 @@ def _size(text: str) -> int:
 def _reshard(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from .report import RichReporter, plan_table, summary
+    from .report import RichReporter, fetch_line, plan_table, summary
 
     console = Console(stderr=True)
-    if args.out is not None:
-        check_out_dir(args.model, args.out)
+    from . import hub
+
+    if args.out is not None and Path(args.model).is_dir():
+        check_out_dir(Path(args.model), args.out)
     if getattr(args, "workers", 1) < 1:
         raise ReshardError(f"--workers must be at least 1, got {args.workers}")
     # Reading and planning make a few small objects per tensor (~190,000 tensors for a
     # 397B FP8 checkpoint), none of them cyclic: the garbage collector would only slow this.
     gc.disable()
     try:
-        ckpt = read_checkpoint(args.model)
+        traffic = hub.Traffic()
+        settings = hub.HubSettings(revision=args.revision, token=args.token, offline=args.offline)
+        ckpt, repo = hub.open_model(args.model, settings, traffic=traffic)
         for name in ckpt.unlisted:
             print(
-                f"warning: {ckpt.root / name} is not listed in the checkpoint's index: ignored, as the "
+                f"warning: {ckpt.display}/{name} is not listed in the checkpoint's index: ignored, as the "
                 "servers ignore it",
                 file=sys.stderr,
             )
@@ -183,18 +189,36 @@ def _reshard(args: argparse.Namespace) -> int:
         return 0
     reporter = RichReporter(console)
     started = time.monotonic()
+    fetcher = None
+    if repo is not None:
+        needed = hub.needed_by(plan)
+        fetcher = hub.HubFetcher(repo, ckpt, needed, traffic=traffic, on_fetched=reporter.fetched)
+        reporter.expect_downloads(fetcher.download_bytes)
     try:
-        result = write_plan(plan, args.out, overwrite=args.overwrite, workers=args.workers, reporter=reporter)
+        if fetcher is not None:
+            fetcher.prepare()
+        result = write_plan(
+            plan, args.out, overwrite=args.overwrite, workers=args.workers, reporter=reporter,
+            open_source=fetcher.open if fetcher is not None else None,
+        )
     finally:
         reporter.close()
     seconds = time.monotonic() - started
     summary(console, plan, result, str(args.out), seconds)
-    _print_json(args, "nothing_to_do" if result.nothing_to_do else "ok", plan, result, seconds)
+    fetch = hub.fetch_report(plan, fetcher) if fetcher is not None else None
+    if fetch is not None:
+        console.print(fetch_line(fetch), highlight=False)
+    _print_json(args, "nothing_to_do" if result.nothing_to_do else "ok", plan, result, seconds, fetch)
     return 0
 
 
 def _print_json(
-    args: argparse.Namespace, status: str, plan: Plan, result: WriteResult | None, seconds: float
+    args: argparse.Namespace,
+    status: str,
+    plan: Plan,
+    result: WriteResult | None,
+    seconds: float,
+    fetch: dict | None = None,
 ) -> None:
     if not args.json:
         return
@@ -214,6 +238,8 @@ def _print_json(
             "bytes_copied": result.bytes_copied,
             "seconds": round(seconds, 3),
         }
+    if fetch is not None:
+        doc["fetch"] = fetch
     print(json.dumps(doc, indent=2))
 
 
@@ -231,12 +257,15 @@ def _verify_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "out", metavar="OUT", type=Path, help="the run directory, or one stage directory (OUT/pp2)"
     )
-    p.add_argument("--source", metavar="MODEL", type=Path, help="the checkpoint the split was made from")
+    p.add_argument("--source", metavar="MODEL", help="the checkpoint the split was made from")
     p.add_argument(
         "--repair",
         action="store_true",
         help="rewrite from --source exactly the files found damaged, missing or truncated, then verify again",
     )
+    p.add_argument("--revision", help="branch, tag or commit of a Hub repo (default: main)")
+    p.add_argument("--token", help="Hugging Face token (default: HF_TOKEN or the saved login)")
+    p.add_argument("--offline", action="store_true", help="use only the Hugging Face cache")
     p.add_argument("--json", action="store_true", help="print the full report as JSON on stdout")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     p.add_argument("--version", action="version", version=f"qwen35-reshard {__version__}")
@@ -245,6 +274,7 @@ def _verify_parser() -> argparse.ArgumentParser:
 
 def _verify(args: argparse.Namespace) -> int:
     """Run ``verify`` for parsed ``args``: human report on stderr, ``--json`` on stdout."""
+    from . import hub
     from .report import verify_lines
     from .verify import verify
 
@@ -253,7 +283,7 @@ def _verify(args: argparse.Namespace) -> int:
             raise ReshardError("--repair rewrites files from the checkpoint: pass --source MODEL")
         from .repair import repair
 
-        result = repair(args.out, args.source)
+        result = repair(args.out, Path(args.source))
         if not result.before.ok:
             for line in verify_lines(result.before)[:-1]:
                 print(line, file=sys.stderr)
@@ -261,7 +291,8 @@ def _verify(args: argparse.Namespace) -> int:
                 print(f"repaired: {path}", file=sys.stderr)
         report = result.after
     else:
-        report = verify(args.out, args.source)
+        settings = hub.HubSettings(revision=args.revision, token=args.token, offline=args.offline)
+        report = verify(args.out, args.source, hub_settings=settings)
     for line in verify_lines(report):
         print(line, file=sys.stderr)
     if args.json:

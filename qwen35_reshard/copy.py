@@ -40,6 +40,7 @@ import queue
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from .errors import ReshardError
 
@@ -71,8 +72,20 @@ class Segment:
 _Piece = tuple[Segment, int, int]
 
 
+class RangeSource(Protocol):
+    """A source read by byte ranges rather than from a local file (a shard on the Hub)."""
+
+    display: str
+
+    def expect(self, spans: list[tuple[int, int]]) -> None:
+        """The runs ``[begin, end)`` about to be read, in order."""
+
+    def readinto(self, view: memoryview, pos: int) -> int:
+        """Fill ``view`` with the bytes at ``pos``."""
+
+
 def copy_segments(
-    src_path: str,
+    src_path: str | RangeSource,
     segments: list[Segment],
     *,
     on_progress: Callable[[int], None] = lambda n: None,
@@ -87,18 +100,24 @@ def copy_segments(
     each window (hashing may trail by a few windows; all digests are final when this
     returns). Runs adjacent in both the source and an output file are copied as one.
     ``kernel=False`` moves the bytes through buffers, as is done anyway when nothing is
-    written or the source cannot be mapped.
+    written or the source cannot be mapped. A ``RangeSource`` instead of a path is read the
+    buffer way, one ranged read per run of adjacent segments.
     """
     segments = sorted(segments, key=lambda s: s.offset)
     digests = {s.name: _EMPTY_SHA256 for s in segments if s.nbytes == 0}
-    fd = os.open(src_path, os.O_RDONLY)
+    remote = not isinstance(src_path, (str, os.PathLike))
+    fd = -1 if remote else os.open(src_path, os.O_RDONLY)
     hasher = _Hasher(fd, [s for s in segments if s.nbytes], digests)
     try:
         hasher.start()
-        _advise_sequential(fd)
-        mover = _Mover(
-            fd, src_path, kernel=kernel and any(s.dests for s in segments), chunk_bytes=chunk_bytes
-        )
+        if remote:
+            src_path.expect(_spans(segments))
+            mover: _Mover = _RemoteMover(src_path, chunk_bytes=chunk_bytes)
+        else:
+            _advise_sequential(fd)
+            mover = _Mover(
+                fd, src_path, kernel=kernel and any(s.dests for s in segments), chunk_bytes=chunk_bytes
+            )
         for pos, n, pieces in _chunks(segments, chunk_bytes):
             if should_stop():
                 raise KeyboardInterrupt
@@ -111,9 +130,23 @@ def copy_segments(
         raise
     finally:
         hasher.finish()
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
     hasher.raise_error()
     return digests
+
+
+def _spans(segments: list[Segment]) -> list[tuple[int, int]]:
+    """Runs ``[begin, end)`` of source-adjacent, non-empty segments (sorted by offset)."""
+    spans: list[list[int]] = []
+    for s in segments:
+        if not s.nbytes:
+            continue
+        if spans and spans[-1][1] == s.offset:
+            spans[-1][1] += s.nbytes
+        else:
+            spans.append([s.offset, s.offset + s.nbytes])
+    return [(a, b) for a, b in spans]
 
 
 def _chunks(segments: list[Segment], chunk_bytes: int) -> Iterator[tuple[int, int, list[_Piece]]]:
@@ -222,11 +255,16 @@ class _Mover:
             done += got
         return done
 
-    def _read(self, pos: int, n: int) -> memoryview:
+    def _buffer(self, n: int) -> memoryview:
+        """The next buffer of the ring (the hasher is done with it), cut to ``n`` bytes."""
         if len(self.buffers) < RING_BUFFERS:
             self.buffers.append(memoryview(bytearray(self.chunk_bytes)))
         view = self.buffers[self.next_buffer][:n]
         self.next_buffer = (self.next_buffer + 1) % RING_BUFFERS
+        return view
+
+    def _read(self, pos: int, n: int) -> memoryview:
+        view = self._buffer(n)
         got = os.preadv(self.fd, [view], pos)
         if got != n:
             self._truncated(pos + got, pos + n)
@@ -255,6 +293,21 @@ class _Mover:
             f"{self.src_path}: file ended at byte {at} while reading tensor data up to byte "
             f"{wanted}; was the source changed or truncated during the run?"
         )
+
+
+class _RemoteMover(_Mover):
+    """Moves windows read from a ``RangeSource`` through the buffer ring: no file to map,
+    to copy from in the kernel or to drop from the page cache."""
+
+    def __init__(self, source: RangeSource, *, chunk_bytes: int) -> None:
+        super().__init__(-1, source.display, kernel=False, chunk_bytes=chunk_bytes)
+        self.source = source
+
+    def move(self, pos: int, n: int, pieces: list[_Piece]) -> tuple[mmap.mmap | None, memoryview | None]:
+        view = self._buffer(n)
+        self.source.readinto(view, pos)
+        self._write_from(view, pos, pieces)
+        return None, view
 
 
 class _Hasher:

@@ -28,11 +28,13 @@ TOOL = {"name": "qwen35-reshard", "version": __version__}
 
 
 def source_identity(ckpt: Checkpoint) -> dict:
-    """What identifies the source: its path for people, digests and sizes for the tool."""
+    """What identifies the source: its path (or Hub repo id and commit) for people, digests and
+    sizes for the tool. A Hub source records no endpoint and no token."""
     fingerprint = hashlib.sha256(
         json.dumps([ckpt.config_sha256, ckpt.index_sha256, sorted(ckpt.file_sizes.items())]).encode()
     ).hexdigest()
     return {
+        **(ckpt.hub or {}),
         "path": str(ckpt.root.resolve()),
         "index_sha256": ckpt.index_sha256,
         "config_sha256": ckpt.config_sha256,

@@ -35,7 +35,7 @@ def plan_table(plan: Plan) -> Table:
     """One row per stage: layers, tensors, bytes, source shards read, and extra roles."""
     ckpt = plan.checkpoint
     table = Table(
-        title=f"{ckpt.root}: {ckpt.num_layers} layers, {len(ckpt.tensors)} tensors, "
+        title=f"{ckpt.display}: {ckpt.num_layers} layers, {len(ckpt.tensors)} tensors, "
         f"{len(ckpt.files)} shards -> pp={plan.pp} ({plan.runtime})",
         title_justify="left",
     )
@@ -72,8 +72,9 @@ class RichReporter(Reporter):
 
     def __init__(self, console: Console) -> None:
         self.console = console
+        self.downloads = 0
         self.progress = Progress(
-            TextColumn("copying"),
+            TextColumn("{task.description}"),
             BarColumn(),
             DownloadColumn(),
             TransferSpeedColumn(),
@@ -82,13 +83,25 @@ class RichReporter(Reporter):
             transient=False,
         )
         self.task = None
+        self.download_task = None
+
+    def expect_downloads(self, total_bytes: int) -> None:
+        """Whole shards this run downloads from the Hub get a row of their own, above the copy."""
+        self.downloads = total_bytes
 
     def start(self, total_bytes: int) -> None:
-        self.task = self.progress.add_task("copy", total=total_bytes)
+        if self.downloads:
+            self.download_task = self.progress.add_task("downloading", total=self.downloads)
+        self.task = self.progress.add_task("copying", total=total_bytes)
         self.progress.start()
 
     def advance(self, nbytes: int) -> None:
         self.progress.advance(self.task, nbytes)
+
+    def fetched(self, nbytes: int) -> None:
+        """Bytes of a whole-shard download (huggingface_hub reports them as they arrive)."""
+        if self.download_task is not None:
+            self.progress.advance(self.download_task, nbytes)
 
     def stage_done(self, stage: StagePlan) -> None:
         self.close()  # copying is over once stages finish; the bar stays as the last record
@@ -140,6 +153,19 @@ def summary(console: Console, plan: Plan, result: WriteResult, out: str, seconds
     console.print(f"  [bold]{plan.launch_env}[/]", soft_wrap=True, highlight=False)
     for line in launch_lines(plan, out):
         console.print(f"  {line}", soft_wrap=True, highlight=False)
+
+
+def fetch_line(fetch: dict) -> str:
+    """What this node fetched from the Hub, against the whole checkpoint."""
+    hows = list(fetch["shards"].values())
+    counts = ", ".join(f"{hows.count(h)} {label}" for h, label in _HOWS if hows.count(h))
+    return (
+        f"fetched {human_bytes(fetch['fetched_bytes'])} of {human_bytes(fetch['checkpoint_bytes'])} "
+        f"in {fetch['requests']} requests ({counts or 'no shards'})"
+    )
+
+
+_HOWS = (("whole", "shards downloaded whole"), ("ranges", "by byte ranges"), ("cache", "from the cache"))
 
 
 def verify_lines(report: VerifyReport, *, per_stage: int = 20) -> list[str]:

@@ -11,12 +11,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from . import schema
 from .errors import ReshardError
-from .header import read_header
+from .header import Header, read_header
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_FILE_NAME = "model.safetensors"
@@ -52,9 +53,15 @@ class Checkpoint:
     tensors: dict[str, SourceTensor]  # ordered by (file, offset)
     extra_files: tuple[str, ...]  # non-weight files for every stage, config.json included; sorted
     unlisted: tuple[str, ...] = ()  # *.safetensors the index does not list: ignored, as servers do
+    hub: dict | None = None  # repo_id, revision, commit of a Hub source; None for a local one
 
     def path(self, name: str) -> Path:
         return self.root / name
+
+    @property
+    def display(self) -> str:
+        """The source for people: its directory, or ``org/name@commit`` for a Hub repo."""
+        return f"{self.hub['repo_id']}@{self.hub['commit'][:12]}" if self.hub else str(self.root)
 
 
 def read_checkpoint(model_dir: str | os.PathLike[str]) -> Checkpoint:
@@ -64,16 +71,11 @@ def read_checkpoint(model_dir: str | os.PathLike[str]) -> Checkpoint:
         raise ReshardError(f"{root}: not a directory; pass the checkpoint's directory as MODEL")
     allowed = _allowed_roots(root)
     config_bytes = _read_file(root, CONFIG_NAME, allowed)
-    config = _load_json(config_bytes, root / CONFIG_NAME)
-    num_layers = _num_layers(config, root / CONFIG_NAME)
-
+    config = load_config(config_bytes, str(root / CONFIG_NAME))
     index_bytes: bytes | None = None
     if (root / INDEX_NAME).exists():
         index_bytes = _read_file(root, INDEX_NAME, allowed)
-        weight_map = _weight_map(_load_json(index_bytes, root / INDEX_NAME), root / INDEX_NAME)
-    elif (root / SINGLE_FILE_NAME).exists():
-        weight_map = None
-    else:
+    elif not (root / SINGLE_FILE_NAME).exists():
         pickles = sorted(p.name for p in root.iterdir() if p.name.endswith(PICKLE_SUFFIXES))
         hint = (
             f"; found only pickled weights ({', '.join(pickles[:3])}), which this tool never "
@@ -83,14 +85,58 @@ def read_checkpoint(model_dir: str | os.PathLike[str]) -> Checkpoint:
         )
         raise ReshardError(f"{root}: no {INDEX_NAME} and no {SINGLE_FILE_NAME}{hint}")
 
+    def read_headers(files: list[str]) -> dict[str, Header]:
+        # Every name is checked before any header is read: a name leaving the model directory
+        # is reported as such, whatever other damage a shard sorted before it has.
+        paths = {file: _checked_path(root, file, allowed, what="shard") for file in files}
+        return {file: read_header(paths[file], display=str(root / file)) for file in files}
+
+    def other_files(files: list[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        unlisted = [p.name for p in root.iterdir() if p.name.endswith(".safetensors") and p.name not in files]
+        return _extra_files(root, allowed, skip={INDEX_NAME, *files}), tuple(sorted(unlisted))
+
+    return assemble_checkpoint(
+        root=root,
+        display=str(root),
+        config=config,
+        config_bytes=config_bytes,
+        index_bytes=index_bytes,
+        read_headers=read_headers,
+        other_files=other_files,
+    )
+
+
+def assemble_checkpoint(
+    *,
+    root: Path,
+    display: str,
+    config: dict,
+    config_bytes: bytes,
+    index_bytes: bytes | None,
+    read_headers: Callable[[list[str]], dict[str, Header]],
+    other_files: Callable[[list[str]], tuple[tuple[str, ...], tuple[str, ...]]],
+    hub: dict | None = None,
+) -> Checkpoint:
+    """Check a checkpoint's config, index and headers against each other and build it.
+
+    Shared by local directories and Hub repos: ``display`` names the source in messages,
+    ``config`` is ``config_bytes`` as :func:`load_config` read it, ``read_headers(files)``
+    returns each data file's parsed header (called once the index is known good) and
+    ``other_files(files)`` the non-weight files every stage gets and the ``*.safetensors``
+    the index does not list.
+    """
+    num_layers = _num_layers(config, f"{display}/{CONFIG_NAME}")
+    weight_map = (
+        _weight_map(_load_json(index_bytes, f"{display}/{INDEX_NAME}"), f"{display}/{INDEX_NAME}")
+        if index_bytes is not None
+        else None
+    )
     files = sorted(set(weight_map.values())) if weight_map is not None else [SINGLE_FILE_NAME]
+    headers = read_headers(files)
     tensors: dict[str, SourceTensor] = {}
     file_sizes: dict[str, int] = {}
-    # Every name is checked before any header is read: a name leaving the model directory is
-    # reported as such, whatever other damage a shard sorted before it has.
-    paths = {file: _checked_path(root, file, allowed, what="shard") for file in files}
     for file in files:
-        header = read_header(paths[file], display=str(root / file))
+        header = headers[file]
         file_sizes[file] = header.file_size
         for t in header.tensors:
             if t.name in tensors:
@@ -102,7 +148,7 @@ def read_checkpoint(model_dir: str | os.PathLike[str]) -> Checkpoint:
                 listed = weight_map.get(t.name)
                 where = f"lists it in {listed}" if listed else "does not list it"
                 raise ReshardError(
-                    f"{root / file}: holds tensor {t.name!r} but {INDEX_NAME} {where}; "
+                    f"{display}/{file}: holds tensor {t.name!r} but {INDEX_NAME} {where}; "
                     "the index and the shards do not match"
                 )
             tensors[t.name] = SourceTensor(
@@ -116,6 +162,7 @@ def read_checkpoint(model_dir: str | os.PathLike[str]) -> Checkpoint:
                 f"shard does not hold it ({len(missing)} such tensors); the checkpoint is incomplete"
             )
 
+    extra, unlisted = other_files(files)
     return Checkpoint(
         root=root,
         config=config,
@@ -126,14 +173,20 @@ def read_checkpoint(model_dir: str | os.PathLike[str]) -> Checkpoint:
         files=tuple(files),
         file_sizes=file_sizes,
         tensors=tensors,
-        extra_files=_extra_files(root, allowed, skip={INDEX_NAME, *files}),
-        unlisted=tuple(
-            sorted(p.name for p in root.iterdir() if p.name.endswith(".safetensors") and p.name not in files)
-        ),
+        extra_files=extra,
+        unlisted=unlisted,
+        hub=hub,
     )
 
 
-def _num_layers(config: dict, where: Path) -> int:
+def load_config(raw: bytes, where: str) -> dict:
+    """config.json's bytes as a dict, checked to name a positive number of layers."""
+    config = _load_json(raw, where)
+    _num_layers(config, where)
+    return config
+
+
+def _num_layers(config: dict, where: str) -> int:
     n = schema.text_config(config).get("num_hidden_layers")
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ReshardError(
@@ -143,7 +196,7 @@ def _num_layers(config: dict, where: Path) -> int:
     return n
 
 
-def _weight_map(index: object, where: Path) -> dict[str, str]:
+def _weight_map(index: object, where: str) -> dict[str, str]:
     wm = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(wm, dict) or not wm:
         raise ReshardError(f"{where}: no non-empty weight_map object")
@@ -158,7 +211,7 @@ def _weight_map(index: object, where: Path) -> dict[str, str]:
     return wm
 
 
-def _load_json(raw: bytes, where: Path) -> dict:
+def _load_json(raw: bytes, where: str) -> dict:
     try:
         obj = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:

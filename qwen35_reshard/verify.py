@@ -25,10 +25,11 @@ from pathlib import Path
 from .copy import CHUNK_BYTES, Segment, copy_segments
 from .errors import ReshardError
 from .header import DTYPE_SIZES, Header
+from .hub import HubFetcher, HubRepo, HubSettings, fetch_files, open_model
 from .manifest import RUN_MANIFEST, STAGE_MANIFEST, source_identity
 from .names import LAYER, classify
 from .plan import MTP_DROPPED, Plan, make_plan
-from .source import CONFIG_NAME, INDEX_NAME, Checkpoint, read_checkpoint
+from .source import CONFIG_NAME, INDEX_NAME, Checkpoint
 from .split import parse_partition
 from .stage import (
     CORRUPT,
@@ -132,6 +133,7 @@ def verify(
     source: str | os.PathLike[str] | None = None,
     *,
     chunk_bytes: int = CHUNK_BYTES,
+    hub_settings: HubSettings | None = None,
 ) -> VerifyReport:
     """Check the run directory or single stage directory ``path``; compare with ``source`` if given.
 
@@ -141,7 +143,11 @@ def verify(
     root = Path(display)
     if not root.is_dir():
         raise ReshardError(f"{display}: not a directory; pass OUT or one of its stage directories (OUT/pp0)")
-    ckpt = read_checkpoint(source) if source is not None else None
+    ckpt, repo = (None, None)
+    if source is not None:
+        ckpt, repo = open_model(os.fspath(source), hub_settings or HubSettings())
+    if repo is not None:
+        fetch_files(repo, ckpt.extra_files)
     report = VerifyReport(target=display, source=os.fspath(source) if source is not None else None)
     if _is_run_dir(root):
         stages = _check_run_dir(root, display, report)
@@ -155,7 +161,7 @@ def verify(
     for stage in stages:
         _check_stage(stage, report, ckpt, chunk_bytes)
     if ckpt is not None:
-        _check_against_source(ckpt, [s for s in stages if s.manifest is not None], report, chunk_bytes)
+        _check_against_source(ckpt, [s for s in stages if s.manifest is not None], report, chunk_bytes, repo)
     return report
 
 
@@ -438,7 +444,7 @@ def _check_layers(stage: _Stage, m: StageManifest, add: _Add) -> None:
 
 
 def _check_against_source(
-    ckpt: Checkpoint, stages: list[_Stage], report: VerifyReport, chunk_bytes: int
+    ckpt: Checkpoint, stages: list[_Stage], report: VerifyReport, chunk_bytes: int, repo: HubRepo | None
 ) -> None:
     """Placement and bytes of every tensor of ``stages`` (those with a valid manifest) against the source.
 
@@ -464,7 +470,7 @@ def _check_against_source(
         if _recorded_limits(m) is not None and not report.findings_for(stage.summary.stage):
             _compare_layout(plan, stage, add)
     wanted = sorted({name for _, name in to_compare})
-    source_digests = _hash_source(ckpt, wanted, chunk_bytes)
+    source_digests = _hash_source(ckpt, wanted, chunk_bytes, repo)
     report.source_bytes_hashed = sum(ckpt.tensors[n].nbytes for n in wanted)
     for stage, name in to_compare:
         mine = stage.digests.get(name)
@@ -581,13 +587,22 @@ def _compare_placement(ckpt: Checkpoint, plan: Plan, stage: _Stage, add: _Add) -
     return pairs
 
 
-def _hash_source(ckpt: Checkpoint, names: list[str], chunk_bytes: int) -> dict[str, str]:
-    """sha256 of each source tensor in ``names``, each shard read once in bounded chunks."""
+def _hash_source(
+    ckpt: Checkpoint, names: list[str], chunk_bytes: int, repo: HubRepo | None
+) -> dict[str, str]:
+    """sha256 of each source tensor in ``names``, each shard read once in bounded chunks (from
+    a Hub repo: only the shards and byte ranges of these tensors are fetched)."""
     by_file: dict[str, list[Segment]] = {}
     for name in names:
         t = ckpt.tensors[name]
         by_file.setdefault(t.file, []).append(Segment(name, t.offset, t.nbytes))
+    fetcher = (
+        HubFetcher(repo, ckpt, {f: {s.name for s in segs} for f, segs in by_file.items()})
+        if repo is not None
+        else None
+    )
     digests: dict[str, str] = {}
     for file in sorted(by_file):
-        digests.update(copy_segments(str(ckpt.path(file)), by_file[file], chunk_bytes=chunk_bytes))
+        src = fetcher.open(file) if fetcher is not None else str(ckpt.path(file))
+        digests.update(copy_segments(src, by_file[file], chunk_bytes=chunk_bytes))
     return digests

@@ -13,12 +13,13 @@ import json
 import os
 import shutil
 import threading
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import manifest
-from .copy import Segment, copy_segments
+from .copy import RangeSource, Segment, copy_segments
 from .errors import ReshardError
 from .plan import OutputFile, Plan, StagePlan
 from .source import CONFIG_NAME, INDEX_NAME
@@ -69,12 +70,15 @@ def write_plan(
     overwrite: bool = False,
     workers: int = 1,
     reporter: Reporter | None = None,
+    open_source: Callable[[str], str | RangeSource] | None = None,
 ) -> WriteResult:
     """Write the stages ``plan.ranks`` of ``plan`` under ``out_dir``.
 
     Resumes an interrupted run with the same settings; refuses a non-empty ``out_dir``
     holding anything else unless ``overwrite``. ``workers`` source shards are copied at
-    once, each read by exactly one worker.
+    once, each read by exactly one worker. ``open_source(file)`` gives the source of a data
+    file that still has bytes to copy (a local path or a range source; it may download the
+    file first); by default each file is read from the checkpoint's directory.
     """
     reporter = reporter or Reporter()
     out = Path(out_dir)
@@ -112,7 +116,7 @@ def write_plan(
         _check_free_space(out, needed)
         created = []  # from here on, finished files are kept for the next run to resume
 
-        result.bytes_copied = _copy_files(plan, out, to_write, digests, workers, reporter)
+        result.bytes_copied = _copy_files(plan, out, to_write, digests, workers, reporter, open_source)
         for stage in todo:
             _finish_stage(plan, out / stage.dirname, stage, digests[stage.rank])
             result.built.append(stage.rank)
@@ -359,6 +363,7 @@ def _copy_files(
     digests: dict[int, dict[str, str]],
     workers: int,
     reporter: Reporter,
+    open_source: Callable[[str], str | RangeSource] | None,
 ) -> int:
     """Copy the data of ``to_write``, one worker per source shard; fills ``digests``."""
     opened: list[_OpenFile] = []
@@ -381,9 +386,9 @@ def _copy_files(
                 _finish_file(o, out, digests)
 
         def run(file: str) -> dict[str, str]:
-            path = str(plan.checkpoint.path(file))
+            src = open_source(file) if open_source is not None else str(plan.checkpoint.path(file))
             return copy_segments(
-                path, list(segments[file].values()), on_progress=reporter.advance, should_stop=stop.is_set
+                src, list(segments[file].values()), on_progress=reporter.advance, should_stop=stop.is_set
             )
 
         with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:

@@ -1,0 +1,438 @@
+"""A real HTTP server on 127.0.0.1 that speaks the Hugging Face Hub's file protocol.
+
+Tests point ``HF_ENDPOINT`` at it and let huggingface_hub's real client (and the tool's own
+range reader) talk to it. It serves what the Hub serves for model repos, as the client reads it:
+
+- ``GET /api/models/{repo}/revision/{rev}``: repo info with ``sha`` and ``siblings``;
+- ``GET /api/models/{repo}/tree/{rev}``: the file list with ``oid``, ``size`` and ``lfs``;
+- ``HEAD``/``GET /{repo}/resolve/{rev}/{file}``: small files straight from the Hub origin
+  (``ETag`` = git blob sha1), LFS files (``*.safetensors``) as a 302 to a second origin, the
+  "CDN", with ``X-Linked-Etag`` (sha256) and ``X-Linked-Size``; every answer carries
+  ``X-Repo-Commit``. The CDN serves the blob with ``Range`` (206 + ``Content-Range``).
+- errors as the Hub sends them: 401/404 with ``X-Error-Code`` (``RepoNotFound``,
+  ``RevisionNotFound``, ``EntryNotFound``, ``GatedRepo``) and ``X-Error-Message``.
+
+No Xet headers are ever sent. Every request is logged (origin, method, path, Range, status,
+body bytes sent, whether an Authorization header came) so that tests can assert exactly what
+was fetched. Faults can be injected: drop the connection after N body bytes of a matching
+response, or ignore ``Range`` altogether.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, quote, unquote, urlsplit
+
+LFS_SUFFIXES = (".safetensors",)
+_RANGE = re.compile(r"bytes=(\d+)-(\d*)$")
+
+
+@dataclass
+class Repo:
+    """A repo's files at each commit; ``refs`` maps branch/tag names to commits."""
+
+    files: dict[str, dict[str, Path]]  # commit -> {name: local path}
+    refs: dict[str, str]
+    gated: bool = False  # only ``token`` gets in
+    private: bool = False  # like gated, but hidden: RepoNotFound without the token
+    token: str | None = None
+
+
+@dataclass
+class LogEntry:
+    origin: str  # "hub" or "cdn"
+    method: str
+    path: str
+    range: str | None
+    status: int
+    sent: int  # body bytes actually written
+    auth: bool  # an Authorization header was sent
+
+    @property
+    def file(self) -> str:
+        """The repo file a resolve request or a CDN blob request is about ('' otherwise)."""
+        return self.path.rsplit("/", 1)[-1] if self.origin == "cdn" or "/resolve/" in self.path else ""
+
+
+@dataclass
+class Fault:
+    """Drop the connection after ``after`` body bytes of the next ``times`` matching responses."""
+
+    file: str
+    after: int
+    times: int = 1
+    ranged: bool | None = None  # only ranged (True) / only whole (False) requests; None: both
+
+
+@dataclass
+class _State:
+    repos: dict[str, Repo] = field(default_factory=dict)
+    log: list[LogEntry] = field(default_factory=list)
+    faults: list[Fault] = field(default_factory=list)
+    ignore_range: bool = False
+    blobs: dict[str, Path] = field(default_factory=dict)  # sha256 -> path
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _git_blob_sha1(path: Path) -> str:
+    data = path.read_bytes()
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def _lfs_pointer(sha256: str, size: int) -> bytes:
+    return f"version https://git-lfs.github.com/spec/v1\noid sha256:{sha256}\nsize {size}\n".encode()
+
+
+class HubServer:
+    """The Hub origin and the CDN origin, each a ThreadingHTTPServer on 127.0.0.1."""
+
+    def __init__(self, *, hash_lfs: bool = True) -> None:
+        """``hash_lfs=False`` stands in a digest of name and size for each LFS file's sha256:
+        for benchmarks that serve huge sparse checkpoints and read only their headers."""
+        self.hash_lfs = hash_lfs
+        self.state = _State()
+        self._meta: dict[Path, dict] = {}
+        self.hub = _serve(self, "hub")
+        self.cdn = _serve(self, "cdn")
+        self.url = f"http://127.0.0.1:{self.hub.server_address[1]}"
+        self.cdn_url = f"http://127.0.0.1:{self.cdn.server_address[1]}"
+
+    # ------------------------------------------------------------------ setup
+
+    def add_repo(
+        self,
+        repo_id: str,
+        model_dir: Path,
+        *,
+        commit: str | None = None,
+        branch: str = "main",
+        tags: tuple[str, ...] = (),
+        gated: bool = False,
+        private: bool = False,
+        token: str | None = None,
+    ) -> str:
+        """Publish the top-level files of ``model_dir`` as ``repo_id`` at ``commit`` (default: a
+        sha1 of the file digests), reachable as ``branch`` and each of ``tags``. Returns the commit."""
+        files = {
+            p.name: p for p in sorted(Path(model_dir).iterdir()) if p.is_file() and not p.name.startswith(".")
+        }
+        for p in files.values():
+            self._describe(p)
+        if commit is None:
+            commit = hashlib.sha1(
+                json.dumps(sorted((n, self._meta[p]["oid"]) for n, p in files.items())).encode()
+            ).hexdigest()
+        repo = self.state.repos.get(repo_id)
+        if repo is None:
+            repo = self.state.repos[repo_id] = Repo({}, {}, gated=gated, private=private, token=token)
+        repo.files[commit] = files
+        for ref in (branch, *tags):
+            repo.refs[ref] = commit
+        return commit
+
+    def _describe(self, path: Path) -> dict:
+        meta = self._meta.get(path)
+        if meta is None:
+            size = path.stat().st_size
+            if path.name.endswith(LFS_SUFFIXES):
+                sha = (
+                    _sha256(path) if self.hash_lfs else hashlib.sha256(f"{path}:{size}".encode()).hexdigest()
+                )
+                pointer = _lfs_pointer(sha, size)
+                oid = hashlib.sha1(b"blob %d\0" % len(pointer) + pointer).hexdigest()
+                meta = {
+                    "size": size,
+                    "oid": oid,
+                    "lfs": {"oid": sha, "size": size, "pointerSize": len(pointer)},
+                }
+                self.state.blobs[sha] = path
+            else:
+                meta = {"size": size, "oid": _git_blob_sha1(path), "lfs": None}
+            self._meta[path] = meta
+        return meta
+
+    # ------------------------------------------------------------------ tests' view
+
+    @property
+    def log(self) -> list[LogEntry]:
+        with self.state.lock:
+            return list(self.state.log)
+
+    def clear_log(self) -> None:
+        with self.state.lock:
+            self.state.log.clear()
+
+    def add_fault(self, fault: Fault) -> None:
+        with self.state.lock:
+            self.state.faults.append(fault)
+
+    def set_ignore_range(self, value: bool) -> None:
+        self.state.ignore_range = value
+
+    def stop(self) -> None:
+        for server in (self.hub, self.cdn):
+            server.shutdown()
+            server.server_close()
+
+    def __enter__(self) -> HubServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        pass  # a client that hangs up (as the retry tests make it) is not the server's problem
+
+
+def _serve(owner: HubServer, origin: str) -> ThreadingHTTPServer:
+    handler = type(f"{origin}Handler", (_Handler,), {"owner": owner, "origin": origin})
+    server = _Server(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, name=f"fake-hub-{origin}", daemon=True).start()
+    return server
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    owner: HubServer
+    origin: str
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - quiet
+        pass
+
+    def do_HEAD(self) -> None:
+        self._dispatch(head=True)
+
+    def do_GET(self) -> None:
+        self._dispatch(head=False)
+
+    # ------------------------------------------------------------------ routing
+
+    def _dispatch(self, *, head: bool) -> None:
+        self._sent = 0
+        self._status = 0
+        try:
+            if self.origin == "cdn":
+                self._cdn(head)
+            else:
+                self._hub(head)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        finally:
+            with self.owner.state.lock:
+                self.owner.state.log.append(
+                    LogEntry(
+                        self.origin,
+                        self.command,
+                        unquote(urlsplit(self.path).path),
+                        self.headers.get("Range"),
+                        self._status,
+                        self._sent,
+                        "Authorization" in self.headers,
+                    )
+                )
+
+    def _hub(self, head: bool) -> None:
+        path = unquote(urlsplit(self.path).path)
+        m = re.fullmatch(r"/api/models/([^/]+/[^/]+)/revision/(.+)", path)
+        if m:
+            return self._revision_info(m.group(1), m.group(2))
+        m = re.fullmatch(r"/api/models/([^/]+/[^/]+)/tree/([^/]+)(/.*)?", path)
+        if m:
+            return self._tree(m.group(1), m.group(2), m.group(3))
+        m = re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path)
+        if m:
+            return self._resolve(m.group(1), m.group(2), m.group(3), head)
+        self._error(404, None, "Not Found")
+
+    def _repo(self, repo_id: str) -> Repo | None:
+        """The repo if this request may see it; otherwise the Hub's error is sent and None returned."""
+        repo = self.owner.state.repos.get(repo_id)
+        auth = self.headers.get("Authorization", "")
+        allowed = repo is not None and (not (repo.gated or repo.private) or auth == f"Bearer {repo.token}")
+        if repo is None or (repo.private and not allowed):
+            self._error(401 if not auth else 404, "RepoNotFound", "Repository not found")
+            return None
+        if repo.gated and not allowed:
+            self._error(
+                401 if not auth else 403,
+                "GatedRepo",
+                f"Access to model {repo_id} is restricted. You must have access to it and be authenticated "
+                "to access it. Please log in.",
+            )
+            return None
+        return repo
+
+    def _commit(self, repo: Repo, rev: str) -> str | None:
+        commit = repo.refs.get(rev, rev if rev in repo.files else None)
+        if commit is None:
+            self._error(404, "RevisionNotFound", f"Invalid rev id: {rev}")
+        return commit
+
+    def _revision_info(self, repo_id: str, rev: str) -> None:
+        repo = self._repo(repo_id)
+        if repo is None or (commit := self._commit(repo, rev)) is None:
+            return
+        body = {
+            "id": repo_id,
+            "modelId": repo_id,
+            "sha": commit,
+            "private": repo.private,
+            "gated": "manual" if repo.gated else False,
+            "siblings": [{"rfilename": name} for name in sorted(repo.files[commit])],
+        }
+        self._json(body)
+
+    def _tree(self, repo_id: str, rev: str, sub: str | None) -> None:
+        repo = self._repo(repo_id)
+        if repo is None or (commit := self._commit(repo, rev)) is None:
+            return
+        if sub not in (None, "", "/"):
+            return self._error(404, "EntryNotFound", f"{sub} does not exist on {rev}")
+        entries = []
+        for name, path in sorted(repo.files[commit].items()):
+            meta = self.owner._describe(path)
+            entry = {"type": "file", "oid": meta["oid"], "size": meta["size"], "path": name}
+            if meta["lfs"]:
+                entry["lfs"] = meta["lfs"]
+            entries.append(entry)
+        self._json(entries)
+
+    def _resolve(self, repo_id: str, rev: str, name: str, head: bool) -> None:
+        repo = self._repo(repo_id)
+        if repo is None or (commit := self._commit(repo, rev)) is None:
+            return
+        path = repo.files[commit].get(name)
+        if path is None:
+            return self._error(404, "EntryNotFound", "Entry not found", {"X-Repo-Commit": commit})
+        meta = self.owner._describe(path)
+        if meta["lfs"]:
+            sha = meta["lfs"]["oid"]
+            location = (
+                f"{self.owner.cdn_url}/blobs/{sha}/{quote(name)}?X-Amz-Signature=fake&Expires=9999999999"
+            )
+            body = f"Found. Redirecting to {location}".encode()
+            self._status = 302
+            self.send_response(302)
+            self.send_header("Location", location)
+            self.send_header("X-Repo-Commit", commit)
+            self.send_header("ETag", f'"{meta["oid"]}"')
+            self.send_header("X-Linked-Etag", f'"{sha}"')
+            self.send_header("X-Linked-Size", str(meta["size"]))
+            self.send_header("Content-Type", "text/plain; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if not head:
+                self.wfile.write(body)
+            return
+        self._file(path, head, {"X-Repo-Commit": commit, "ETag": f'"{meta["oid"]}"'})
+
+    def _cdn(self, head: bool) -> None:
+        parts = unquote(urlsplit(self.path).path).split("/")
+        query = parse_qs(urlsplit(self.path).query)
+        path = self.owner.state.blobs.get(parts[2]) if len(parts) >= 3 and parts[1] == "blobs" else None
+        if path is None or "X-Amz-Signature" not in query:
+            return self._error(403, None, "AccessDenied")
+        self._file(path, head, {"ETag": f'"{parts[2]}"'})
+
+    # ------------------------------------------------------------------ responses
+
+    def _file(self, path: Path, head: bool, extra: dict[str, str]) -> None:
+        size = path.stat().st_size
+        begin, end, status = 0, size, 200
+        want = self.headers.get("Range")
+        if want and not self.owner.state.ignore_range:
+            m = _RANGE.match(want.strip())
+            if m is None or int(m.group(1)) >= size:
+                self._status = 416
+                self.send_response(416)
+                self.send_header("Content-Range", f"bytes */{size}")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            begin = int(m.group(1))
+            end = min(size, int(m.group(2)) + 1) if m.group(2) else size
+            status = 206
+        self._status = status
+        self.send_response(status)
+        for k, v in extra.items():
+            self.send_header(k, v)
+        self.send_header("Accept-Ranges", "bytes")
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Content-Length", str(end - begin))
+        if status == 206:
+            self.send_header("Content-Range", f"bytes {begin}-{end - 1}/{size}")
+        self.end_headers()
+        if head:
+            return
+        limit = self._fault(
+            path.name if self.origin == "hub" else self.path.split("?")[0].rsplit("/", 1)[-1], status == 206
+        )
+        with open(path, "rb") as f:
+            f.seek(begin)
+            left = end - begin
+            while left:
+                chunk = f.read(min(left, 64 * 1024))
+                if limit is not None and self._sent + len(chunk) > limit:
+                    self.wfile.write(chunk[: limit - self._sent])
+                    self._sent = limit
+                    self.wfile.flush()
+                    self.close_connection = True
+                    self.connection.shutdown(2)  # the peer sees the body end early
+                    return
+                self.wfile.write(chunk)
+                self._sent += len(chunk)
+                left -= len(chunk)
+
+    def _fault(self, name: str, ranged: bool) -> int | None:
+        with self.owner.state.lock:
+            for fault in self.owner.state.faults:
+                if fault.times > 0 and fault.file == unquote(name) and fault.ranged in (None, ranged):
+                    fault.times -= 1
+                    return fault.after
+        return None
+
+    def _json(self, obj: object) -> None:
+        body = json.dumps(obj).encode()
+        self._status = 200
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+            self._sent = len(body)
+
+    def _error(
+        self, status: int, code: str | None, message: str, extra: dict[str, str] | None = None
+    ) -> None:
+        body = json.dumps({"error": message}).encode()
+        self._status = status
+        self.send_response(status)
+        if code:
+            self.send_header("X-Error-Code", code)
+        self.send_header("X-Error-Message", message)
+        for k, v in (extra or {}).items():
+            self.send_header(k, v)
+        self.send_header("Content-Type", "application/json; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
