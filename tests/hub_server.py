@@ -24,6 +24,7 @@ import hashlib
 import json
 import re
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -53,6 +54,7 @@ class LogEntry:
     status: int
     sent: int  # body bytes actually written
     auth: bool  # an Authorization header was sent
+    started: float = 0.0  # when the request came in: the log is in this order
 
     @property
     def file(self) -> str:
@@ -62,12 +64,16 @@ class LogEntry:
 
 @dataclass
 class Fault:
-    """Drop the connection after ``after`` body bytes of the next ``times`` matching responses."""
+    """Spoil the next ``times`` GET responses for ``file``: drop the connection after ``after``
+    body bytes (``status=None``), answer ``status`` instead (503, or 403 as an expired CDN
+    signature), or with ``shift`` send the bytes one further on and say so in Content-Range."""
 
     file: str
-    after: int
+    after: int = 0
     times: int = 1
     ranged: bool | None = None  # only ranged (True) / only whole (False) requests; None: both
+    status: int | None = None
+    shift: bool = False
 
 
 @dataclass
@@ -169,8 +175,9 @@ class HubServer:
 
     @property
     def log(self) -> list[LogEntry]:
+        """Every request so far, in the order they came in (entries are added as they end)."""
         with self.state.lock:
-            return list(self.state.log)
+            return sorted(self.state.log, key=lambda e: e.started)
 
     def clear_log(self) -> None:
         with self.state.lock:
@@ -228,6 +235,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _dispatch(self, *, head: bool) -> None:
         self._sent = 0
         self._status = 0
+        started = time.monotonic()
         try:
             if self.origin == "cdn":
                 self._cdn(head)
@@ -246,6 +254,7 @@ class _Handler(BaseHTTPRequestHandler):
                         self._status,
                         self._sent,
                         "Authorization" in self.headers,
+                        started,
                     )
                 )
 
@@ -358,6 +367,10 @@ class _Handler(BaseHTTPRequestHandler):
         size = path.stat().st_size
         begin, end, status = 0, size, 200
         want = self.headers.get("Range")
+        name = path.name if self.origin == "hub" else self.path.split("?")[0].rsplit("/", 1)[-1]
+        fault = None if head else self._fault(name, want is not None and not self.owner.state.ignore_range)
+        if fault is not None and fault.status is not None:
+            return self._error(fault.status, None, "injected fault")
         if want and not self.owner.state.ignore_range:
             m = _RANGE.match(want.strip())
             if m is None or int(m.group(1)) >= size:
@@ -370,6 +383,8 @@ class _Handler(BaseHTTPRequestHandler):
             begin = int(m.group(1))
             end = min(size, int(m.group(2)) + 1) if m.group(2) else size
             status = 206
+            if fault is not None and fault.shift and end < size:
+                begin, end = begin + 1, end + 1
         self._status = status
         self.send_response(status)
         for k, v in extra.items():
@@ -382,9 +397,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         if head:
             return
-        limit = self._fault(
-            path.name if self.origin == "hub" else self.path.split("?")[0].rsplit("/", 1)[-1], status == 206
-        )
+        limit = fault.after if fault is not None and not fault.shift else None
         with open(path, "rb") as f:
             f.seek(begin)
             left = end - begin
@@ -401,12 +414,12 @@ class _Handler(BaseHTTPRequestHandler):
                 self._sent += len(chunk)
                 left -= len(chunk)
 
-    def _fault(self, name: str, ranged: bool) -> int | None:
+    def _fault(self, name: str, ranged: bool) -> Fault | None:
         with self.owner.state.lock:
             for fault in self.owner.state.faults:
                 if fault.times > 0 and fault.file == unquote(name) and fault.ranged in (None, ranged):
                     fault.times -= 1
-                    return fault.after
+                    return fault
         return None
 
     def _json(self, obj: object) -> None:
