@@ -184,8 +184,12 @@ def _reshard(args: argparse.Namespace) -> int:
         gc.enable()
     console.print(plan_table(plan))
     if args.dry_run:
+        fetch = None
+        if repo is not None:
+            fetch = hub.fetch_report(plan, hub.HubFetcher(repo, ckpt, hub.needed_by(plan), traffic=traffic))
+            console.print(fetch_line(fetch, planned=True), highlight=False)
         console.print(f"dry run: nothing written. Launch with [bold]{plan.launch_env}[/]", highlight=False)
-        _print_json(args, "dry_run", plan, None, 0.0)
+        _print_json(args, "dry_run", plan, None, 0.0, fetch)
         return 0
     reporter = RichReporter(console)
     started = time.monotonic()

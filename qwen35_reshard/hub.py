@@ -244,8 +244,9 @@ def hub_error(e: BaseException, repo: HubRepo, *, what: str) -> ReshardError:
         )
     if isinstance(e, hf.RepositoryNotFoundError):
         return ReshardError(
-            f"{repo.repo_id}: no such model repo on {repo.endpoint}, or it is private and this token "
-            "has no access (log in with `hf auth login`, set HF_TOKEN or pass a token)"
+            f"{repo.repo_id}: no such model repo on {repo.endpoint} (and no local directory of that "
+            "name), or it is private and this token has no access (log in with `hf auth login`, set "
+            "HF_TOKEN or pass a token)"
         )
     if isinstance(e, hf.RevisionNotFoundError):
         return ReshardError(
@@ -603,6 +604,11 @@ def fetch_report(plan: Plan, fetcher: HubFetcher) -> dict:
         "fetched_bytes": traffic.bytes,
         "requests": traffic.requests,
         "checkpoint_bytes": sum(_listing(fetcher.repo).values()),
+        "shard_bytes_to_fetch": sum(
+            s.size if s.how == FETCH_WHOLE else s.needed
+            for s in fetcher.fetches.values()
+            if s.how != FETCH_CACHE
+        ),
         "shards": {f: s.how for f, s in fetcher.fetches.items()},
         "stages": stage_summary(plan, fetcher.fetches),
     }

@@ -155,13 +155,17 @@ def summary(console: Console, plan: Plan, result: WriteResult, out: str, seconds
         console.print(f"  {line}", soft_wrap=True, highlight=False)
 
 
-def fetch_line(fetch: dict) -> str:
-    """What this node fetched from the Hub, against the whole checkpoint."""
+def fetch_line(fetch: dict, *, planned: bool = False) -> str:
+    """What this node fetched from the Hub (or, ``planned``, would fetch for the stages
+    selected), against the whole checkpoint."""
     hows = list(fetch["shards"].values())
     counts = ", ".join(f"{hows.count(h)} {label}" for h, label in _HOWS if hows.count(h))
+    total = human_bytes(fetch["checkpoint_bytes"])
+    if planned:
+        return f"a split would fetch {human_bytes(fetch['shard_bytes_to_fetch'])} of {total} ({counts})"
     return (
-        f"fetched {human_bytes(fetch['fetched_bytes'])} of {human_bytes(fetch['checkpoint_bytes'])} "
-        f"in {fetch['requests']} requests ({counts or 'no shards'})"
+        f"fetched {human_bytes(fetch['fetched_bytes'])} of {total} in {fetch['requests']} requests "
+        f"({counts or 'no shards'})"
     )
 
 
