@@ -271,6 +271,10 @@ def test_cache_repo_folder_is_resolved_through_refs(hub, hf_home, model, tmp_pat
     out = tmp_path / "out"
     run(["--pp", PP, "--rank", 3, folder, out], hub=None, hf_home=hf_home)
     same_as_local(out / "pp3", local_split / "pp3", from_hub=False)
+    line = error_line(
+        run(["--pp", PP, "--revision", "v9", folder, tmp_path / "v9"], hub=None, hf_home=hf_home, check=False)
+    )
+    assert "no refs/v9 (it has main)" in line
 
 
 # --------------------------------------------------------------------------- offline
