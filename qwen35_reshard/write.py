@@ -363,7 +363,7 @@ def _copy_files(
     digests: dict[int, dict[str, str]],
     workers: int,
     reporter: Reporter,
-    open_source: Callable[[str], str | RangeSource] | None,
+    open_source: Callable[[str], str | RangeSource] | None = None,
 ) -> int:
     """Copy the data of ``to_write``, one worker per source shard; fills ``digests``."""
     opened: list[_OpenFile] = []
