@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -120,7 +119,7 @@ def splits(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def results(splits):
-    """Run one worker process per (layout, rank); {(split, layout, rank): result}."""
+    """Run every (layout, rank) in its own process; {(split, layout, rank): result}."""
     python, root, out = splits
     jobs = []
     for layout, (pp, partition) in LAYOUTS.items():
@@ -134,29 +133,21 @@ def results(splits):
                 src, dst = out["fused_mtp", "pp2"]
                 cases.append({"id": "control", "source": str(src), "split": str(dst), "draft": True,
                               "drop": [CONTROL_DROP], "extra": [CONTROL_EXTRA]})
-            job = {"pp": pp, "rank": rank, "partition": partition, "cases": cases,
-                   "result": str(root / f"result-{layout}-{rank}.json")}
-            path = root / f"job-{layout}-{rank}.json"
-            path.write_text(json.dumps(job))
-            jobs.append((layout, rank, path, Path(job["result"])))
+            jobs.append({"pp": pp, "rank": rank, "partition": partition, "cases": cases,
+                         "layout": layout, "result": str(root / f"result-{layout}-{rank}.json")})
+    (root / "jobs.json").write_text(json.dumps({"parallel": 2, "jobs": jobs}))
 
     env = {k: v for k, v in os.environ.items() if k != "SGLANG_PP_LAYER_PARTITION"}
     env["PYTHONPATH"] = str(REPO)  # this checkout's qwen35_reshard.loader
-
-    def run(job):
-        layout, rank, path, _ = job
-        proc = subprocess.run([str(python), str(WORKER), str(path)], env=env, capture_output=True,
-                              text=True, timeout=600)
-        assert proc.returncode == 0, f"{layout} rank {rank}: worker failed\n{proc.stderr[-6000:]}"
-
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        list(pool.map(run, jobs))
+    proc = subprocess.run([str(python), str(WORKER), str(root / "jobs.json")], env=env,
+                          capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, f"SGLang worker failed:\n{proc.stderr[-8000:]}"
     found = {}
-    for layout, rank, _, result in jobs:
-        data = json.loads(result.read_text())
-        for case, r in data["cases"].items():
-            found[case, layout, rank] = r
+    for job in jobs:
+        for case, r in json.loads(Path(job["result"]).read_text()).items():
+            found[case, job["layout"], job["rank"]] = r
     print_counts(found)
+    print(proc.stderr.splitlines()[-1])
     return found
 
 

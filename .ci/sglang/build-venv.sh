@@ -12,7 +12,7 @@ here="$(cd "$(dirname "$0")" && pwd)"
 venv="${1:?usage: build-venv.sh VENV}"
 
 python3 -m venv "$venv"
-"$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps -r "$here/requirements.txt"
+"$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps --no-compile -r "$here/requirements.txt"
 site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 cp -r "$here/stubs/torchvision" "$here/stubs/vllm" "$site/"
 # Fail here, not in the test, when the environment cannot import the model code.
