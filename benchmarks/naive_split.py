@@ -50,8 +50,10 @@ def owners(name: str, ranges: list[tuple[int, int]], tied: bool, has_mtp: bool) 
         return {r for r, (a, b) in enumerate(ranges) if a <= layer < b}
     if ".embed_tokens." in name:
         return {0, pp - 1} if tied or has_mtp else {0}
-    if name.startswith("model.visual."):
+    if name.startswith("model.visual.pos_embed."):
         return {0}
+    if name.startswith("model.visual."):
+        return set(range(pp))
     return {pp - 1}  # norm, lm_head, mtp.*
 
 

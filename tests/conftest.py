@@ -159,7 +159,8 @@ class Ref:
         if name.startswith(("model.language_model.norm.", "model.norm.", "lm_head.", "mtp.")):
             return last
         if name.startswith("model.visual."):
-            return every if runtime == "vllm" else first
+            # SGLang builds the vision tower on every rank, its pos_embed on the first only.
+            return first if runtime == "sglang" and name.startswith("model.visual.pos_embed.") else every
         raise AssertionError(f"no placement rule in the facts doc for {name}")
 
     @staticmethod

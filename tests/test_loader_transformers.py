@@ -128,6 +128,8 @@ class StageModel(nn.Module):
         self.model.language_model = StageText(tcfg, start, end, embed=owns["embed"], norm=owns["norm"])
         if owns["visual"]:
             self.model.visual = qm.Qwen3_5MoeVisionModel._from_config(cfg.vision_config)
+            if not owns["pos_embed"]:
+                del self.model.visual.pos_embed  # SGLang's PPMissingLayer: no parameters
         if owns["lm_head"]:
             self.lm_head = nn.Linear(tcfg.hidden_size, tcfg.vocab_size, bias=False)
         if owns["mtp"]:
@@ -238,11 +240,12 @@ def server_partition(num_layers, pp, runtime):
 def owned(runtime, rank, pp, *, mtp_kept, tied=False):
     """Which non-layer modules a rank builds (and so must get weights for)."""
     first, last = rank == 0, rank == pp - 1
-    if runtime == "sglang":
-        embed, visual = first or (last and (tied or mtp_kept)), first
+    if runtime == "sglang":  # the vision tower on every rank, its pos_embed on the first only
+        embed, pos_embed = first or (last and (tied or mtp_kept)), first
     else:
-        embed, visual = True, True
-    return {"embed": embed, "visual": visual, "norm": last, "lm_head": last, "mtp": last and mtp_kept}
+        embed, pos_embed = True, True
+    return {"embed": embed, "visual": True, "pos_embed": pos_embed, "norm": last, "lm_head": last,
+            "mtp": last and mtp_kept}
 
 
 # --------------------------------------------------------------------------- fixtures
@@ -397,7 +400,7 @@ def test_stages_load_strictly_and_reproduce_logits(world, tmp_path, layout, runt
                 want = world["mtp"][name] if name.startswith("mtp.") else ref_params[name]
                 assert torch.equal(p.data, want.data), name
             with torch.no_grad():
-                if owns["visual"]:
+                if owns["pos_embed"]:  # the vision tower runs where its pos_embed is
                     got = model.model.visual(world["pixel_values"], grid_thw=world["grid_thw"]).pooler_output
                     assert torch.equal(got, world["vision"])
                 hidden = run_stage(model, world["input_ids"], hidden)

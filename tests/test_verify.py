@@ -489,14 +489,14 @@ def test_tensors_on_the_wrong_stage_are_extra(model, tmp_path):
 
 
 def test_tensors_missing_from_their_stage(model, tmp_path):
-    """An SGLang stage passed off as vLLM lacks the replicated embed_tokens and vision tower."""
+    """An SGLang stage passed off as vLLM lacks the replicated embed_tokens and vision pos_embed."""
     qwen35_reshard.reshard(model, tmp_path / "s", pp=4)
     node = Path(shutil.copytree(tmp_path / "s" / "pp1", tmp_path / "node" / "pp1"))
     _claim(node, runtime="vllm")
     report = verify(node, model)
     missing = kinds(report, "missing")
     assert missing and len(missing) == len(report.findings)
-    assert "model.language_model.embed_tokens.weight" in {f.tensor for f in missing}
+    assert {f.tensor for f in missing} == {"model.language_model.embed_tokens.weight", "model.visual.pos_embed.weight"}
 
 
 def test_files_swapped_within_a_stage_differ_from_the_plan(model, tmp_path):
