@@ -18,6 +18,9 @@ NORM = "norm"
 LM_HEAD = "lm_head"
 MTP = "mtp"
 VISUAL = "visual"
+# The vision tower's position embedding: SGLang builds it on the first rank only (the rest of the
+# tower on every rank), so it needs a role of its own.
+VISUAL_POS_EMBED = "visual.pos_embed"
 
 # model.language_model.* for the multimodal release, model.* for text-only saves and
 # Qwen3-Next. Layer ids have no leading zeros, so each id has exactly one spelling.
@@ -29,6 +32,7 @@ _ROLE_PREFIXES: tuple[tuple[str, str], ...] = (
     ("model.norm.", NORM),
     ("lm_head.", LM_HEAD),
     ("mtp.", MTP),
+    ("model.visual.pos_embed.", VISUAL_POS_EMBED),
     ("model.visual.", VISUAL),
 )
 

@@ -64,7 +64,8 @@ def _extras(stage: StagePlan) -> list[str]:
     from . import names
 
     kinds = {names.classify(t.name).kind for t in stage.tensors} - {names.LAYER}
-    return [k for k in (names.EMBED, names.VISUAL, names.NORM, names.LM_HEAD, names.MTP) if k in kinds]
+    order = (names.EMBED, names.VISUAL, names.VISUAL_POS_EMBED, names.NORM, names.LM_HEAD, names.MTP)
+    return [k for k in order if k in kinds]
 
 
 class RichReporter(Reporter):

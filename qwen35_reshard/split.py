@@ -90,19 +90,23 @@ def placement_rules(pp: int, runtime: str, tied: bool, mtp_kept: bool) -> dict[s
     """Ranks that hold each non-layer role, per the runtime's model construction.
 
     The plan places tensors by it, and the stage checks (loader, verify) derive from it what a
-    stage must hold: one rule for both.
+    stage must hold: one rule for both. SGLang's rules are those of SGLang 0.5.23's model code,
+    checked by running it (tests/test_sglang_loading.py).
     """
     first, last, every = (0,), (pp - 1,), tuple(range(pp))
     if runtime == "vllm":
-        embed, visual = every, every
+        embed, pos_embed = every, every
     else:
-        # SGLang builds embed_tokens on the last rank too when lm_head is tied to it or the
-        # MTP draft (which keeps its own embedding copy there) is loaded.
+        # SGLang builds embed_tokens on the last rank too when lm_head is tied to it (the
+        # multimodal class copies it into lm_head there) or the MTP draft (which keeps its own
+        # embedding copy there) is loaded; the vision tower on every rank, its pos_embed on the
+        # first only.
         embed = tuple(sorted({0, pp - 1})) if tied or mtp_kept else first
-        visual = first
+        pos_embed = first
     return {
         names.EMBED: embed,
-        names.VISUAL: visual,
+        names.VISUAL: every,
+        names.VISUAL_POS_EMBED: pos_embed,
         names.NORM: last,
         names.LM_HEAD: last,
         names.MTP: last,

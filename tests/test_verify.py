@@ -496,7 +496,9 @@ def test_tensors_missing_from_their_stage(model, tmp_path):
     report = verify(node, model)
     missing = kinds(report, "missing")
     assert missing and len(missing) == len(report.findings)
-    assert {f.tensor for f in missing} == {"model.language_model.embed_tokens.weight", "model.visual.pos_embed.weight"}
+    assert {f.tensor for f in missing} == {
+        "model.language_model.embed_tokens.weight", "model.visual.pos_embed.weight"
+    }
 
 
 def test_files_swapped_within_a_stage_differ_from_the_plan(model, tmp_path):
