@@ -38,7 +38,6 @@ REPO = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "sglang_worker.py"
 PYTHON_ENV = "QWEN35_RESHARD_SGLANG_PYTHON"
 DEFAULT_PYTHON = REPO / ".venv-sglang" / "bin" / "python"
-LAYERS = 8
 # (pp, SGLANG_PP_LAYER_PARTITION): SGLang's default splits (4,4 and 2,3,3) and an uneven one.
 LAYOUTS = {"pp2": (2, None), "pp3": (3, None), "pp3-uneven": (3, "4,1,3")}
 # checkpoint id -> (class saved by transformers, expert layout, tied embeddings, mtp.* added)
