@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_loader_transformers import DTYPE, IMPL, add_mtp, perturb, tiny_config
+from test_loader_transformers import DTYPE, IMPL, INDEX, add_mtp, perturb, tiny_config
 from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration
 
 import qwen35_reshard
@@ -158,6 +158,20 @@ def print_counts(found) -> None:
         extra = f"  draft {len(draft['params'])}/{sum(draft['params'].values())}" if draft else ""
         print(f"  {case:18} {layout:11} rank {rank} layers {r['layers']}: "
               f"{len(r['params'])}/{sum(r['params'].values())}  stage tensors {len(r['stage_names'])}{extra}")
+
+
+def test_checkpoints_are_what_the_cases_say(splits):
+    """The premises: each saved checkpoint has the naming, expert layout, head and MTP claimed."""
+    _, root, _ = splits
+    for name, (kind, layout, tied, mtp) in CHECKPOINTS.items():
+        names = set(json.loads((root / "src" / name / INDEX).read_text())["weight_map"])
+        prefix = "model.language_model." if kind == "vision" else "model."
+        assert f"{prefix}layers.0.input_layernorm.weight" in names, name
+        assert any(n.startswith("model.visual.") for n in names) == (kind == "vision"), name
+        fused = f"{prefix}layers.0.mlp.experts.gate_up_proj" in names
+        assert fused == (layout == "fused") != (f"{prefix}layers.0.mlp.experts.7.up_proj.weight" in names)
+        assert ("lm_head.weight" not in names) == tied, name
+        assert ("mtp.fc.weight" in names) == mtp, name
 
 
 CASES = [(split, layout, rank) for split in SPLITS for layout, (pp, _) in LAYOUTS.items()
