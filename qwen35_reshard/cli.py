@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import NoReturn
 
 from . import __version__, manifest
+from .balance import Choice, choose
+from .capacity import Capacity
 from .errors import ReshardError
 from .plan import DEFAULT_MAX_FILE_BYTES, Plan, make_plan
 from .split import RUNTIMES, parse_partition
@@ -100,7 +102,23 @@ def _parser(*, plan_only: bool) -> argparse.ArgumentParser:
         help="server whose split and placement rules apply (default: sglang)",
     )
     p.add_argument(
-        "--partition", help="explicit layers per stage, e.g. 15,15,15,15 (default: the runtime's own split)"
+        "--partition",
+        help="explicit layers per stage, e.g. 15,15,15,15, or 'balanced': the split whose fullest "
+        "stage holds the fewest bytes (default: the runtime's own split)",
+    )
+    p.add_argument(
+        "--gpu-memory",
+        type=_size,
+        metavar="SIZE",
+        help="with --partition balanced: size for serving on GPUs of this memory, e.g. 80GB "
+        "(maximise the requests the worst stage holds)",
+    )
+    p.add_argument("--tp", type=int, help="with --gpu-memory: tensor-parallel size of each stage (default 1)")
+    p.add_argument("--context-length", type=int, help="with --gpu-memory: tokens per request")
+    p.add_argument(
+        "--mem-fraction",
+        type=float,
+        help="with --gpu-memory: share of GPU memory the server uses for weights and cache (default 0.9)",
     )
     p.add_argument(
         "--rank", type=int, action="append", help="build only this stage; repeat for several (default: all)"
@@ -141,10 +159,38 @@ def _size(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
+def _capacity(args: argparse.Namespace) -> Capacity | None:
+    """Capacity mode's settings, or None; each of its options needs --gpu-memory and balanced."""
+    given = [
+        f"--{k.replace('_', '-')}"
+        for k in ("tp", "context_length", "mem_fraction")
+        if getattr(args, k) is not None
+    ]
+    if args.gpu_memory is None:
+        if given:
+            raise ReshardError(f"{given[0]} sizes capacity mode: it needs --gpu-memory")
+        return None
+    if args.partition != "balanced":
+        raise ReshardError("--gpu-memory sizes --partition balanced for serving: add --partition balanced")
+    if args.context_length is None:
+        raise ReshardError("--gpu-memory needs --context-length, the tokens each request may hold")
+    if args.mem_fraction is not None and not 0 < args.mem_fraction <= 1:
+        raise ReshardError(f"--mem-fraction must be in (0, 1], got {args.mem_fraction}")
+    for flag, value in (("--tp", args.tp), ("--context-length", args.context_length)):
+        if value is not None and value < 1:
+            raise ReshardError(f"{flag} must be at least 1, got {value}")
+    return Capacity(
+        gpu_bytes=args.gpu_memory,
+        mem_fraction=0.9 if args.mem_fraction is None else args.mem_fraction,
+        tp=1 if args.tp is None else args.tp,
+        context_length=args.context_length,
+    )
+
+
 def _reshard(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from .report import RichReporter, fetch_line, plan_table, summary
+    from .report import RichReporter, balance_table, balance_verdict, fetch_line, plan_table, summary
 
     console = Console(stderr=True)
     from . import hub
@@ -153,6 +199,7 @@ def _reshard(args: argparse.Namespace) -> int:
         check_out_dir(Path(args.model), args.out)
     if getattr(args, "workers", 1) < 1:
         raise ReshardError(f"--workers must be at least 1, got {args.workers}")
+    capacity = _capacity(args)
     # Reading and planning make a few small objects per tensor (~190,000 tensors for a
     # 397B FP8 checkpoint), none of them cyclic: the garbage collector would only slow this.
     gc.disable()
@@ -166,11 +213,16 @@ def _reshard(args: argparse.Namespace) -> int:
                 "servers ignore it",
                 file=sys.stderr,
             )
-        partition = (
-            parse_partition(args.partition, pp=args.pp, num_layers=ckpt.num_layers)
-            if args.partition is not None
-            else None
-        )
+        choice = None
+        if args.partition == "balanced":
+            choice = choose(
+                ckpt, pp=args.pp, runtime=args.runtime, keep_mtp=not args.no_mtp, capacity=capacity
+            )
+            partition = list(choice.partition)
+        elif args.partition is not None:
+            partition = parse_partition(args.partition, pp=args.pp, num_layers=ckpt.num_layers)
+        else:
+            partition = None
         plan = make_plan(
             ckpt,
             pp=args.pp,
@@ -183,13 +235,17 @@ def _reshard(args: argparse.Namespace) -> int:
     finally:
         gc.enable()
     console.print(plan_table(plan))
+    if choice is not None:
+        console.print(balance_table(choice, plan.runtime))
+        for line in balance_verdict(choice):
+            console.print(line, highlight=False)
     if args.dry_run:
         fetch = None
         if repo is not None:
             fetch = hub.fetch_report(plan, hub.HubFetcher(repo, ckpt, hub.needed_by(plan), traffic=traffic))
             console.print(fetch_line(fetch, planned=True), highlight=False)
         console.print(f"dry run: nothing written. Launch with [bold]{plan.launch_env}[/]", highlight=False)
-        _print_json(args, "dry_run", plan, None, 0.0, fetch)
+        _print_json(args, "dry_run", plan, None, 0.0, fetch=fetch, choice=choice)
         return 0
     reporter = RichReporter(console)
     started = time.monotonic()
@@ -212,7 +268,8 @@ def _reshard(args: argparse.Namespace) -> int:
     fetch = hub.fetch_report(plan, fetcher) if fetcher is not None else None
     if fetch is not None:
         console.print(fetch_line(fetch), highlight=False)
-    _print_json(args, "nothing_to_do" if result.nothing_to_do else "ok", plan, result, seconds, fetch)
+    status = "nothing_to_do" if result.nothing_to_do else "ok"
+    _print_json(args, status, plan, result, seconds, fetch=fetch, choice=choice)
     return 0
 
 
@@ -223,6 +280,7 @@ def _print_json(
     result: WriteResult | None,
     seconds: float,
     fetch: dict | None = None,
+    choice: Choice | None = None,
 ) -> None:
     if not args.json:
         return
@@ -234,6 +292,8 @@ def _print_json(
     ]
     doc = {"status": status, "out": str(args.out) if args.out else None}
     doc.update(manifest.run_manifest(plan, complete=complete))
+    if choice is not None:
+        doc["balanced"] = choice.to_dict()
     if result is not None:
         doc["result"] = {
             "built": result.built,

@@ -6,7 +6,9 @@ Everything here goes to stderr through rich, so stdout stays free for ``--json``
 from __future__ import annotations
 
 import shlex
+from collections.abc import Sequence
 
+from rich import box
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -18,6 +20,8 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from . import names
+from .balance import Choice, StageLoad
 from .plan import Plan, StagePlan
 from .verify import Finding, VerifyReport
 from .write import Reporter, WriteResult
@@ -208,3 +212,101 @@ def repair_command(report: VerifyReport) -> str:
     """The command that mends what ``report`` found, with the source it names or the split records."""
     source = report.source or report.recorded_source or "MODEL"
     return f"qwen35-reshard verify {shlex.quote(report.target)} --source {shlex.quote(source)} --repair"
+def balance_table(choice: Choice, runtime: str) -> Table:
+    """The balanced split per stage (resident GB by part; capacity columns in capacity mode),
+    the bottleneck stage marked; narrow enough for an 80-column terminal up to pp=16."""
+    capacity = choice.serving is not None
+    table = Table(
+        title=f"--partition balanced ({runtime}, by {'capacity' if capacity else 'weights'}): "
+        f"{_csv(choice.partition)}",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        padding=(0, 1, 0, 0),
+        pad_edge=False,
+    )
+    # head: lm_head and the final norm. GB: the whole stage's weights (over its tp GPUs).
+    cols = ["stage", "layers", "full/\nlin", "layers\nGB", "embed\nGB", "head\nGB", "mtp\nGB"]
+    cols += ["vision\nGB", "total\nGB"]
+    if capacity:
+        cols += ["free\nGB", "requests"]
+    for i, col in enumerate(cols):
+        table.add_column(col, justify="left" if i < 2 else "right")
+    worst = _bottleneck(choice.stages, capacity)
+    for s in choice.stages:
+        parts = s.parts
+        row = [
+            f"pp{s.rank}" + ("*" if s.rank == worst else ""),
+            f"{s.start}-{s.end - 1}",
+            f"{s.full_layers}/{s.linear_layers}",
+            _gb(s.layer_bytes),
+            _gb(parts.get(names.EMBED, 0)),
+            _gb(parts.get(names.LM_HEAD, 0) + parts.get(names.NORM, 0)),
+            _gb(parts.get(names.MTP, 0)),
+            # The tower and, where a runtime places it apart, its position embedding (visual.*).
+            _gb(sum(n for kind, n in parts.items() if kind.split(".")[0] == names.VISUAL)),
+            _gb(s.total_bytes),
+        ]
+        if capacity:
+            row += [_gb(s.free_bytes), str(s.requests)]
+        table.add_row(*row)
+    return table
+
+
+def balance_verdict(choice: Choice) -> list[str]:
+    """What the table's marks mean, and the comparison with the runtime's default split."""
+    chosen, default = choice.stages, choice.default_stages
+    lines = []
+    if choice.serving is not None:
+        s = choice.serving
+        lines += [
+            f"capacity: tp={s.tp}, {s.context_length} tokens per request, {_gb(s.budget_bytes)} GB per "
+            "GPU for weights + cache",
+            "free: GB per GPU after the weights; * marks the stage that limits the requests",
+        ]
+        if min(x.requests for x in chosen) == 0:
+            lines.append(
+                "no split leaves room for one request of this context length on every stage: "
+                "more GPU memory, a larger tp or more stages"
+            )
+    else:
+        lines.append("* marks the fullest stage")
+    if choice.default_optimal:
+        lines.append(f"the default split ({_csv(choice.default)}) is already optimal")
+        return lines
+    before, after = _fullest(default), _fullest(chosen)
+    lines += [
+        f"default split {_csv(choice.default)}: fullest {_gb(before)} GB, max/mean {_max_mean(default):.3f}",
+        f"balanced: fullest {_gb(after)} GB, max/mean {_max_mean(chosen):.3f}, "
+        f"{_gb(before - after)} GB ({(before - after) / before:.1%}) less",
+    ]
+    if choice.serving is not None:
+        lines.append(
+            f"requests the limiting stage holds: {min(x.requests for x in default)} with the default, "
+            f"{min(x.requests for x in chosen)} balanced"
+        )
+    if choice.default_problem:
+        lines.append(f"the default split cannot be served: {choice.default_problem}")
+    return lines
+
+
+def _bottleneck(stages: Sequence[StageLoad], capacity: bool) -> int:
+    if capacity:
+        return min(stages, key=lambda s: (s.requests, -s.total_bytes)).rank
+    return max(stages, key=lambda s: s.total_bytes).rank
+
+
+def _fullest(stages: Sequence[StageLoad]) -> int:
+    return max(s.total_bytes for s in stages)
+
+
+def _max_mean(stages: Sequence[StageLoad]) -> float:
+    return _fullest(stages) * len(stages) / sum(s.total_bytes for s in stages)
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f}" if n else "-"
+
+
+def _csv(partition: Sequence[int]) -> str:
+    return ",".join(map(str, partition))
