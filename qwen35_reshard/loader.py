@@ -10,16 +10,16 @@ Opening a stage checks, without reading tensor data, that the directory is a fin
 the split recorded beside it, and that every data file's header lists exactly the manifest's
 tensors with the same dtype, shape and size (``stage.read_stage``, which ``verify`` shares).
 ``iter_weights`` then reads only this stage's files, one tensor at a time in file-offset
-order, straight into a fresh tensor; never pickle.
+order, through safetensors' own memory-mapped reader; never pickle.
 
-torch is imported only inside ``iter_weights``: the package stays importable without it.
+torch and safetensors are imported only inside ``iter_weights``: the package stays importable
+without them.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
-import io
 import os
 import sys
 from collections.abc import Iterator
@@ -52,6 +52,9 @@ TORCH_DTYPES: dict[str, str] = {
     "F8_E5M2": "float8_e5m2",
     "F8_E8M0": "float8_e8m0fnu",
 }
+
+# Device types safe_open(device=...) places tensors on by itself.
+SAFETENSORS_DEVICES = ("cpu", "cuda", "mps", "npu", "xpu", "hpu", "mlu", "musa")
 
 
 class StageError(ReshardError):
@@ -139,16 +142,20 @@ class Stage:
     def iter_weights(self, device: str = "cpu", verify: bool = False) -> Iterator[tuple[str, object]]:
         """Yield ``(name, torch.Tensor)`` for exactly this stage's tensors, one at a time.
 
-        Tensors come in file and offset order, each read straight from its file into a fresh
-        tensor of its dtype and shape (then moved to ``device``). With ``verify=True`` each
-        tensor's bytes are hashed and compared to the manifest's sha256 before it is yielded.
+        Tensors come in file and offset order, read through safetensors' own reader
+        (``safe_open(file, framework="pt", device=device)``): the file is memory-mapped, a tensor
+        is a view of its bytes until the caller copies it, and a tensor for another device is
+        placed there directly. Each tensor's dtype and shape are checked against the manifest.
+        With ``verify=True`` its bytes are hashed and compared to the manifest's sha256 before it
+        is yielded (read on the CPU, then moved to ``device``); that hashing is the only extra cost.
         """
         try:
             import torch
+            from safetensors import SafetensorError, safe_open
         except ModuleNotFoundError as e:
             raise StageError(
-                "iter_weights needs torch, which is not installed: pip install 'qwen35-reshard[loader]' "
-                "(or torch itself)"
+                f"iter_weights needs {e.name}, which is not installed: pip install "
+                f"'qwen35-reshard[loader]' (or {e.name} itself)"
             ) from e
 
         if sys.byteorder != "little":
@@ -167,59 +174,48 @@ class Stage:
         by_file: dict[str, list[StageTensor]] = {}
         for t in self.tensors.values():
             by_file.setdefault(t.file, []).append(t)
+        # safetensors places tensors on these devices itself; others (e.g. "meta") get a CPU copy moved.
+        direct = str(device) if torch.device(device).type in SAFETENSORS_DEVICES else "cpu"
+        read_on = "cpu" if verify else direct
         for file in self.files:
             path = self.path / file
             where = f"{self.display}/{file}"
-            with _open(path, where) as f:
+            try:
                 # The file must still be the one validated at open time.
-                size = os.fstat(f.fileno()).st_size
+                size = os.stat(path).st_size
                 if size != self._file_sizes[file]:
                     raise StageError(
                         f"{where}: is {size} bytes, not the {self._file_sizes[file]} bytes it had "
                         f"when the stage was opened; the stage changed while loading: {REBUILD}"
                     )
+                handle = safe_open(path, framework="pt", device=read_on)
+            except (OSError, SafetensorError) as e:
+                raise StageError(f"{where}: cannot open ({e}); {REBUILD}") from None
+            with handle as f:
                 for t in by_file[file]:
-                    # Read straight into the tensor's own (uninitialised) storage.
-                    raw = torch.empty(t.nbytes, dtype=torch.uint8)
-                    buf = _writable_view(raw)
-                    _read_exact(f, t.offset, buf, where)
-                    if verify and hashlib.sha256(buf).hexdigest() != t.sha256:
+                    tensor = f.get_tensor(t.name)
+                    if tensor.dtype != dtypes[t.dtype] or tuple(tensor.shape) != t.shape:
+                        raise StageError(
+                            f"{where}: tensor {t.name!r} is {tensor.dtype} {tuple(tensor.shape)}, not the "
+                            f"{t.dtype} {list(t.shape)} the stage was opened with; the stage changed "
+                            f"while loading: {REBUILD}"
+                        )
+                    if verify and hashlib.sha256(_bytes_of(tensor)).hexdigest() != t.sha256:
                         raise StageError(
                             f"{where}: tensor {t.name!r} does not match its sha256 in "
                             f"{STAGE_MANIFEST}; the file is damaged: {REBUILD}"
                         )
-                    del buf
-                    tensor = raw.view(dtypes[t.dtype]).reshape(t.shape)
-                    del raw
-                    if str(device) != "cpu":
+                    if read_on != str(device):
                         tensor = tensor.to(device)
                     yield t.name, tensor
 
 
-def _open(path: Path, where: str) -> io.RawIOBase:
-    try:
-        return open(path, "rb", buffering=0)
-    except OSError as e:
-        raise StageError(f"{where}: cannot open ({e.strerror}); {REBUILD}") from None
-
-
-def _writable_view(raw: object) -> memoryview:
-    """A writable byte view of a contiguous CPU uint8 tensor's storage (no numpy needed)."""
-    n = raw.numel()
+def _bytes_of(tensor: object) -> memoryview | bytes:
+    """The bytes of a contiguous CPU tensor, without a copy (and without numpy)."""
+    n = tensor.numel() * tensor.element_size()
     if n == 0:
-        return memoryview(bytearray(0))
-    return memoryview((ctypes.c_ubyte * n).from_address(raw.data_ptr())).cast("B")
-
-
-def _read_exact(f: io.RawIOBase, offset: int, buf: memoryview, where: str) -> None:
-    view = memoryview(buf)
-    f.seek(offset)
-    got = 0
-    while got < len(buf):
-        n = f.readinto(view[got:])
-        if not n:
-            raise StageError(f"{where}: ends before the tensor at byte {offset + got}; {REBUILD}")
-        got += n
+        return b""
+    return memoryview((ctypes.c_ubyte * n).from_address(tensor.data_ptr())).cast("B")
 
 
 def _no_stage_dir(root: Path, given: str, pp_rank: int) -> str:

@@ -1,0 +1,160 @@
+"""Benchmark the loader shim against ``safetensors.safe_open(..., framework="pt")`` on the same files.
+
+Run by hand, not as a test. It builds a synthetic checkpoint with the Qwen3.5-35B-A3B
+structure (examples/tiny_checkpoint.py, preset qwen3.5-35b-a3b-scaled), splits it with
+qwen35-reshard, and then streams one stage's tensors, for ``--rounds`` rounds in interleaved
+order, three ways:
+
+- ``safe_open``: what a stock loader does with the stage's files: ``safe_open(file,
+  framework="pt")`` per file, ``get_tensor(name)`` for every name in it;
+- ``shim``: ``loader.open_stage(OUT, pp_rank=R).iter_weights()`` (opening and checking the stage
+  included);
+- ``shim verify``: the same with ``verify=True`` (every tensor's sha256 checked).
+
+Each tensor is copied into a tensor of its shape and dtype allocated before the timing starts,
+as a model's ``load_weights`` copies into its parameters. With ``--cache cold`` (root only) the
+page cache is written back and dropped before every run; with ``warm`` the stage's files are
+read once before every run. Medians are reported, with each method's speed relative to
+``safe_open`` measured in the same run.
+
+    python benchmarks/bench_loader.py                          # 2 GB checkpoint, pp=2, 5 rounds
+    python benchmarks/bench_loader.py --size 5e8 --rounds 3    # quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from qwen35_reshard import loader, make_plan, read_checkpoint, write_plan  # noqa: E402
+
+BUILDER = REPO / "examples" / "tiny_checkpoint.py"
+
+
+def read_safe_open(stage_dir: Path, files: list[str], dst: dict) -> int:
+    n = 0
+    for file in files:
+        with safe_open(stage_dir / file, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
+                dst[name].copy_(f.get_tensor(name))
+                n += 1
+    return n
+
+
+def read_shim(out: Path, rank: int, dst: dict, verify: bool) -> int:
+    n = 0
+    for name, tensor in loader.open_stage(out, pp_rank=rank).iter_weights(verify=verify):
+        dst[name].copy_(tensor)
+        n += 1
+    return n
+
+
+def drop_caches() -> None:
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def warm(paths: list[Path]) -> None:
+    for p in paths:
+        with open(p, "rb", buffering=0) as f:
+            while f.read(1 << 24):
+                pass
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", type=float, default=2e9, help="checkpoint size in bytes (default 2e9)")
+    ap.add_argument("--pp", type=int, default=2)
+    ap.add_argument("--rank", type=int, default=0, help="the stage that is loaded")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--cache", default="warm,cold", help="warm, cold or both (cold needs root)")
+    ap.add_argument("--workdir", type=Path, default=None, help="parent of the temporary work directory")
+    ap.add_argument("--keep", action="store_true", help="keep the checkpoint and the split")
+    args = ap.parse_args()
+    caches = [c for c in args.cache.split(",") if c]
+    if "cold" in caches and os.geteuid() != 0:
+        print("cold cache needs root (to drop the page cache): measuring warm only", file=sys.stderr)
+        caches = [c for c in caches if c != "cold"]
+
+    work = Path(tempfile.mkdtemp(prefix="bench-loader-", dir=args.workdir))
+    try:
+        model, out = work / "model", work / "out"
+        subprocess.run(
+            [sys.executable, str(BUILDER), str(model), "--preset", "qwen3.5-35b-a3b-scaled",
+             "--target-bytes", str(int(args.size))],
+            check=True, stdout=subprocess.DEVNULL,
+        )
+        write_plan(make_plan(read_checkpoint(model), pp=args.pp, runtime="vllm"), out)
+        stage = loader.open_stage(out, pp_rank=args.rank)
+        files = [stage.path / f for f in stage.files]
+        nbytes = stage.nbytes
+        dst = {
+            name: torch.empty(t.shape, dtype=getattr(torch, loader.TORCH_DTYPES[t.dtype]))
+            for name, t in stage.tensors.items()
+        }
+        for t in dst.values():
+            t.fill_(0)  # fault the destination in once, as a built model's parameters are
+
+        methods = {
+            "safe_open": lambda: read_safe_open(stage.path, list(stage.files), dst),
+            "shim": lambda: read_shim(out, args.rank, dst, verify=False),
+            "shim verify": lambda: read_shim(out, args.rank, dst, verify=True),
+        }
+        times: dict[tuple[str, str], list[float]] = {}
+        for r in range(args.rounds):
+            for cache in caches:
+                order = list(methods)
+                order = order[r % len(order):] + order[: r % len(order)]  # rotate: no fixed first
+                for name in order:
+                    if cache == "cold":
+                        drop_caches()
+                    else:
+                        warm(files)
+                    t0 = time.perf_counter()
+                    count = methods[name]()
+                    times.setdefault((cache, name), []).append(time.perf_counter() - t0)
+                    assert count == len(stage), (name, count, len(stage))
+
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        print(
+            f"## Loader read speed, {stamp}, {platform.node()} ({os.cpu_count()} cores), "
+            f"torch {torch.__version__}\n\n"
+            f"Stage {args.rank} of a pp={args.pp} split of a {args.size / 1e9:.2f} GB checkpoint: "
+            f"{len(stage)} tensors, {nbytes / 1e9:.3f} GB in {len(files)} files; median of "
+            f"{args.rounds} interleaved rounds, each tensor copied into a preallocated tensor.\n"
+        )
+        print("| cache | method | median s | GB/s | speed vs safe_open |")
+        print("|---|---|---:|---:|---:|")
+        for cache in caches:
+            base = statistics.median(times[(cache, "safe_open")])
+            for name in methods:
+                med = statistics.median(times[(cache, name)])
+                print(f"| {cache} | {name} | {med:.3f} | {nbytes / med / 1e9:.2f} | {base / med:.2f}x |")
+        print()
+        for (cache, name), ts in times.items():
+            print(f"{cache:5} {name:12} runs: {', '.join(f'{t:.3f}' for t in ts)}")
+    finally:
+        if args.keep:
+            print(f"kept {work}", file=sys.stderr)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
