@@ -112,7 +112,8 @@ def write_plan(
             kept, digests[stage.rank] = _resume_stage(out / stage.dirname, stage)
             result.files_kept += len(kept)
             to_write += [(stage, f) for f in stage.files if f.name not in kept]
-        needed = sum(f.size for _, f in to_write) + len(todo) * _side_file_bytes(plan)
+        side_copies = len(todo) + (plan.runtime == "vllm")  # each stage's, and OUT's own for vLLM
+        needed = sum(f.size for _, f in to_write) + side_copies * _side_file_bytes(plan)
         _check_free_space(out, needed)
         created = []  # from here on, finished files are kept for the next run to resume
 
@@ -121,6 +122,10 @@ def write_plan(
             _finish_stage(plan, out / stage.dirname, stage, digests[stage.rank])
             result.built.append(stage.rank)
             reporter.stage_done(stage)
+        if plan.runtime == "vllm":
+            # OUT itself is the model path of `vllm serve OUT --load-format qwen35-stages`: vLLM
+            # reads the config and the tokenizer there, and each rank's weights from OUT/pp{rank}.
+            _copy_side_files(plan, out)
         complete = [s.rank for s in plan.stages if manifest.stage_is_complete(out / s.dirname, identity)]
         _write_atomic(out / manifest.RUN_MANIFEST, manifest.dumps(manifest.run_manifest(plan, complete)))
         _remove(out / RUN_MARKER)
@@ -239,7 +244,8 @@ def _prepare_out(plan: Plan, out: Path, identity: dict, *, overwrite: bool) -> l
     foreign = [
         p.name
         for p in entries
-        if not manifest.STAGE_DIR.fullmatch(p.name) and p.name not in (RUN_MARKER, manifest.RUN_MANIFEST)
+        if not manifest.STAGE_DIR.fullmatch(p.name)
+        and p.name not in (RUN_MARKER, manifest.RUN_MANIFEST, *plan.checkpoint.extra_files)
     ]
     if foreign:
         raise ReshardError(
@@ -453,12 +459,7 @@ def _finish_file(o: _OpenFile, out: Path, digests: dict[int, dict[str, str]]) ->
 
 def _finish_stage(plan: Plan, stage_dir: Path, stage: StagePlan, digests: dict[str, str]) -> None:
     """Copy the non-weight files, then write the manifest and, last, the index."""
-    root = plan.checkpoint.root
-    for name in plan.checkpoint.extra_files:
-        tmp = stage_dir / f".{name}{PARTIAL_SUFFIX}"
-        shutil.copyfile(root / name, tmp)
-        _fsync_path(tmp)
-        os.replace(tmp, stage_dir / name)
+    _copy_side_files(plan, stage_dir)
     index_bytes = manifest.dumps(manifest.stage_index(stage))
     stage_manifest = manifest.stage_manifest(plan, stage, digests, index_bytes)
     # The journal goes before the stage can look complete: a finished stage never holds one
@@ -467,6 +468,16 @@ def _finish_stage(plan: Plan, stage_dir: Path, stage: StagePlan, digests: dict[s
     _write_atomic(stage_dir / manifest.STAGE_MANIFEST, manifest.dumps(stage_manifest))
     _write_atomic(stage_dir / INDEX_NAME, index_bytes)
     _fsync_dir(stage_dir)
+
+
+def _copy_side_files(plan: Plan, directory: Path) -> None:
+    """Copy config.json and the source's other non-weight files into ``directory``, atomically."""
+    root = plan.checkpoint.root
+    for name in plan.checkpoint.extra_files:
+        tmp = directory / f".{name}{PARTIAL_SUFFIX}"
+        shutil.copyfile(root / name, tmp)
+        _fsync_path(tmp)
+        os.replace(tmp, directory / name)
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

@@ -55,7 +55,11 @@ def check_split(ref, model, out, *, pp, runtime="sglang", partition=None, keep_m
     starts = [sum(partition[:r]) for r in range(pp)]
     layers = [{"start": starts[r], "end": starts[r] + partition[r]} for r in range(pp)]
 
-    assert sorted(os.listdir(out)) == sorted([RUN_MANIFEST, *(f"pp{r}" for r in built)])
+    # vLLM serves OUT itself with --load-format qwen35-stages: its config and tokenizer are there too.
+    root_files = src.side_files if runtime == "vllm" else {}
+    assert sorted(os.listdir(out)) == sorted([RUN_MANIFEST, *(f"pp{r}" for r in built), *root_files])
+    for name, data in root_files.items():
+        assert (out / name).read_bytes() == data, name
     run = json.loads((out / RUN_MANIFEST).read_bytes())
     assert (run["pp"], run["runtime"], run["partition"], run["launch_env"]) == (pp, runtime, partition, env)
     assert run["mtp"] == mtp and sorted(run["dropped"]) == dropped

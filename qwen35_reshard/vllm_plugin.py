@@ -1,0 +1,113 @@
+"""vLLM load format ``qwen35-stages``: every pipeline rank loads its own stage of a split.
+
+    vllm serve OUT --load-format qwen35-stages --pipeline-parallel-size N
+
+OUT is a run directory written with ``--runtime vllm``. Each worker asks vLLM for its pipeline
+rank and for the layers vLLM gives that rank (``get_pp_indices``, which honours
+``VLLM_PP_LAYER_PARTITION``), opens ``OUT/pp{rank}`` through the loader shim and checks the
+stage against that view before the rank's model is even built, so a stage of another split
+stops the engine start with the shim's one-line message and no weight read. It then feeds the
+model's own ``load_weights`` exactly the stage's tensors, with no skip logic: a tensor for a
+layer the rank does not build is an error, and so is a parameter of the rank that no tensor
+reached.
+
+vLLM loads the entry point (group ``vllm.general_plugins``, see pyproject.toml) in every
+process that may load weights. vllm is imported only inside ``register``: this module, like
+the rest of the package, imports without it.
+"""
+
+from __future__ import annotations
+
+LOAD_FORMAT = "qwen35-stages"
+RUNTIME = "vllm"
+
+
+def register() -> None:
+    """Entry point: make ``load_format="qwen35-stages"`` known to vLLM."""
+    from vllm.model_executor.model_loader import register_model_loader
+
+    register_model_loader(LOAD_FORMAT)(_loader_class())
+
+
+def _loader_class() -> type:
+    """Build the loader class; its base class is vLLM's, so it exists only where vLLM does."""
+    from vllm.distributed import get_pp_group
+    from vllm.distributed.utils import get_pp_indices
+    from vllm.logger import init_logger
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+    from vllm.model_executor.models.utils import PPMissingLayer, StageMissingLayer
+
+    from . import loader
+
+    log = init_logger(f"vllm.{__name__}")  # vLLM configures loggers under "vllm." in every process
+
+    def open_own_stage(model_config: object) -> loader.Stage:
+        """This rank's stage, checked against the rank's view of the split, or StageError."""
+        group = get_pp_group()
+        rank, size = group.rank_in_group, group.world_size
+        start, end = get_pp_indices(model_config.hf_text_config.num_hidden_layers, rank, size)
+        stage = loader.open_stage(model_config.model, pp_rank=rank)
+        stage.check(pp_size=size, start_layer=start, end_layer=end, pp_rank=rank, runtime=RUNTIME)
+        return stage
+
+    def placeholder_on_path(model: object, name: str) -> type | None:
+        """The placeholder type (PPMissingLayer, StageMissingLayer) on the way to the module
+        that takes ``name`` (a vLLM name), or None where vLLM built the module."""
+        module = model
+        for part in name.split(".")[:-1]:
+            module = module._modules.get(part)
+            if module is None:
+                return None  # not a module path (a fused parameter, ...): vLLM's own loader decides
+            if isinstance(module, (PPMissingLayer, StageMissingLayer)):
+                return type(module)
+        return None
+
+    class Qwen35StagesLoader(BaseModelLoader):
+        """Loads ``OUT/pp{rank}`` on each pipeline rank; see the module docstring."""
+
+        def download_model(self, model_config: object) -> None:
+            open_own_stage(model_config)  # nothing to download; refuse early what cannot load
+
+        def load_model(self, vllm_config: object, model_config: object, prefix: str = "") -> object:
+            self._stage = open_own_stage(model_config)  # before the model is built
+            return super().load_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
+
+        def load_weights(self, model: object, model_config: object) -> None:
+            stage = getattr(self, "_stage", None) or open_own_stage(model_config)
+            mapper = getattr(model, "hf_to_vllm_mapper", None)
+            take, unbuilt = set(), []
+            for name in stage.names:
+                mapped = mapper.map_name(name) if mapper is not None else name
+                kind = placeholder_on_path(model, mapped or name)
+                if kind is PPMissingLayer:
+                    raise loader.StageError(
+                        f"{stage.display}: tensor {name!r} is for a layer pipeline rank {stage.rank} "
+                        f"does not build; the stage does not match the server's split"
+                    )
+                if kind is StageMissingLayer:
+                    unbuilt.append(name)
+                else:
+                    take.add(name)
+            log.info(
+                "qwen35-stages: pipeline rank %d loads %s (%d tensors)", stage.rank, stage.display, len(take)
+            )
+            if unbuilt:
+                parts = sorted({".".join(n.split(".")[:2]) for n in unbuilt})
+                log.info(
+                    "qwen35-stages: %d tensors of %s not loaded: the server was started without them",
+                    len(unbuilt), ", ".join(parts),
+                )
+            loaded = model.load_weights((n, t) for n, t in stage.iter_weights() if n in take)
+            if loaded is None:
+                raise loader.StageError(
+                    f"{type(model).__name__}.load_weights does not say which parameters it loaded, "
+                    "so the stage cannot be checked complete"
+                )
+            missing = sorted({n for n, _ in model.named_parameters()} - set(loaded))
+            if missing:
+                raise loader.StageError(
+                    f"{stage.display}: {len(missing)} parameters of pipeline rank {stage.rank} got no "
+                    f"tensor from the stage, e.g. {', '.join(missing[:3])}"
+                )
+
+    return Qwen35StagesLoader
