@@ -22,9 +22,10 @@ Each run is its own process, started by a small launcher that reports its wall t
 ``warm`` the source is read into the page cache before each run. Medians are reported. Then:
 
 - ``--dry-run`` time on a headers-only (sparse) Qwen3.5-397B-A17B-FP8-shaped checkpoint;
-- bytes read by ``loader.open_stage(OUT, pp_rank=r).iter_weights()`` per stage (rchar from
-  /proc/self/io of a child process: every byte that went through read(), page cache or not)
-  against the whole checkpoint.
+- bytes read from storage by ``loader.open_stage(OUT, pp_rank=r).iter_weights()`` per stage,
+  each tensor copied as ``load_weights`` does (read_bytes from /proc/self/io of a child process,
+  page cache dropped first, so root only: the shim reads through a memory map, which rchar
+  does not count) against the whole checkpoint.
 
 Disk: a source and one output exist at a time (about twice the size); everything is under
 ``--workdir`` and deleted at the end (``--keep`` keeps the checkpoints).
@@ -260,7 +261,7 @@ c0, b0 = io()
 stage = loader.open_stage(sys.argv[1], pp_rank=int(sys.argv[2]))
 n = t = 0
 for name, tensor in stage.iter_weights():
-    n += tensor.numel() * tensor.element_size()
+    n += tensor.clone().numel() * tensor.element_size()  # a copy, as load_weights makes
     t += 1
 c1, b1 = io()
 print(json.dumps({"tensors": t, "tensor_bytes": n, "rchar": c1 - c0, "read_bytes": b1 - b0}))
@@ -402,16 +403,16 @@ def report(runs, sizes, caches, args, dry, loader_rows, verified, env) -> str:
         lines += [
             f"### Loading one stage through the shim ({sizes[-1]} checkpoint, {gb(whole)} of shards)",
             "",
-            "| stage | tensors | stage tensor bytes | bytes read (rchar) | from storage (read_bytes) "
-            "| rchar / checkpoint |",
+            "| stage | tensors | stage tensor bytes | read() calls (rchar) | from storage (read_bytes) "
+            "| read_bytes / checkpoint |",
             "|---|---:|---:|---:|---:|---:|",
         ]
         for d in loader_rows:
             lines.append(
                 f"| {d['stage']} | {d['tensors']} | {gb(d['tensor_bytes'])} | {gb(d['rchar'])} | "
-                f"{gb(d['read_bytes'])} | {d['rchar'] / whole:.1%} |"
+                f"{gb(d['read_bytes'])} | {d['read_bytes'] / whole:.1%} |"
             )
-        total = sum(d["rchar"] for d in loader_rows)
+        total = sum(d["read_bytes"] for d in loader_rows)
         lines += [
             "",
             f"All {len(loader_rows)} stages together read {gb(total)} "
