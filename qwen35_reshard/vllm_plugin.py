@@ -66,7 +66,7 @@ def _loader_class() -> type:
         """Loads ``OUT/pp{rank}`` on each pipeline rank; see the module docstring."""
 
         def download_model(self, model_config: object) -> None:
-            open_own_stage(model_config)  # nothing to download; refuse early what cannot load
+            """Nothing to download: the stages are directories every worker reads itself."""
 
         def load_model(self, vllm_config: object, model_config: object, prefix: str = "") -> object:
             self._stage = open_own_stage(model_config)  # before the model is built

@@ -112,7 +112,7 @@ def write_plan(
             kept, digests[stage.rank] = _resume_stage(out / stage.dirname, stage)
             result.files_kept += len(kept)
             to_write += [(stage, f) for f in stage.files if f.name not in kept]
-        side_copies = len(todo) + (plan.runtime == "vllm")  # each stage's, and OUT's own for vLLM
+        side_copies = len(todo) + 1  # each stage's, and OUT's own
         needed = sum(f.size for _, f in to_write) + side_copies * _side_file_bytes(plan)
         _check_free_space(out, needed)
         created = []  # from here on, finished files are kept for the next run to resume
@@ -122,10 +122,10 @@ def write_plan(
             _finish_stage(plan, out / stage.dirname, stage, digests[stage.rank])
             result.built.append(stage.rank)
             reporter.stage_done(stage)
-        if plan.runtime == "vllm":
-            # OUT itself is the model path of `vllm serve OUT --load-format qwen35-stages`: vLLM
-            # reads the config and the tokenizer there, and each rank's weights from OUT/pp{rank}.
-            _copy_side_files(plan, out)
+        # OUT itself is the model path of `vllm serve OUT --load-format qwen35-stages`: vLLM reads
+        # the config and the tokenizer there (and refuses a split for SGLang in the plugin, with
+        # the shim's message), each rank's weights from OUT/pp{rank}.
+        _copy_side_files(plan, out)
         complete = [s.rank for s in plan.stages if manifest.stage_is_complete(out / s.dirname, identity)]
         _write_atomic(out / manifest.RUN_MANIFEST, manifest.dumps(manifest.run_manifest(plan, complete)))
         _remove(out / RUN_MARKER)

@@ -331,7 +331,9 @@ def test_a_different_command_is_refused_unless_overwrite(small, tmp_path):
         text=True,
     )
     assert replaced.returncode == 0, replaced.stderr
-    assert sorted(p.name for p in out.iterdir()) == ["pp0", "pp1", RUN_MANIFEST]
+    side = sorted(p.name for p in small.iterdir() if p.is_file() and not p.name.endswith(".safetensors")
+                  and p.name != "model.safetensors.index.json")
+    assert sorted(p.name for p in out.iterdir()) == sorted(["pp0", "pp1", RUN_MANIFEST, *side])
     assert verify(out, small).ok
 
 

@@ -198,6 +198,22 @@ def test_package_imports_and_validates_without_torch(out):
     assert "needs torch" in res.stdout and "pip install 'qwen35-reshard[loader]'" in res.stdout
 
 
+def test_vllm_plugin_imports_without_vllm():
+    """The load format's module is importable without vllm; only registering needs it."""
+    code = (
+        "import sys; sys.modules['vllm'] = None; sys.modules['torch'] = None\n"
+        "from qwen35_reshard import vllm_plugin\n"
+        "print(vllm_plugin.LOAD_FORMAT)\n"
+        "try:\n"
+        "    vllm_plugin.register()\n"
+        "except ImportError:\n"
+        "    print('vllm needed only to register')\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["qwen35-stages", "vllm", "needed", "only", "to", "register"]
+
+
 # --------------------------------------------------------------------------- check()
 
 

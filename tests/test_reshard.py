@@ -56,7 +56,7 @@ def check_split(ref, model, out, *, pp, runtime="sglang", partition=None, keep_m
     layers = [{"start": starts[r], "end": starts[r] + partition[r]} for r in range(pp)]
 
     # vLLM serves OUT itself with --load-format qwen35-stages: its config and tokenizer are there too.
-    root_files = src.side_files if runtime == "vllm" else {}
+    root_files = src.side_files
     assert sorted(os.listdir(out)) == sorted([RUN_MANIFEST, *(f"pp{r}" for r in built), *root_files])
     for name, data in root_files.items():
         assert (out / name).read_bytes() == data, name

@@ -13,9 +13,9 @@ engine per process in its own virtualenv:
   served with pp=2, an SGLang split): the engine start fails with the shim's one-line message,
   raised before the rank's model is built, so no weight is read.
 
-The vLLM virtualenv's python comes from ``QWEN35_RESHARD_VLLM_PYTHON`` (``.ci/run`` builds it;
-the README says how to build one by hand). Without it the test fails under CI and is skipped
-elsewhere. Each engine start takes about a minute on a 2-core machine.
+The vLLM virtualenv's python comes from ``QWEN35_RESHARD_VLLM_PYTHON`` (``.ci/vllm/build-venv.sh``
+builds it, ``.ci/run`` exports it). Without it the test fails under CI and is skipped elsewhere.
+Each engine start takes one to three minutes on a 2-core machine.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
 import qwen35_reshard
 from qwen35_reshard.vllm_plugin import LOAD_FORMAT
 
-HERE = Path(__file__).resolve().parent / "vllm_engine"
+GENERATE = Path(__file__).resolve().parent / "vllm_generate.py"
 PYTHON_ENV = "QWEN35_RESHARD_VLLM_PYTHON"
 LAYERS = 8
 PROMPTS = [[1, 5, 9, 33, 100, 7], [200, 3, 3, 17], [42]]
@@ -115,15 +115,13 @@ def run_engine(world, model: Path, pp: int, load_format: str, partition: str | N
     env = {k: v for k, v in os.environ.items() if k != "VLLM_PP_LAYER_PARTITION"}
     if partition:
         env["VLLM_PP_LAYER_PARTITION"] = partition
-    # The torchvision stand-in (see vllm_engine/torchvision): first on the path of every process.
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")]))
     spec = {"model": str(model), "pp": pp, "load_format": load_format, "prompts": PROMPTS,
             "max_tokens": MAX_TOKENS}
     log = world["root"] / f"engine-{len(list(world['root'].glob('engine-*')))}.log"
     t0, peak = time.monotonic(), 0
     with open(log, "w+") as out:
         proc = subprocess.Popen(
-            [world["python"], str(HERE / "generate.py"), json.dumps(spec)],
+            [world["python"], str(GENERATE), json.dumps(spec)],
             stdout=out, stderr=subprocess.STDOUT, env=env, cwd=world["root"],
         )
         ps = psutil.Process(proc.pid)

@@ -2,7 +2,7 @@
 
 Run with the vLLM virtualenv's python by tests/test_vllm_engine.py, one engine per process:
 
-    python generate.py SPEC_JSON
+    python vllm_generate.py SPEC_JSON
 
 SPEC_JSON: {"model": path, "pp": int, "load_format": str, "prompts": [[token ids], ...],
 "max_tokens": int}. VLLM_PP_LAYER_PARTITION, if set, is the engine's own. Text only
