@@ -15,7 +15,8 @@ Each tensor is copied into a tensor of its shape and dtype allocated before the 
 as a model's ``load_weights`` copies into its parameters. With ``--cache cold`` (root only) the
 page cache is written back and dropped before every run; with ``warm`` the stage's files are
 read once before every run. Medians are reported, with each method's speed relative to
-``safe_open`` measured in the same run.
+``safe_open`` measured in the same run: the ratio of the medians, and the median of each
+round's own ratio (steadier on a machine whose speed drifts).
 
     python benchmarks/bench_loader.py                          # 2 GB checkpoint, pp=2, 5 rounds
     python benchmarks/bench_loader.py --size 5e8 --rounds 3    # quick look
@@ -138,13 +139,18 @@ def main() -> int:
             f"{len(stage)} tensors, {nbytes / 1e9:.3f} GB in {len(files)} files; median of "
             f"{args.rounds} interleaved rounds, each tensor copied into a preallocated tensor.\n"
         )
-        print("| cache | method | median s | GB/s | speed vs safe_open |")
-        print("|---|---|---:|---:|---:|")
+        print("| cache | method | median s | GB/s | speed vs safe_open (medians) | same, median of rounds |")
+        print("|---|---|---:|---:|---:|---:|")
         for cache in caches:
-            base = statistics.median(times[(cache, "safe_open")])
+            base = times[(cache, "safe_open")]
             for name in methods:
-                med = statistics.median(times[(cache, name)])
-                print(f"| {cache} | {name} | {med:.3f} | {nbytes / med / 1e9:.2f} | {base / med:.2f}x |")
+                ts = times[(cache, name)]
+                med = statistics.median(ts)
+                paired = statistics.median(b / t for b, t in zip(base, ts, strict=True))  # per round
+                print(
+                    f"| {cache} | {name} | {med:.3f} | {nbytes / med / 1e9:.2f} | "
+                    f"{statistics.median(base) / med:.2f}x | {paired:.2f}x |"
+                )
         print()
         for (cache, name), ts in times.items():
             print(f"{cache:5} {name:12} runs: {', '.join(f'{t:.3f}' for t in ts)}")
