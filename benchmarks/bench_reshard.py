@@ -21,7 +21,13 @@ Each run is its own process, started by a small launcher that reports its wall t
 ``--cache cold`` (root only) the page cache is written back and dropped before each run; with
 ``warm`` the source is read into the page cache before each run. Medians are reported. Then:
 
-- ``--dry-run`` time on a headers-only (sparse) Qwen3.5-397B-A17B-FP8-shaped checkpoint;
+- ``--dry-run`` time on a headers-only (sparse) Qwen3.5-397B-A17B-FP8-shaped checkpoint,
+  interleaved with a fresh interpreter that only json-parses every shard's header (the
+  ratio of the two medians is the planning overhead), and the bytes the plan can share;
+- with ``--reflink-fs xfs,btrfs`` (root: loop-mounted image files), block sharing on each:
+  reshard (``--reflink auto``) against ``cp --reflink=always`` and a plain ``cp
+  --reflink=never`` of the shards, each followed by ``sync``: time and growth of the
+  filesystem's used space (statvfs, as df shows it), on a ``--reflink-size`` checkpoint;
 - bytes read from storage by ``loader.open_stage(OUT, pp_rank=r).iter_weights()`` per stage,
   each tensor copied as ``load_weights`` does (read_bytes from /proc/self/io of a child process,
   page cache dropped first, so root only: the shim reads through a memory map, which rchar
@@ -32,6 +38,7 @@ Disk: a source and one output exist at a time (about twice the size); everything
 
     python benchmarks/bench_reshard.py                       # 2 GB and 6 GB, 5 rounds
     python benchmarks/bench_reshard.py --sizes 1e9 --rounds 1 --cache warm   # quick look
+    python benchmarks/bench_reshard.py --sizes none --reflink-fs xfs,btrfs    # sharing + dry run only
 """
 
 from __future__ import annotations
@@ -297,8 +304,11 @@ def measure_dry_run(work: Path, rounds: int) -> dict:
     tensors = len(index["weight_map"])
     logical = sum(p.stat().st_size for p in shard_files(model))
     on_disk = sum(p.stat().st_blocks * 512 for p in model.iterdir())
-    walls, rss = [], []
+    walls, parse_walls, cpus, parse_cpus, rss = [], [], [], [], []
     for _ in range(rounds):
+        m, _ = run_child([PY, "-c", _PARSE_HEADERS, str(model)], work / "parse.log")
+        parse_walls.append(m["wall"])
+        parse_cpus.append(m["user"] + m["sys"])
         m, _ = run_child(
             [PY, "-m", "qwen35_reshard", "--pp", "4", "--dry-run", str(model), str(work / "dry-out")],
             work / "dry-run.log",
@@ -306,7 +316,16 @@ def measure_dry_run(work: Path, rounds: int) -> dict:
         if m["code"] != 0:
             raise SystemExit(f"dry run failed; see {work / 'dry-run.log'}")
         walls.append(m["wall"])
+        cpus.append(m["user"] + m["sys"])
         rss.append(m["maxrss_kb"] / 1024)
+    doc = json.loads(
+        subprocess.run(
+            [PY, "-m", "qwen35_reshard", "--pp", "4", "--dry-run", "--json", str(model), str(work / "dry")],
+            capture_output=True,
+            check=True,
+            text=True,
+        ).stdout
+    )
     return {
         "tensors": tensors,
         "shards": len(shard_files(model)),
@@ -314,8 +333,131 @@ def measure_dry_run(work: Path, rounds: int) -> dict:
         "on_disk_bytes": on_disk,
         "walls": walls,
         "median": median(walls),
+        "parse_walls": parse_walls,
+        "parse_median": median(parse_walls),
+        "cpu_median": median(cpus),
+        "parse_cpu_median": median(parse_cpus),
         "maxrss_mb": max(rss),
+        "stage_bytes": sum(st["bytes"] for st in doc["stages"]),
+        "shareable_bytes": sum(st["shareable_bytes"] for st in doc["stages"]),
+        "split_shards": sum(len(st["source_files"]) for st in doc["stages"]) - len(shard_files(model)),
     }
+
+
+# What --dry-run is compared with: a fresh interpreter that json-parses every shard header.
+_PARSE_HEADERS = """
+import json, struct, sys
+from pathlib import Path
+for p in sorted(Path(sys.argv[1]).glob("*.safetensors")):
+    with open(p, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        json.loads(f.read(n))
+"""
+
+
+def used_bytes(path: Path) -> int:
+    """Bytes in use on the filesystem of ``path``, as df shows them, after a sync."""
+    subprocess.run(["sync", "-f", str(path)], check=True)
+    st = os.statvfs(path)
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+def mount_image(kind: str, work: Path, size: int) -> Path:
+    """A fresh loop-mounted ``kind`` filesystem of ``size`` bytes under ``work``."""
+    image, mnt = work / f"{kind}.img", work / kind
+    with open(image, "wb") as f:
+        f.truncate(size)
+    mnt.mkdir(exist_ok=True)
+    mkfs = {"xfs": ["mkfs.xfs", "-q", "-f"], "btrfs": ["mkfs.btrfs", "-q", "-f"]}[kind]
+    subprocess.run([*mkfs, str(image)], check=True, capture_output=True)
+    subprocess.run(["mount", "-o", "loop", str(image), str(mnt)], check=True)
+    return mnt
+
+
+def measure_sharing(kind: str, size: int, args: argparse.Namespace, cache: str) -> list[dict]:
+    """reshard against cp --reflink=always and a plain copy on a loop-mounted ``kind`` filesystem."""
+    mnt = mount_image(kind, args.workdir, int(2.5 * size) + 2**30)
+    try:
+        model, out = mnt / "model", mnt / "out"
+        build(model, size)
+        checkpoint = sum(p.stat().st_size for p in shard_files(model))
+        shards = " ".join(f"'{p}'" for p in shard_files(model))
+        todo = {
+            "reshard": [PY, "-m", "qwen35_reshard", "--pp", str(args.pp), "--json", str(model), str(out)],
+            "reshard --dry-run": [
+                PY, "-m", "qwen35_reshard", "--pp", str(args.pp), "--dry-run", str(model), str(out)
+            ],
+            "cp --reflink=always + sync": [
+                "sh", "-c", f"mkdir -p '{out}' && cp --reflink=always {shards} '{out}/' && sync '{out}'/*"
+            ],
+            "cp --reflink=never + sync": [
+                "sh", "-c", f"mkdir -p '{out}' && cp --reflink=never {shards} '{out}/' && sync '{out}'/*"
+            ],
+        }  # fmt: skip
+        rows = []
+        for r in range(args.rounds):
+            for name in list(todo)[r % len(todo) :] + list(todo)[: r % len(todo)]:
+                shutil.rmtree(out, ignore_errors=True)
+                prepare_cache(cache, model)
+                before = used_bytes(mnt)
+                m, stdout = run_child(todo[name], args.workdir / f"{kind}-{r}.log")
+                if m["code"] != 0:
+                    raise SystemExit(f"{kind}: {name} failed; see {args.workdir / f'{kind}-{r}.log'}")
+                growth = used_bytes(mnt) - before
+                result = json.loads(stdout)["result"] if name == "reshard" else {}
+                shared = result and result["bytes_shared"] / (result["bytes_shared"] + result["bytes_copied"])
+                rows.append(
+                    {"fs": kind, "method": name, "round": r, "wall": m["wall"], "growth": growth,
+                     "checkpoint": checkpoint, "shared": shared}
+                )  # fmt: skip
+                print(
+                    f"  [{kind} round {r + 1}] {name:28s} {m['wall']:7.2f} s  disk +{growth / 1e6:.1f} MB",
+                    flush=True,
+                )
+        shutil.rmtree(out, ignore_errors=True)
+        subprocess.run([*todo["reshard"]], check=True, capture_output=True)
+        v = subprocess.run(
+            [PY, "-m", "qwen35_reshard", "verify", str(out), "--source", str(model)], capture_output=True
+        )
+        if v.returncode:
+            raise SystemExit(f"{kind}: verify --source failed:\n{v.stderr.decode()[-2000:]}")
+        return rows
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+        (args.workdir / f"{kind}.img").unlink(missing_ok=True)
+
+
+def sharing_report(rows: list[dict], dry: dict) -> list[str]:
+    lines = []
+    for kind in dict.fromkeys(r["fs"] for r in rows):
+        mine = [r for r in rows if r["fs"] == kind]
+        checkpoint = mine[0]["checkpoint"]
+        lines += [
+            f"### Block sharing on {kind} (loop-mounted image), {gb(checkpoint)} checkpoint, "
+            f"median of {max(r['round'] for r in mine) + 1} rounds, interleaved",
+            "",
+            "| method | wall s (median) | disk growth (df) | growth / checkpoint |",
+            "|---|---:|---:|---:|",
+        ]
+        med = {}
+        for method in dict.fromkeys(r["method"] for r in mine):
+            runs = [r for r in mine if r["method"] == method]
+            wall, growth = median([r["wall"] for r in runs]), median([r["growth"] for r in runs])
+            med[method] = wall
+            lines.append(f"| {method} | {wall:.2f} | {growth / 1e6:.1f} MB | {growth / checkpoint:.2%} |")
+        shared = median([r["shared"] for r in mine if r["method"] == "reshard"])
+        reflink, plain = med["cp --reflink=always + sync"], med["cp --reflink=never + sync"]
+        split, planning = med["reshard"], med["reshard --dry-run"]
+        lines += [
+            "",
+            f"- reshard / (cp --reflink=always + sync) time **{split / reflink:.1f}x**; reshard / "
+            "(2 x cp --reflink=always + its own dry run, the issue's bound) "
+            f"**{split / (2 * reflink + planning):.2f}x**; "
+            f"reshard / plain copy **{split / plain:.2f}x**; {shared:.2%} of the output's data-file "
+            "bytes shared with the source (the tool's count; verify --source passed)",
+            "",
+        ]
+    return ["", *lines] if lines else []
 
 
 # --------------------------------------------------------------------------- report
@@ -337,7 +479,7 @@ def summarize(runs: list[Run], cache: str, size: str) -> tuple[list[str], dict]:
     return rows, med
 
 
-def report(runs, sizes, caches, args, dry, loader_rows, verified, env) -> str:
+def report(runs, sizes, caches, args, dry, loader_rows, verified, env, sharing) -> str:
     lines = [
         f"qwen35-reshard benchmark, {env['date']}",
         "",
@@ -349,7 +491,7 @@ def report(runs, sizes, caches, args, dry, loader_rows, verified, env) -> str:
         "fsyncs each file)",
         "",
     ]
-    for cache in caches:
+    for cache in caches if sizes else []:
         lines += [
             f"### {cache} page cache ({CACHE_NOTE[cache]}); median of {args.rounds} rounds, interleaved",
             "",
@@ -397,6 +539,14 @@ def report(runs, sizes, caches, args, dry, loader_rows, verified, env) -> str:
         f"median **{dry['median']:.2f} s** over {len(dry['walls'])} runs "
         f"({', '.join(f'{w:.2f}' for w in dry['walls'])}), peak RSS {dry['maxrss_mb']:.0f} MB",
         "",
+        f"- a fresh interpreter json-parsing every shard header, interleaved: median "
+        f"{dry['parse_median']:.2f} s; dry run / header parse **{dry['median'] / dry['parse_median']:.2f}x** "
+        f"(CPU time, less moved by other load: {dry['cpu_median']:.2f} s / {dry['parse_cpu_median']:.2f} s = "
+        f"**{dry['cpu_median'] / dry['parse_cpu_median']:.2f}x**)",
+        f"- the plan shares {gb(dry['shareable_bytes'])} of the stages' {gb(dry['stage_bytes'])} "
+        f"({dry['shareable_bytes'] / dry['stage_bytes']:.3%}) with the source on a filesystem that "
+        f"shares 4 KiB blocks; {dry['split_shards']} source shard(s) are split between stages",
+        "",
     ]
     if loader_rows:
         whole = loader_rows[0]["checkpoint_bytes"]
@@ -421,7 +571,9 @@ def report(runs, sizes, caches, args, dry, loader_rows, verified, env) -> str:
             f"parallelism reads every shard on every rank: {gb(whole)} per stage.",
             "",
         ]
-    lines += [f"Output checked with `qwen35-reshard verify OUT --source MODEL`: {verified}", ""]
+    lines += sharing_report(sharing, dry)
+    if verified:
+        lines += [f"Output checked with `qwen35-reshard verify OUT --source MODEL`: {verified}", ""]
     return "\n".join(lines)
 
 
@@ -481,12 +633,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--dry-run-rounds", type=int, default=5)
     p.add_argument(
+        "--reflink-fs",
+        default="",
+        help="filesystems to measure block sharing on, e.g. xfs,btrfs (root: loop-mounted images)",
+    )
+    p.add_argument("--reflink-size", type=float, default=2e9, help="checkpoint size for --reflink-fs")
+    p.add_argument(
         "--ablation", action="store_true", help="also run reshard with the page cache kept (DROP_BEHIND off)"
     )
     p.add_argument("--keep", action="store_true", help="keep the built checkpoints")
     p.add_argument("--output", type=Path, help="also write the report (markdown) and raw runs (.json) here")
     args = p.parse_args(argv)
-    sizes = [int(float(s)) for s in args.sizes.split(",")]
+    sizes = [] if args.sizes == "none" else [int(float(s)) for s in args.sizes.split(",")]
     args.workers = [int(w) for w in args.workers.split(",")]
     args.naive = args.naive.split(",")
     caches = ["cold" if drop_caches() else "warm"] if args.cache == "auto" else args.cache.split(",")
@@ -524,19 +682,29 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.rmtree(model)
         print("dry run on the 397B-FP8-shaped headers:", flush=True)
         dry = measure_dry_run(args.workdir, args.dry_run_rounds)
+        sharing = []
+        for kind in filter(None, args.reflink_fs.split(",")):
+            print(f"block sharing on {kind}:", flush=True)
+            sharing += measure_sharing(kind, int(args.reflink_size), args, caches[0])
     finally:
-        for name in ("out", "verified", "dry-out"):
+        for name in ("out", "verified", "dry-out", "dry"):
             shutil.rmtree(args.workdir / name, ignore_errors=True)
         if not args.keep:
             shutil.rmtree(args.workdir, ignore_errors=True)
 
-    text = report(runs, labels, caches, args, dry, loader_rows, verified, env)
+    text = report(runs, labels, caches, args, dry, loader_rows, verified, env, sharing)
     print("\n" + text)
     if args.output:
         args.output.write_text(text)
         args.output.with_suffix(".json").write_text(
             json.dumps(
-                {"env": env, "runs": [asdict(r) for r in runs], "dry_run": dry, "loader": loader_rows},
+                {
+                    "env": env,
+                    "runs": [asdict(r) for r in runs],
+                    "dry_run": dry,
+                    "loader": loader_rows,
+                    "sharing": sharing,
+                },
                 indent=1,
             )
         )

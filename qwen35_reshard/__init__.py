@@ -43,6 +43,7 @@ def reshard(
     overwrite: bool = False,
     workers: int = 1,
     reporter: Reporter | None = None,
+    reflink: str = "auto",
 ) -> tuple[Plan, WriteResult]:
     """Read, plan and write in one call: what ``qwen35-reshard --pp N MODEL OUT`` does."""
     from pathlib import Path
@@ -57,4 +58,6 @@ def reshard(
         keep_mtp=keep_mtp,
         max_file_bytes=max_file_bytes,
     )
-    return plan, write_plan(plan, out_dir, overwrite=overwrite, workers=workers, reporter=reporter)
+    return plan, write_plan(
+        plan, out_dir, overwrite=overwrite, workers=workers, reporter=reporter, reflink=reflink
+    )

@@ -22,10 +22,10 @@ from typing import NoReturn
 from . import __version__, manifest
 from .balance import Choice, choose
 from .capacity import Capacity
-from .errors import ReshardError
+from .errors import ReshardError, SharingRefusedError
 from .plan import DEFAULT_MAX_FILE_BYTES, Plan, make_plan
 from .split import RUNTIMES, parse_partition
-from .write import WriteResult, check_out_dir, write_plan
+from .write import REFLINK_MODES, WriteResult, check_out_dir, write_plan
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -141,6 +141,13 @@ def _parser(*, plan_only: bool) -> argparse.ArgumentParser:
             "--overwrite", action="store_true", help="replace a non-empty OUT that holds another split"
         )
         p.add_argument("--workers", type=int, default=2, help="source shards copied at once (default: 2)")
+        p.add_argument(
+            "--reflink",
+            choices=REFLINK_MODES,
+            default="auto",
+            help="share the source's blocks (XFS, Btrfs, ...) instead of copying: auto where the "
+            "filesystem can, always (refuse where it cannot), never (default: auto)",
+        )
     p.add_argument("--json", action="store_true", help="print a machine-readable summary on stdout")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     p.add_argument("--version", action="version", version=f"qwen35-reshard {__version__}")
@@ -190,7 +197,15 @@ def _capacity(args: argparse.Namespace) -> Capacity | None:
 def _reshard(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from .report import RichReporter, balance_table, balance_verdict, fetch_line, plan_table, summary
+    from .report import (
+        RichReporter,
+        balance_table,
+        balance_verdict,
+        fetch_line,
+        plan_table,
+        shares_line,
+        summary,
+    )
 
     console = Console(stderr=True)
     from . import hub
@@ -240,6 +255,7 @@ def _reshard(args: argparse.Namespace) -> int:
         for line in balance_verdict(choice):
             console.print(line, highlight=False)
     if args.dry_run:
+        console.print(shares_line(plan), highlight=False)
         fetch = None
         if repo is not None:
             fetch = hub.fetch_report(plan, hub.HubFetcher(repo, ckpt, hub.needed_by(plan), traffic=traffic))
@@ -257,10 +273,18 @@ def _reshard(args: argparse.Namespace) -> int:
     try:
         if fetcher is not None:
             fetcher.prepare()
-        result = write_plan(
-            plan, args.out, overwrite=args.overwrite, workers=args.workers, reporter=reporter,
-            open_source=fetcher.open if fetcher is not None else None,
-        )
+        try:
+            result = write_plan(
+                plan,
+                args.out,
+                overwrite=args.overwrite,
+                workers=args.workers,
+                reporter=reporter,
+                open_source=fetcher.open if fetcher is not None else None,
+                reflink=args.reflink,
+            )
+        except SharingRefusedError as e:
+            raise ReshardError(e.explain("--reflink always")) from e
     finally:
         reporter.close()
     seconds = time.monotonic() - started
@@ -285,10 +309,12 @@ def _print_json(
     if not args.json:
         return
     identity = manifest.run_identity(plan)
+    known = {*result.built, *result.already_complete} if result is not None else set()
     complete = [
         s.rank
         for s in plan.stages
-        if args.out is not None and manifest.stage_is_complete(args.out / s.dirname, identity)
+        if s.rank in known
+        or (args.out is not None and manifest.stage_is_complete(args.out / s.dirname, identity))
     ]
     doc = {"status": status, "out": str(args.out) if args.out else None}
     doc.update(manifest.run_manifest(plan, complete=complete))
@@ -300,6 +326,7 @@ def _print_json(
             "already_complete": result.already_complete,
             "files_kept": result.files_kept,
             "bytes_copied": result.bytes_copied,
+            "bytes_shared": result.bytes_shared,
             "seconds": round(seconds, 3),
         }
     if fetch is not None:

@@ -14,6 +14,14 @@ beside the copying instead of after it. Two ways to move a window, chosen per so
 - buffer (hashing only, as ``verify`` does, or where ``mmap`` is refused): ``os.preadv``
   into a small ring of reused buffers, ``pwrite`` from them, hashing in the second thread.
 
+Sharing (``share_fds``): output files laid out for block sharing (see ``plan``) get the
+block-aligned part of each run by ``FICLONERANGE`` (``reflink``): the output shares the
+source's blocks, and nothing is read or written for them. Only the ragged head and tail of a
+run (less than a block each) are copied. A tensor whose every destination is such a file is
+not hashed at all: hashing would read the bytes that sharing avoids reading. Its digest is
+None. Windows are cut at multiples of ``chunk_bytes`` of the source offset (a multiple of the
+plan's alignment), so every window but a run's first starts on a block boundary.
+
 ``copy_file_range``, ``preadv``, ``pwrite`` and ``hashlib`` release the GIL. At most
 ``RING_BUFFERS`` windows are in flight per source shard, so memory stays bounded whatever the
 size of the tensors or of the checkpoint.
@@ -43,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from .errors import ReshardError
+from .transfer import reflink
 
 CHUNK_BYTES = 8 * 1024 * 1024
 # One window being copied, one being hashed, and slack for the two to drift.
@@ -70,6 +79,8 @@ class Segment:
 
 # A piece of a segment inside one window: (segment, absolute begin, absolute end).
 _Piece = tuple[Segment, int, int]
+# Bytes to move: (output fd, source offset, length, output offset).
+_Run = tuple[int, int, int, int]
 
 
 class RangeSource(Protocol):
@@ -92,7 +103,9 @@ def copy_segments(
     should_stop: Callable[[], bool] = lambda: False,
     chunk_bytes: int = CHUNK_BYTES,
     kernel: bool = True,
-) -> dict[str, str]:
+    share_fds: frozenset[int] = frozenset(),
+    on_shared: Callable[[int], None] = lambda n: None,
+) -> dict[str, str | None]:
     """Copy ``segments`` out of ``src_path``; return each tensor's sha256 hex digest.
 
     Every source byte is read from the file once, however many outputs it goes to; bytes no
@@ -101,13 +114,17 @@ def copy_segments(
     returns). Runs adjacent in both the source and an output file are copied as one.
     ``kernel=False`` moves the bytes through buffers, as is done anyway when nothing is
     written or the source cannot be mapped. A ``RangeSource`` instead of a path is read the
-    buffer way, one ranged read per run of adjacent segments.
+    buffer way, one ranged read per run of adjacent segments. Runs going to an output in
+    ``share_fds`` share the source's blocks where the filesystem allows (``on_shared`` gets
+    the bytes shared); tensors going only there get None, not a digest.
     """
     segments = sorted(segments, key=lambda s: s.offset)
-    digests = {s.name: _EMPTY_SHA256 for s in segments if s.nbytes == 0}
+    unhashed = {s.name for s in segments if s.dests and all(fd in share_fds for fd, _ in s.dests)}
+    digests: dict[str, str | None] = dict.fromkeys(unhashed)
+    digests.update({s.name: _EMPTY_SHA256 for s in segments if s.nbytes == 0 and s.name not in unhashed})
     remote = not isinstance(src_path, (str, os.PathLike))
     fd = -1 if remote else os.open(src_path, os.O_RDONLY)
-    hasher = _Hasher(fd, [s for s in segments if s.nbytes], digests)
+    hasher = _Hasher(fd, [s for s in segments if s.nbytes and s.name not in unhashed], digests)
     try:
         hasher.start()
         if remote:
@@ -116,14 +133,20 @@ def copy_segments(
         else:
             _advise_sequential(fd)
             mover = _Mover(
-                fd, src_path, kernel=kernel and any(s.dests for s in segments), chunk_bytes=chunk_bytes
+                fd,
+                src_path,
+                kernel=kernel and any(s.dests for s in segments),
+                chunk_bytes=chunk_bytes,
+                share_fds=share_fds,
+                on_shared=on_shared,
             )
         for pos, n, pieces in _chunks(segments, chunk_bytes):
             if should_stop():
                 raise KeyboardInterrupt
             hasher.wait_for_room()
-            window, view = mover.move(pos, n, pieces)
-            hasher.submit(window, view, pos, pieces)
+            hashed = [p for p in pieces if p[0].name not in unhashed]
+            window, view = mover.move(pos, n, pieces, hash_needed=bool(hashed))
+            hasher.submit(window, view, pos, hashed)
             on_progress(n)
     except BaseException:
         hasher.cancel()
@@ -153,7 +176,8 @@ def _chunks(segments: list[Segment], chunk_bytes: int) -> Iterator[tuple[int, in
     """Cut runs of source-adjacent, non-empty segments into windows of at most ``chunk_bytes``.
 
     Yields ``(position, length, pieces)``; gaps between runs (tensors this run does not
-    need) are skipped, never read.
+    need) are skipped, never read. Windows end at multiples of ``chunk_bytes`` of the source
+    offset, so that they cut runs at the same place whatever the run's start.
     """
     segs = [s for s in segments if s.nbytes]
     i = 0
@@ -164,7 +188,7 @@ def _chunks(segments: list[Segment], chunk_bytes: int) -> Iterator[tuple[int, in
         span = segs[i:j]
         k, pos, end = 0, span[0].offset, span[-1].offset + span[-1].nbytes
         while pos < end:
-            chunk_end = min(pos + chunk_bytes, end)
+            chunk_end = min((pos // chunk_bytes + 1) * chunk_bytes, end)
             pieces: list[_Piece] = []
             while k < len(span) and span[k].offset < chunk_end:
                 seg = span[k]
@@ -178,7 +202,7 @@ def _chunks(segments: list[Segment], chunk_bytes: int) -> Iterator[tuple[int, in
         i = j
 
 
-def _runs(pieces: list[_Piece]) -> list[tuple[int, int, int, int]]:
+def _runs(pieces: list[_Piece]) -> list[_Run]:
     """``(out fd, source offset, length, output offset)`` for each piece's destinations,
     merging runs that are adjacent both in the source and in the same output file."""
     runs: list[list[int]] = []
@@ -198,8 +222,20 @@ def _runs(pieces: list[_Piece]) -> list[tuple[int, int, int, int]]:
 class _Mover:
     """Moves one window of the source to its destinations and returns it for hashing."""
 
-    def __init__(self, fd: int, src_path: str, *, kernel: bool, chunk_bytes: int) -> None:
+    def __init__(
+        self,
+        fd: int,
+        src_path: str,
+        *,
+        kernel: bool,
+        chunk_bytes: int,
+        share_fds: frozenset[int] = frozenset(),
+        on_shared: Callable[[int], None] = lambda n: None,
+    ) -> None:
         self.fd = fd
+        self.share_fds = share_fds
+        self.on_shared = on_shared
+        self.block = reflink.block_size(fd) if share_fds else 0
         self.src_path = src_path
         self.map = kernel  # hash through an mmap of the window (else: read into a buffer)
         self.kernel_copy = kernel and hasattr(os, "copy_file_range")
@@ -208,19 +244,29 @@ class _Mover:
         self.next_buffer = 0
         self.written: collections.deque[tuple[int, int, int]] = collections.deque()
 
-    def move(self, pos: int, n: int, pieces: list[_Piece]) -> tuple[mmap.mmap | None, memoryview | None]:
-        """Copy the window ``[pos, pos + n)``; return ``(mapping, None)`` or ``(None, buffer)``."""
+    def move(
+        self, pos: int, n: int, pieces: list[_Piece], *, hash_needed: bool = True
+    ) -> tuple[mmap.mmap | None, memoryview | None]:
+        """Copy the window ``[pos, pos + n)``; return ``(mapping, None)`` or ``(None, buffer)``
+        for hashing, or ``(None, None)`` when nothing needs hashing and the kernel did the copy."""
         file_size = os.fstat(self.fd).st_size
         if file_size < pos + n:  # never touch a mapping past the end of the file: that is SIGBUS
             self._truncated(file_size, pos + n)
+        runs = _runs(pieces)
+        if self.share_fds:
+            runs = self._share(runs)
+        if not hash_needed and self.kernel_copy:
+            runs = self._kernel_copies(runs)
+            if not runs:
+                return None, None
         window = self._map(pos, n) if self.map else None
         if window is None:
             view = self._read(pos, n)
-            self._write_from(view, pos, pieces)
+            self._write_from(view, pos, runs)
             return None, view
         try:
             base = pos - pos % mmap.ALLOCATIONGRANULARITY
-            for out_fd, src, size, dst in _runs(pieces):
+            for out_fd, src, size, dst in runs:
                 done = self._copy_in_kernel(out_fd, src, size, dst) if self.kernel_copy else 0
                 if done < size:  # no kernel copy between these files: write from the mapping
                     with memoryview(window) as view:
@@ -230,6 +276,39 @@ class _Mover:
             _close(window)
             raise
         return window, None
+
+    def _share(self, runs: list[_Run]) -> list[_Run]:
+        """Share the block-aligned middle of each run into a sharing output; return what is
+        left to copy: other outputs' runs, ragged heads and tails, and whatever was refused."""
+        left: list[_Run] = []
+        bs = self.block
+        for run in runs:
+            out_fd, src, size, dst = run
+            a = -(-src // bs) * bs  # first block boundary in the run
+            b = (src + size) // bs * bs  # last one
+            if out_fd not in self.share_fds or b <= a or (dst - src) % bs:
+                left.append(run)
+                continue
+            if not reflink.clone_range(self.fd, a, b - a, out_fd, dst + a - src):
+                self.share_fds = frozenset()  # this filesystem does not share: copy from now on
+                left.append(run)
+                continue
+            self.on_shared(b - a)
+            if a > src:
+                left.append((out_fd, src, a - src, dst))
+            if src + size > b:
+                left.append((out_fd, b, src + size - b, dst + b - src))
+        return left
+
+    def _kernel_copies(self, runs: list[_Run]) -> list[_Run]:
+        """Copy runs with copy_file_range; return the parts it refused, to copy some other way."""
+        left = []
+        for out_fd, src, size, dst in runs:
+            done = self._copy_in_kernel(out_fd, src, size, dst)
+            if done < size:
+                left.append((out_fd, src + done, size - done, dst + done))
+            self._behind(out_fd, dst, size)
+        return left
 
     def _map(self, pos: int, n: int) -> mmap.mmap | None:
         base = pos - pos % mmap.ALLOCATIONGRANULARITY
@@ -272,8 +351,8 @@ class _Mover:
             _drop(self.fd, pos, n)  # the bytes are in the buffer now
         return view
 
-    def _write_from(self, view: memoryview, base: int, pieces: list[_Piece]) -> None:
-        for out_fd, src, size, dst in _runs(pieces):
+    def _write_from(self, view: memoryview, base: int, runs: list[_Run]) -> None:
+        for out_fd, src, size, dst in runs:
             _pwrite_all(out_fd, view[src - base : src - base + size], dst)
             self._behind(out_fd, dst, size)
 
@@ -303,10 +382,12 @@ class _RemoteMover(_Mover):
         super().__init__(-1, source.display, kernel=False, chunk_bytes=chunk_bytes)
         self.source = source
 
-    def move(self, pos: int, n: int, pieces: list[_Piece]) -> tuple[mmap.mmap | None, memoryview | None]:
+    def move(
+        self, pos: int, n: int, pieces: list[_Piece], *, hash_needed: bool = True
+    ) -> tuple[mmap.mmap | None, memoryview | None]:
         view = self._buffer(n)
         self.source.readinto(view, pos)
-        self._write_from(view, pos, pieces)
+        self._write_from(view, pos, _runs(pieces))
         return None, view
 
 

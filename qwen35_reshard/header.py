@@ -12,6 +12,8 @@ import math
 import os
 import struct
 from dataclasses import dataclass
+from operator import attrgetter
+from typing import NamedTuple
 
 from .errors import ReshardError
 
@@ -43,9 +45,12 @@ METADATA_KEY = "__metadata__"
 _json_str = json.encoder.encode_basestring
 
 
-@dataclass(frozen=True)
-class TensorEntry:
-    """One tensor of a safetensors file; begin/end are relative to the data buffer."""
+class TensorEntry(NamedTuple):
+    """One tensor of a safetensors file; begin/end are relative to the data buffer.
+
+    A named tuple, not a dataclass: one is made per tensor (~190,000 for a 397B FP8
+    checkpoint), and a tuple is made several times faster.
+    """
 
     name: str
     dtype: str
@@ -116,10 +121,7 @@ def parse_header(raw: bytes, *, file_size: int, where: str) -> Header:
     ):
         raise ReshardError(f"{where}: __metadata__ must map strings to strings")
     data_start = 8 + len(raw)
-    tensors = sorted(
-        (_tensor_entry(name, info, where) for name, info in obj.items()),
-        key=lambda t: (t.begin, t.end),
-    )
+    tensors = sorted([_tensor_entry(name, info, where) for name, info in obj.items()], key=_BEGIN_END)
     _check_tiling(tensors, data_size=file_size - data_start, where=where)
     return Header(str(where), data_start, file_size, tuple(tensors), dict(metadata))
 
@@ -163,7 +165,12 @@ def _tensor_entry(name: str, info: object, where: str) -> TensorEntry:
         raise ReshardError(
             f"{where}: tensor {name!r} is {end - begin} bytes but {dtype} x {shape} needs {expected}"
         )
-    return TensorEntry(name, dtype, tuple(shape), begin, end)
+    return _tuple_new(TensorEntry, (name, dtype, tuple(shape), begin, end))
+
+
+# Builds a named tuple in C, without the Python-level __new__ of its class.
+_tuple_new = tuple.__new__
+_BEGIN_END = attrgetter("begin", "end")
 
 
 def _check_tiling(tensors: list[TensorEntry], *, data_size: int, where: str) -> None:
@@ -188,11 +195,14 @@ def _check_tiling(tensors: list[TensorEntry], *, data_size: int, where: str) -> 
         )
 
 
-def encode_header(tensors: list[tuple[str, str, tuple[int, ...], int]]) -> bytes:
+def encode_header(
+    tensors: list[tuple[str, str, tuple[int, ...], int]], *, align: int = 8, offset: int = 0
+) -> bytes:
     """Encode a header for ``(name, dtype, shape, nbytes)`` laid out back to back, in order.
 
     Returns the full prefix: the 8-byte length followed by the JSON, padded with spaces so
-    that the data buffer starts at a multiple of 8. Fixed key order, compact separators and
+    that the data buffer starts at ``offset`` modulo ``align`` (a multiple of 8; ``offset``
+    too): at a multiple of 8 by default. Fixed key order, compact separators and
     ``{"format": "pt"}`` metadata make the bytes a function of the input alone.
     """
     # The same bytes as json.dumps(..., separators=(",", ":"), ensure_ascii=False) of
@@ -208,5 +218,5 @@ def encode_header(tensors: list[tuple[str, str, tuple[int, ...], int]]) -> bytes
         pos += nbytes
     parts.append("}")
     body = "".join(parts).encode("utf-8")
-    body += b" " * (-(8 + len(body)) % 8)
+    body += b" " * ((offset - 8 - len(body)) % align)
     return struct.pack("<Q", len(body)) + body

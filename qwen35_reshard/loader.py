@@ -148,6 +148,8 @@ class Stage:
         placed there directly. Each tensor's dtype and shape are checked against the manifest.
         With ``verify=True`` its bytes are hashed and compared to the manifest's sha256 before it
         is yielded (read on the CPU, then moved to ``device``); that hashing is the only extra cost.
+        Tensors the split shared with the source record no sha256 (``verify --source`` proves
+        those).
         """
         try:
             import torch
@@ -201,7 +203,8 @@ class Stage:
                             f"{t.dtype} {list(t.shape)} the stage was opened with; the stage changed "
                             f"while loading: {REBUILD}"
                         )
-                    if verify and hashlib.sha256(_bytes_of(tensor)).hexdigest() != t.sha256:
+                    recorded = t.sha256 if verify else None  # None: shared, no digest recorded
+                    if recorded is not None and hashlib.sha256(_bytes_of(tensor)).hexdigest() != recorded:
                         raise StageError(
                             f"{where}: tensor {t.name!r} does not match its sha256 in "
                             f"{STAGE_MANIFEST}; the file is damaged: {REBUILD}"

@@ -3,18 +3,37 @@
 Placement follows the target server's rules (see the facts doc): decoder layer i goes to the
 stage whose layer range holds it; embed_tokens, norm, lm_head, mtp.* and model.visual.* go
 where the runtime builds them, replicated on purpose where it builds them on several ranks.
-Inside a stage, tensors keep their source order (grouped by dtype alignment first, as the
-reference writer does), so runs that are adjacent in a source shard stay one copy.
+
+A stage's files are laid out so that a filesystem that shares blocks (XFS, Btrfs, ...) can
+share them with the source, and the layout is the same on every filesystem:
+
+- CLONE: a source shard the stage needs whole becomes a file with exactly the source file's
+  bytes, its header included (cloned whole where the filesystem allows, copied elsewhere);
+- ALIGNED: each run of at least ``MIN_SHARED_RUN`` source-adjacent bytes of a shard needed
+  in part becomes a file of its own, whose header is padded with spaces so that every byte
+  keeps its source offset modulo ``SHARE_ALIGN`` (1 MiB: a multiple of 4 KiB blocks and of
+  ZFS records). The header padding is the one free offset of a safetensors file, hence one
+  run per file. The block-aligned middle of the run can then be shared;
+- GATHERED: the remaining short runs, in (alignment, source file, source offset) order as
+  the reference writer groups them, so that adjacent source ranges stay one copy.
+
+The file-size and header-size limits hold for ALIGNED and GATHERED files; a CLONE is the
+source's own file, whatever its size.
 """
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import dataclass
+from functools import cached_property
+from itertools import groupby
+from typing import NamedTuple
 
 from . import names, schema
 from .errors import ReshardError
 from .header import DTYPE_SIZES, encode_header
+from .layouts import ALIGNED, CLONE, GATHERED, SHARE_ALIGN
 from .source import Checkpoint, SourceTensor
 from .split import (
     check_partition,
@@ -32,10 +51,22 @@ DEFAULT_MAX_HEADER_BYTES = 16 * 1024**2
 
 MTP_KEPT, MTP_DROPPED, MTP_ABSENT = "kept", "dropped", "absent"
 
+# Builds a named tuple in C, without the Python-level __new__ of its class: once per tensor.
+_tuple_new = tuple.__new__
+# Non-layer roles, in the order reports list them.
+_EXTRA_KINDS = (names.EMBED, names.VISUAL, names.VISUAL_POS_EMBED, names.NORM, names.LM_HEAD, names.MTP)
 
-@dataclass(frozen=True)
-class PlacedTensor:
-    """A source tensor as it lands in one output file, at ``out_offset`` of its data buffer."""
+# Shorter runs are gathered: an ALIGNED file costs up to SHARE_ALIGN of header padding.
+MIN_SHARED_RUN = 4 * SHARE_ALIGN
+# The block size assumed by estimates of what a filesystem will share (the real run measures).
+SHARE_BLOCK = 4096
+
+
+class PlacedTensor(NamedTuple):
+    """A source tensor as it lands in one output file, at ``out_offset`` of its data buffer.
+
+    A named tuple, not a dataclass: one is made per tensor placed, and a tuple is made fast.
+    """
 
     source: SourceTensor
     out_offset: int
@@ -48,19 +79,44 @@ class PlacedTensor:
 
 @dataclass(frozen=True)
 class OutputFile:
-    """One safetensors file of a stage: its exact header bytes and tensors in data order."""
+    """One safetensors file of a stage: its layout, header bytes and tensors in data order.
+
+    A CLONE's header is the source file's own (``header`` is empty: the plan reads no
+    bytes); ``source_file`` is the shard a CLONE or ALIGNED file takes its bytes from.
+    """
 
     name: str
     header: bytes
     tensors: tuple[PlacedTensor, ...]
+    layout: str = GATHERED
+    source_file: str | None = None
 
     @property
+    def data_start(self) -> int:
+        """Offset of the data buffer in the file."""
+        if self.layout == CLONE:
+            t = self.tensors[0]
+            return t.source.offset - t.out_offset
+        return len(self.header)
+
+    @cached_property
     def data_bytes(self) -> int:
         return sum(t.source.nbytes for t in self.tensors)
 
     @property
     def size(self) -> int:
-        return len(self.header) + self.data_bytes
+        return self.data_start + self.data_bytes
+
+    @property
+    def shareable_bytes(self) -> int:
+        """Bytes a filesystem sharing ``SHARE_BLOCK``-sized blocks shares with the source."""
+        if self.layout == CLONE:
+            return self.size
+        if self.layout == GATHERED:
+            return 0
+        start = self.tensors[0].source.offset
+        end = start + self.data_bytes
+        return max(0, end // SHARE_BLOCK * SHARE_BLOCK - -(-start // SHARE_BLOCK) * SHARE_BLOCK)
 
 
 @dataclass(frozen=True)
@@ -71,6 +127,7 @@ class StagePlan:
     start_layer: int
     end_layer: int  # exclusive
     files: tuple[OutputFile, ...]
+    extras: tuple[str, ...] = ()  # non-layer roles it holds (embed, visual, norm, lm_head, mtp)
 
     @property
     def tensors(self) -> list[PlacedTensor]:
@@ -83,6 +140,10 @@ class StagePlan:
     @property
     def size(self) -> int:
         return sum(f.size for f in self.files)
+
+    @property
+    def shareable_bytes(self) -> int:
+        return sum(f.shareable_bytes for f in self.files)
 
     @property
     def source_files(self) -> list[str]:
@@ -147,35 +208,46 @@ def make_plan(
         if not 0 <= r < pp:
             raise ReshardError(f"--rank {r} is out of range for --pp {pp} (0..{pp - 1})")
 
-    roles = {n: _role(n, ckpt.num_layers) for n in ckpt.tensors}
-    _check_layers_present(roles, ckpt.num_layers)
+    # This loop and the layout run once per tensor (~190,000 for a 397B FP8 checkpoint):
+    # roles are checked in bulk, and each tensor goes straight to its stages' lists.
+    roles = [names.classify(n) for n in ckpt.tensors]
+    _check_roles(list(ckpt.tensors), roles, ckpt.num_layers)
     required = schema.required_tensors(ckpt.config, {n: t.dtype for n, t in ckpt.tensors.items()})
     schema.check_complete(required.tensors, {n: t.shape for n, t in ckpt.tensors.items()}, str(ckpt.root))
-    has_mtp = any(r.kind == names.MTP for r in roles.values())
-    mtp = MTP_ABSENT if not has_mtp else MTP_KEPT if keep_mtp else MTP_DROPPED
-    rank_of_layer = [r for r, (start, end) in enumerate(ranges) for _ in range(start, end)]
+    kinds = {r.kind for r in roles}
+    mtp = MTP_ABSENT if names.MTP not in kinds else MTP_KEPT if keep_mtp else MTP_DROPPED
     place = placement_rules(pp, runtime, ckpt.tied_embeddings, mtp == MTP_KEPT)
 
     per_stage: list[list[tuple[SourceTensor, bool]]] = [[] for _ in range(pp)]
+    layer_stage = [per_stage[r] for r, (start, end) in enumerate(ranges) for _ in range(start, end)]
     dropped = []
-    for name, src in ckpt.tensors.items():
-        role = roles[name]
-        if role.kind == names.MTP and mtp == MTP_DROPPED:
-            dropped.append(name)
+    for src, role in zip(ckpt.tensors.values(), roles, strict=True):
+        if role.kind == names.LAYER:
+            layer_stage[role.layer].append((src, False))
             continue
-        owners = (rank_of_layer[role.layer],) if role.kind == names.LAYER else place[role.kind]
+        if role.kind == names.MTP and mtp == MTP_DROPPED:
+            dropped.append(src.name)
+            continue
+        owners = place[role.kind]
         for r in owners:
             per_stage[r].append((src, len(owners) > 1))
+    extras = [
+        tuple(k for k in _EXTRA_KINDS if k in kinds and r in place[k] and not (k == names.MTP and dropped))
+        for r in range(pp)
+    ]
 
     file_order = {f: i for i, f in enumerate(ckpt.files)}
+    file_tensors = Counter(src.file for src in ckpt.tensors.values())
     stages = tuple(
         StagePlan(
             rank=r,
             start_layer=ranges[r][0],
             end_layer=ranges[r][1],
+            extras=extras[r],
             files=_layout_files(
                 per_stage[r],
                 file_order,
+                file_tensors,
                 max_file_bytes=max_file_bytes,
                 max_header_bytes=max_header_bytes,
             ),
@@ -196,23 +268,23 @@ def make_plan(
     )
 
 
-def _role(name: str, num_layers: int) -> names.Role:
-    role = names.classify(name)
-    if role is None:
+def _check_roles(tensor_names: list[str], roles: list[names.Role | None], num_layers: int) -> None:
+    """Every tensor has a role, and the decoder layers are exactly 0..num_layers-1."""
+    if any(r is None for r in roles):
+        name = tensor_names[roles.index(None)]
         raise ReshardError(
             f"tensor {name!r}: no placement rule covers it (not a decoder layer, embed_tokens, "
             "norm, lm_head, mtp.* or model.visual.* tensor); refusing to drop or guess"
         )
-    if role.kind == names.LAYER and role.layer >= num_layers:
+    found = {r.layer for r in roles if r.kind == names.LAYER}
+    if found and max(found) >= num_layers:
+        name, role = next(
+            (n, r) for n, r in zip(tensor_names, roles, strict=True) if (r.layer or 0) >= num_layers
+        )
         raise ReshardError(
             f"tensor {name!r}: layer {role.layer} is not below num_hidden_layers={num_layers} "
             "in config.json; the config and the weights do not match"
         )
-    return role
-
-
-def _check_layers_present(roles: dict[str, names.Role], num_layers: int) -> None:
-    found = {r.layer for r in roles.values() if r.kind == names.LAYER}
     missing = [i for i in range(num_layers) if i not in found]
     if missing:
         raise ReshardError(
@@ -224,17 +296,111 @@ def _check_layers_present(roles: dict[str, names.Role], num_layers: int) -> None
 def _layout_files(
     placed: list[tuple[SourceTensor, bool]],
     file_order: dict[str, int],
+    file_tensors: Counter[str],
     *,
     max_file_bytes: int,
     max_header_bytes: int,
 ) -> tuple[OutputFile, ...]:
-    """Cut a stage's tensors into files, in (alignment, source file, source offset) order.
+    """Lay out a stage's tensors (in source order) as CLONE, ALIGNED, then GATHERED files."""
+    shared: list[tuple[str, str, list[tuple[SourceTensor, bool]]]] = []
+    rest: list[tuple[SourceTensor, bool]] = []
+    for file, group in groupby(placed, key=lambda p: p[0].file):
+        items = list(group)
+        if len(items) == file_tensors[file]:
+            shared.append((CLONE, file, items))
+            continue
+        runs, short = _aligned_runs(items, max_file_bytes=max_file_bytes, max_header_bytes=max_header_bytes)
+        shared += [(ALIGNED, file, run) for run in runs]
+        rest += short
+    gathered = _gather(rest, file_order, max_file_bytes=max_file_bytes, max_header_bytes=max_header_bytes)
+    count = len(shared) + len(gathered)
+    names = [f"model-{k:05d}-of-{count:05d}.safetensors" for k in range(1, count + 1)]
+    files = []
+    for name, (layout, file, items) in zip(names[: len(shared)], shared, strict=True):
+        start = items[0][0].offset  # for a CLONE, the shard's data start (tensors tile it from 0)
+        header = (
+            b""
+            if layout == CLONE
+            else encode_header(
+                [(s.name, s.dtype, s.shape, s.nbytes) for s, _ in items], align=SHARE_ALIGN, offset=start
+            )
+        )
+        placed_tensors = tuple([_tuple_new(PlacedTensor, (s, s.offset - start, rep)) for s, rep in items])
+        files.append(OutputFile(name, header, placed_tensors, layout, file))
+    for name, group in zip(names[len(shared) :], gathered, strict=True):
+        hdr = encode_header([(s.name, s.dtype, s.shape, s.nbytes) for s, _ in group])
+        offsets, pos = [], 0
+        for s, _ in group:
+            offsets.append(pos)
+            pos += s.nbytes
+        tensors = tuple(PlacedTensor(s, off, rep) for (s, rep), off in zip(group, offsets, strict=True))
+        files.append(OutputFile(name, hdr, tensors))
+    return tuple(files)
+
+
+def _aligned_runs(
+    items: list[tuple[SourceTensor, bool]], *, max_file_bytes: int, max_header_bytes: int
+) -> tuple[list[list[tuple[SourceTensor, bool]]], list[tuple[SourceTensor, bool]]]:
+    """Cut one shard's tensors (in offset order) into ALIGNED runs; return them and the rest.
+
+    A run is source-adjacent tensors starting at a multiple of 8 (the tool's files keep the
+    data buffer 8-aligned), each at a multiple of its element size from the start, within
+    the file limits (its header with room for SHARE_ALIGN of padding). Runs shorter than
+    MIN_SHARED_RUN go to the rest.
+    """
+    runs: list[list[tuple[SourceTensor, bool]]] = []
+    rest: list[tuple[SourceTensor, bool]] = []
+    header_budget = max_header_bytes - SHARE_ALIGN
+    if header_budget <= 0:
+        return runs, list(items)
+    run: list[tuple[SourceTensor, bool]] = []
+    data = header = end = 0
+
+    def close() -> None:
+        if data >= MIN_SHARED_RUN:
+            runs.append(run)
+        else:
+            rest.extend(run)
+
+    for item in items:
+        s = item[0]
+        entry = _header_entry_bytes(s)
+        if (
+            run
+            and s.offset == end
+            and (s.offset - run[0][0].offset) % DTYPE_SIZES[s.dtype] == 0
+            and data + s.nbytes <= max_file_bytes
+            and header + entry <= header_budget
+        ):
+            run.append(item)
+            data += s.nbytes
+            header += entry
+            end += s.nbytes
+            continue
+        close()
+        run, data, header, end = [], 0, 0, 0
+        if s.offset % 8 or entry > header_budget:
+            rest.append(item)
+            continue
+        run, data, header, end = [item], s.nbytes, entry, s.offset + s.nbytes
+    close()
+    return runs, rest
+
+
+def _gather(
+    placed: list[tuple[SourceTensor, bool]],
+    file_order: dict[str, int],
+    *,
+    max_file_bytes: int,
+    max_header_bytes: int,
+) -> list[list[tuple[SourceTensor, bool]]]:
+    """Cut GATHERED tensors into files, in (alignment, source file, source offset) order.
 
     Larger element sizes first keeps every tensor aligned to its element size, as in the
     reference writer; within that, source order keeps adjacent source runs adjacent.
     """
     if not placed:
-        return ()
+        return []
     placed = sorted(placed, key=lambda p: (-DTYPE_SIZES[p[0].dtype], file_order[p[0].file], p[0].offset))
     groups: list[list[tuple[SourceTensor, bool]]] = [[]]
     data = header = 0
@@ -247,24 +413,7 @@ def _layout_files(
         groups[-1].append(item)
         data += src.nbytes
         header += entry
-    count = len(groups)
-    files = []
-    for k, group in enumerate(groups, start=1):
-        hdr = encode_header([(s.name, s.dtype, s.shape, s.nbytes) for s, _ in group])
-        offsets, pos = [], 0
-        for s, _ in group:
-            offsets.append(pos)
-            pos += s.nbytes
-        files.append(
-            OutputFile(
-                name=f"model-{k:05d}-of-{count:05d}.safetensors",
-                header=hdr,
-                tensors=tuple(
-                    PlacedTensor(s, off, rep) for (s, rep), off in zip(group, offsets, strict=True)
-                ),
-            )
-        )
-    return tuple(files)
+    return groups
 
 
 def _header_entry_bytes(src: SourceTensor) -> int:

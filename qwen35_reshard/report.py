@@ -53,7 +53,7 @@ def plan_table(plan: Plan) -> Table:
             human_bytes(s.size),
             str(len(s.files)),
             _shard_list(s, len(ckpt.files)),
-            ", ".join(_extras(s)) or "-",
+            ", ".join(s.extras) or "-",
             "yes" if s.rank in plan.ranks else "no (not in --rank)",
         )
     return table
@@ -62,14 +62,6 @@ def plan_table(plan: Plan) -> Table:
 def _shard_list(stage: StagePlan, total: int) -> str:
     files = stage.source_files
     return f"{len(files)}/{total}" + (f" ({files[0]})" if len(files) == 1 else "")
-
-
-def _extras(stage: StagePlan) -> list[str]:
-    from . import names
-
-    kinds = {names.classify(t.name).kind for t in stage.tensors} - {names.LAYER}
-    order = (names.EMBED, names.VISUAL, names.VISUAL_POS_EMBED, names.NORM, names.LM_HEAD, names.MTP)
-    return [k for k in order if k in kinds]
 
 
 class RichReporter(Reporter):
@@ -135,6 +127,17 @@ def launch_lines(plan: Plan, out: str) -> list[str]:
     return [cmd]
 
 
+def shares_line(plan: Plan) -> str:
+    """How much of the selected stages' files a filesystem that shares blocks (XFS, Btrfs,
+    ...) shares with the source, in one line that fits 80 columns."""
+    size = sum(s.size for s in plan.selected)
+    share = sum(s.shareable_bytes for s in plan.selected)
+    return (
+        f"reflink: {human_bytes(share)} of {human_bytes(size)} shareable "
+        f"({100 * share / max(size, 1):.2f}%), {human_bytes(size - share)} to copy"
+    )
+
+
 def summary(console: Console, plan: Plan, result: WriteResult, out: str, seconds: float) -> None:
     if result.nothing_to_do:
         console.print(f"[bold]{out} is already complete for this command: nothing to do.[/]")
@@ -148,9 +151,10 @@ def summary(console: Console, plan: Plan, result: WriteResult, out: str, seconds
     else:
         rate = result.bytes_copied / seconds if seconds > 0 else 0.0
         kept = f", {result.files_kept} files kept from an earlier run" if result.files_kept else ""
+        shared = f", {human_bytes(result.bytes_shared)} shared with the source" if result.sharing else ""
         console.print(
             f"[bold green]wrote[/] {', '.join(f'pp{r}' for r in result.built)} in {seconds:.1f} s: "
-            f"{human_bytes(result.bytes_copied)} copied at {human_bytes(rate)}/s{kept}"
+            f"{human_bytes(result.bytes_copied)} copied at {human_bytes(rate)}/s{shared}{kept}"
         )
     if plan.dropped:
         console.print(f"left out on purpose (--no-mtp): {len(plan.dropped)} mtp.* tensors")
@@ -189,7 +193,13 @@ def verify_lines(report: VerifyReport, *, per_stage: int = 20) -> list[str]:
         found = by_stage.pop(s.stage, [])
         state = "ok" if not found else f"{len(found)} problem(s)"
         lines.append(
-            f"{s.path}: {state} ({s.tensors} tensors in {s.files} files, {s.bytes_hashed} bytes hashed)"
+            f"{s.path}: {state} ({s.tensors} tensors in {s.files} files, {s.bytes_hashed} bytes hashed"
+            + (
+                f"; {s.bytes_unrecorded} more bytes shared with the source when split have no digest "
+                "to compare with: add --source MODEL to compare them with the source)"
+                if s.bytes_unrecorded and report.source is None
+                else ")"
+            )
         )
         lines += [f"  {f.kind}: {f.message}" for f in found[:per_stage]]
         if len(found) > per_stage:

@@ -11,8 +11,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from . import schema
@@ -25,6 +26,7 @@ CONFIG_NAME = "config.json"
 # Weight formats that can only be read by unpickling: refused, never opened.
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 @dataclass(frozen=True)
 class SourceTensor:
@@ -54,6 +56,9 @@ class Checkpoint:
     extra_files: tuple[str, ...]  # non-weight files for every stage, config.json included; sorted
     unlisted: tuple[str, ...] = ()  # *.safetensors the index does not list: ignored, as servers do
     hub: dict | None = None  # repo_id, revision, commit of a Hub source; None for a local one
+    # sha256 of the shards known without reading them: in a Hugging Face cache snapshot each
+    # file is a symlink to blobs/<its sha256>.
+    blob_sha256: dict[str, str] = field(default_factory=dict)
 
     def path(self, name: str) -> Path:
         return self.root / name
@@ -95,7 +100,7 @@ def read_checkpoint(model_dir: str | os.PathLike[str]) -> Checkpoint:
         unlisted = [p.name for p in root.iterdir() if p.name.endswith(".safetensors") and p.name not in files]
         return _extra_files(root, allowed, skip={INDEX_NAME, *files}), tuple(sorted(unlisted))
 
-    return assemble_checkpoint(
+    ckpt = assemble_checkpoint(
         root=root,
         display=str(root),
         config=config,
@@ -104,6 +109,18 @@ def read_checkpoint(model_dir: str | os.PathLike[str]) -> Checkpoint:
         read_headers=read_headers,
         other_files=other_files,
     )
+    blobs = {f: d for f in ckpt.files if (d := _blob_sha256(root / f)) is not None}
+    return replace(ckpt, blob_sha256=blobs)
+
+
+def _blob_sha256(path: Path) -> str | None:
+    """The sha256 a Hugging Face cache names the blob behind ``path`` by, if it is one."""
+    if not path.is_symlink():
+        return None
+    target = Path(os.readlink(path))
+    if target.parent.name != "blobs" or not _SHA256.fullmatch(target.name):
+        return None
+    return target.name
 
 
 def assemble_checkpoint(

@@ -25,6 +25,7 @@ from pathlib import Path
 from . import names, schema
 from .errors import ReshardError
 from .header import DTYPE_SIZES, Header, read_header
+from .layouts import ALIGNED, CLONE, GATHERED, LAYOUTS
 from .manifest import RUN_MANIFEST, STAGE_DIR, STAGE_FORMAT, STAGE_MANIFEST
 from .source import CONFIG_NAME, INDEX_NAME
 from .split import RUNTIMES, layer_ranges, placement_rules
@@ -63,7 +64,7 @@ class StageTensor:
     shape: tuple[int, ...]
     nbytes: int
     offset: int  # absolute offset of the tensor's bytes in ``file``; -1 until its header is read
-    sha256: str
+    sha256: str | None  # None: the split shared the bytes with the source and never read them
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,7 @@ class StageManifest:
     source: dict  # what identifies the source checkpoint (config_sha256, fingerprint, ...)
     index_sha256: str | None
     files: dict[str, int]  # data file -> size in bytes
+    layouts: dict[str, dict]  # data file -> {"layout", "source", "sha256" (a clone's, if known)}
     tensors: dict[str, StageTensor]  # in load order (file, then offset) once read by read_stage
     raw: dict = field(repr=False)  # the manifest as read
 
@@ -230,6 +232,13 @@ def _parse_manifest(m: dict) -> StageManifest | str:
             return f"file name {file!r} is not a plain *.safetensors name"
         if not (isinstance(info, dict) and is_uint(info.get("bytes")) and is_uint(info.get("tensors"))):
             return f"entry of file {file!r}"
+        layout, source, digest = info.get("layout", GATHERED), info.get("source"), info.get("sha256")
+        if layout not in LAYOUTS or (source is None) != (layout == GATHERED):
+            return f"layout of file {file!r}"
+        if source is not None and not _plain_safetensors_name(source):
+            return f"source of file {file!r}"
+        if digest is not None and (layout != CLONE or not _SHA256.fullmatch(str(digest))):
+            return f"sha256 of file {file!r}"
     entries: dict[str, StageTensor] = {}
     for name, info in tensors.items():
         t = _parse_tensor(name, info, files)
@@ -253,6 +262,10 @@ def _parse_manifest(m: dict) -> StageManifest | str:
         source=source if isinstance(source, dict) else {},
         index_sha256=m.get("index_sha256"),
         files={f: info["bytes"] for f, info in files.items()},
+        layouts={
+            f: {k: info.get(k) for k in ("source", "sha256")} | {"layout": info.get("layout", GATHERED)}
+            for f, info in files.items()
+        },
         tensors=entries,
         raw=m,
     )
@@ -273,7 +286,8 @@ def _parse_tensor(name: str, info: object, files: dict) -> StageTensor | str:
         return f"shape of tensor {name!r}"
     if not is_uint(nbytes) or nbytes != math.prod(shape) * DTYPE_SIZES[dtype]:
         return f"tensor {name!r} is {nbytes!r} bytes, not {dtype} x {shape}"
-    if not (isinstance(digest, str) and _SHA256.fullmatch(digest)):
+    shared = digest is None and files[info["file"]].get("layout") in (CLONE, ALIGNED)
+    if not (shared or (isinstance(digest, str) and _SHA256.fullmatch(digest))):
         return f"sha256 of tensor {name!r}"
     return StageTensor(name, info["file"], dtype, tuple(shape), nbytes, -1, digest)
 

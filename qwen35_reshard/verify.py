@@ -9,6 +9,14 @@ have tensors, and every tensor's bytes are hashed (in bounded chunks, by
 source checkpoint, the plan is rebuilt from the settings each stage's manifest records, and
 every tensor's placement and bytes are compared with the source.
 
+Files the split shared with the source (``clone``: a source shard's exact bytes; ``aligned``)
+record no sha256 for the tensors whose blocks were shared: without the source, verify checks
+their structure, a clone's whole-file sha256 where the manifest records one (the source's
+Hugging Face blob name), and reports the bytes it could compare with nothing
+(``bytes_unrecorded``); ``--source`` compares them with the source like every other tensor.
+A clone's header is the source's own, so the writer's stricter header rules apply to the
+files whose header the tool wrote, and a clone must equal its source byte for byte.
+
 Problems are collected as findings rather than raised, so one run reports everything that is
 wrong; a ReshardError is raised only for bad input (OUT is not a directory, a bad source).
 A stage without its manifest or index is reported as incomplete, never accepted.
@@ -16,6 +24,7 @@ A stage without its manifest or index is reported as incomplete, never accepted.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Callable
@@ -26,6 +35,7 @@ from .copy import CHUNK_BYTES, Segment, copy_segments
 from .errors import ReshardError
 from .header import DTYPE_SIZES, Header
 from .hub import HubFetcher, HubRepo, HubSettings, fetch_files, open_model
+from .layouts import CLONE
 from .manifest import RUN_MANIFEST, STAGE_MANIFEST, source_identity
 from .names import LAYER, classify
 from .plan import MTP_DROPPED, Plan, make_plan
@@ -78,6 +88,7 @@ class StageSummary:
     files: int = 0
     tensors: int = 0
     bytes_hashed: int = 0
+    bytes_unrecorded: int = 0  # shared with the source at split time: no digest to compare them with
 
 
 @dataclass
@@ -335,7 +346,7 @@ def _check_stage(stage: _Stage, report: VerifyReport, ckpt: Checkpoint | None, c
             file=name,
         )
     for file, header in found.headers.items():
-        _check_data_file(stage, m, file, header, add, chunk_bytes)
+        _check_data_file(stage, m, file, header, add, chunk_bytes, for_source=ckpt is not None)
     _check_layers(stage, m, add)
     stage.summary.files = len(m.files)
     stage.summary.tensors = len(m.tensors)
@@ -364,23 +375,43 @@ def _compare_side_file(stage: _Stage, ckpt: Checkpoint, name: str, add: _Add) ->
 
 
 def _check_data_file(
-    stage: _Stage, m: StageManifest, file: str, header: Header, add: _Add, chunk_bytes: int
+    stage: _Stage,
+    m: StageManifest,
+    file: str,
+    header: Header,
+    add: _Add,
+    chunk_bytes: int,
+    *,
+    for_source: bool,
 ) -> None:
-    """A data file of the recorded size with a valid header: the writer's stricter rules, its bytes."""
+    """A data file of the recorded size with a valid header: the writer's stricter rules, its bytes.
+
+    Tensors with no recorded digest (shared with the source at split time) are hashed only
+    ``for_source``: without a source there is nothing to compare them with.
+    """
     path = stage.path / file
     where = f"{stage.display}/{file}"
+    layout = m.layouts[file]
     try:
-        _strict_extras(path, header, where)
+        if layout["layout"] != CLONE:
+            _strict_extras(path, header, where)
     except ReshardError as e:
         add(CORRUPT, str(e), file=file)
         return
-    segments = [Segment(t.name, header.data_start + t.begin, t.nbytes) for t in header.tensors]
+    if layout["sha256"] is not None:
+        _check_file_digest(path, layout["sha256"], where, add, file)
+    recorded = {n: t.sha256 for n, t in m.tensors.items() if t.file == file}
+    segments = []
+    for t in header.tensors:
+        if for_source or recorded.get(t.name) is not None:
+            segments.append(Segment(t.name, header.data_start + t.begin, t.nbytes))
+        elif t.name in recorded and layout["sha256"] is None:
+            stage.summary.bytes_unrecorded += t.nbytes
     digests = copy_segments(str(path), segments, chunk_bytes=chunk_bytes)
     stage.summary.bytes_hashed += sum(s.nbytes for s in segments)
     for name, digest in digests.items():
         stage.digests[name] = digest
-        t = m.tensors.get(name)
-        if t is not None and t.file == file and t.sha256 != digest:
+        if recorded.get(name) is not None and recorded[name] != digest:
             add(
                 DIFFERENT,
                 f"{where}: the bytes of tensor {name!r} do not match its sha256 in {STAGE_MANIFEST}; "
@@ -388,6 +419,21 @@ def _check_data_file(
                 file=file,
                 tensor=name,
             )
+
+
+def _check_file_digest(path: Path, recorded: str, where: str, add: _Add, file: str) -> None:
+    """A clone is its source shard byte for byte: its sha256 is the one the manifest records."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK_BYTES):
+            h.update(chunk)
+    if h.hexdigest() != recorded:
+        add(
+            DIFFERENT,
+            f"{where}: sha256 {h.hexdigest()[:12]}... is not the {recorded[:12]}... of the source "
+            f"shard it is a copy of ({STAGE_MANIFEST}); the file is damaged",
+            file=file,
+        )
 
 
 def _strict_extras(path: Path, header: Header, where: str) -> None:
@@ -532,13 +578,17 @@ def _compare_layout(plan: Plan, stage: _Stage, add: _Add) -> None:
     for f in plan.stages[stage.manifest.rank].files:
         path = stage.path / f.name
         where = f"{stage.display}/{f.name}"
+        want = f.header
+        if f.layout == CLONE:  # a clone's header is its source's own
+            with open(plan.checkpoint.path(f.source_file), "rb") as fh:
+                want = fh.read(f.data_start)
         try:
             with open(path, "rb") as fh:
-                head = fh.read(len(f.header))
+                head = fh.read(len(want))
         except FileNotFoundError:
             add(MISSING, f"{where} is missing; the plan lays the stage out in it", file=f.name)
             continue
-        if head != f.header:
+        if head != want:
             add(
                 DIFFERENT,
                 f"{where}: header differs from the plan's (other tensors, order or offsets in this file)",

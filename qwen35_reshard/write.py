@@ -4,6 +4,15 @@ Every file is written under a temporary name, flushed and renamed. A stage's man
 then its index are written last, after its data is durable, so a run killed at any point
 leaves no stage that looks complete. Finished data files are journaled with their digests,
 so running the same command again keeps them and redoes only the rest.
+
+Block sharing (``reflink``: "auto", "always" or "never", as ``cp --reflink``): when OUT can
+share blocks with the source (probed once per run by sharing one block), a CLONE file is
+made with ``FICLONE`` and the aligned middle of each ALIGNED run with ``FICLONERANGE``:
+nothing is read or written for those bytes. The split then does not read them at all, so the
+manifest records no sha256 for the tensors of CLONE and ALIGNED files (``null``; a CLONE of a
+Hugging Face cache blob records the blob's sha256 as the file's); ``verify --source`` proves
+their bytes against the source. Where OUT cannot share, everything is copied and hashed as
+usual, the same bytes land in the same files, and every tensor has its digest.
 """
 
 from __future__ import annotations
@@ -20,9 +29,13 @@ from pathlib import Path
 
 from . import manifest
 from .copy import RangeSource, Segment, copy_segments
-from .errors import ReshardError
+from .errors import ReshardError, SharingRefusedError
+from .layouts import ALIGNED, CLONE
 from .plan import OutputFile, Plan, StagePlan
 from .source import CONFIG_NAME, INDEX_NAME
+from .transfer import reflink as reflinks
+
+REFLINK_MODES = ("auto", "always", "never")
 
 RUN_MARKER = ".reshard-run.json"  # identity of a run in progress; removed on success
 JOURNAL = ".reshard-journal.jsonl"  # finished data files of an unfinished stage, with digests
@@ -41,12 +54,14 @@ class Reporter:
 
 @dataclass
 class WriteResult:
-    """What a write did: stages built now, stages that were already complete, bytes copied."""
+    """What a write did: stages built now, stages already complete, bytes copied and shared."""
 
     built: list[int] = field(default_factory=list)
     already_complete: list[int] = field(default_factory=list)
     files_kept: int = 0
-    bytes_copied: int = 0
+    bytes_copied: int = 0  # bytes of the data files written by copying
+    bytes_shared: int = 0  # bytes of the data files sharing the source's blocks (never read)
+    sharing: bool = False  # OUT could share blocks with the source
 
     @property
     def nothing_to_do(self) -> bool:
@@ -71,6 +86,7 @@ def write_plan(
     workers: int = 1,
     reporter: Reporter | None = None,
     open_source: Callable[[str], str | RangeSource] | None = None,
+    reflink: str = "auto",
 ) -> WriteResult:
     """Write the stages ``plan.ranks`` of ``plan`` under ``out_dir``.
 
@@ -78,8 +94,12 @@ def write_plan(
     holding anything else unless ``overwrite``. ``workers`` source shards are copied at
     once, each read by exactly one worker. ``open_source(file)`` gives the source of a data
     file that still has bytes to copy (a local path or a range source; it may download the
-    file first); by default each file is read from the checkpoint's directory.
+    file first); by default each file is read from the checkpoint's directory. ``reflink`` is
+    "auto" (share the source's blocks where the filesystem can), "always" (refuse to run where
+    it cannot) or "never" (copy).
     """
+    if reflink not in REFLINK_MODES:
+        raise ReshardError(f"reflink must be one of {', '.join(REFLINK_MODES)}, not {reflink!r}")
     reporter = reporter or Reporter()
     out = Path(out_dir)
     identity = manifest.run_identity(plan)
@@ -99,7 +119,7 @@ def write_plan(
         _remove(out / RUN_MARKER)  # left if a run was killed between its last two steps
         return result
 
-    digests: dict[int, dict[str, str]] = {}
+    digests: dict[int, dict[str, str | None]] = {}
     needed = 0
     # What this run adds before its first data file, so that a run that cannot start (a
     # read-only or full OUT, no permission) leaves OUT as it found it.
@@ -109,15 +129,20 @@ def write_plan(
         _remove(out / manifest.RUN_MANIFEST)
         to_write: list[tuple[StagePlan, OutputFile]] = []
         for stage in todo:
-            kept, digests[stage.rank] = _resume_stage(out / stage.dirname, stage)
+            kept, digests[stage.rank] = _resume_stage(plan, out / stage.dirname, stage, open_source)
             result.files_kept += len(kept)
             to_write += [(stage, f) for f in stage.files if f.name not in kept]
+        # Sharing needs the source on this machine: not for a source read from the Hub.
+        result.sharing = open_source is None and _can_share(plan, out, to_write, reflink)
+        shared = sum(f.shareable_bytes for _, f in to_write) if result.sharing else 0
         side_copies = len(todo) + 1  # each stage's, and OUT's own
-        needed = sum(f.size for _, f in to_write) + side_copies * _side_file_bytes(plan)
+        needed = sum(f.size for _, f in to_write) - shared + side_copies * _side_file_bytes(plan)
         _check_free_space(out, needed)
         created = []  # from here on, finished files are kept for the next run to resume
 
-        result.bytes_copied = _copy_files(plan, out, to_write, digests, workers, reporter, open_source)
+        result.bytes_copied, result.bytes_shared = _copy_files(
+            plan, out, to_write, digests, workers, reporter, open_source, share=result.sharing
+        )
         for stage in todo:
             _finish_stage(plan, out / stage.dirname, stage, digests[stage.rank])
             result.built.append(stage.rank)
@@ -126,7 +151,12 @@ def write_plan(
         # the config and the tokenizer there (and refuses a split for SGLang in the plugin, with
         # the shim's message), each rank's weights from OUT/pp{rank}.
         _copy_side_files(plan, out)
-        complete = [s.rank for s in plan.stages if manifest.stage_is_complete(out / s.dirname, identity)]
+        known = {*result.built, *result.already_complete}
+        complete = [
+            s.rank
+            for s in plan.stages
+            if s.rank in known or manifest.stage_is_complete(out / s.dirname, identity)
+        ]
         _write_atomic(out / manifest.RUN_MANIFEST, manifest.dumps(manifest.run_manifest(plan, complete)))
         _remove(out / RUN_MARKER)
         _fsync_dir(out)
@@ -174,8 +204,9 @@ def repair_files(
                 _remove(stage_dir / INDEX_NAME)  # not a complete-looking stage while it is mended
             to_write += [(stage, f) for f in data]
             done += [f"{stage.dirname}/{f.name}" for f in data]
-        digests: dict[int, dict[str, str]] = {s.rank: {} for s in stages}
-        _copy_files(plan, out, to_write, digests, workers, reporter)
+        digests: dict[int, dict[str, str | None]] = {s.rank: {} for s in stages}
+        # Mended files are copied, not shared: their bytes are read and get their digests.
+        _copy_files(plan, out, to_write, digests, workers, reporter, share=False)
         for stage in stages:
             stage_dir = out / stage.dirname
             if stage in redo_meta:
@@ -202,8 +233,7 @@ def repair_files(
 
 def _file_digests(path: Path, f: OutputFile) -> dict[str, str]:
     """sha256 of each tensor of the stage's data file ``path``, laid out as ``f`` says."""
-    data_start = len(f.header)
-    segments = [Segment(t.name, data_start + t.out_offset, t.source.nbytes) for t in f.tensors]
+    segments = [Segment(t.name, f.data_start + t.out_offset, t.source.nbytes) for t in f.tensors]
     return copy_segments(str(path), segments)
 
 
@@ -214,6 +244,18 @@ def check_out_dir(model_dir: Path, out_dir: Path) -> None:
         raise ReshardError(
             f"OUT {out_dir} is inside MODEL {model_dir}; choose an output directory outside the checkpoint"
         )
+
+
+def _can_share(plan: Plan, out: Path, to_write: list[tuple[StagePlan, OutputFile]], reflink: str) -> bool:
+    """Whether this run shares blocks; refuses ``reflink="always"`` where OUT cannot."""
+    shareable = [f.source_file for _, f in to_write if f.layout in (CLONE, ALIGNED)]
+    if reflink == "never" or not to_write or (not shareable and reflink == "auto"):
+        return False
+    src = plan.checkpoint.path(shareable[0] if shareable else plan.checkpoint.files[0])
+    ok = reflinks.probe(src, out)
+    if not ok and reflink == "always":
+        raise SharingRefusedError(str(out), str(src))
+    return ok and bool(shareable)
 
 
 def _prepare_out(plan: Plan, out: Path, identity: dict, *, overwrite: bool) -> list[Path]:
@@ -293,7 +335,9 @@ def _undo(created: list[Path]) -> None:
             pass  # not empty (another writer?) or already gone: leave it
 
 
-def _resume_stage(stage_dir: Path, stage: StagePlan) -> tuple[set[str], dict[str, str]]:
+def _resume_stage(
+    plan: Plan, stage_dir: Path, stage: StagePlan, open_source: Callable[[str], str | RangeSource] | None
+) -> tuple[set[str], dict[str, str | None]]:
     """Prepare an unfinished stage: keep journaled files that check out, clear the rest.
 
     Returns the names of the kept data files and the digests of their tensors.
@@ -306,14 +350,14 @@ def _resume_stage(stage_dir: Path, stage: StagePlan) -> tuple[set[str], dict[str
     journal = _read_journal(stage_dir / JOURNAL)
     planned = {f.name: f for f in stage.files}
     kept: set[str] = set()
-    digests: dict[str, str] = {}
+    digests: dict[str, str | None] = {}
     for p in sorted(stage_dir.iterdir()):
         f = planned.get(p.name)
         entry = journal.get(p.name)
         if (
             f is not None
             and entry is not None
-            and _matches(p, f)
+            and _matches(p, f, b"" if f.layout == CLONE and open_source is not None else _header(plan, f))
             and set(entry) == {t.name for t in f.tensors}
         ):
             kept.add(p.name)
@@ -323,13 +367,29 @@ def _resume_stage(stage_dir: Path, stage: StagePlan) -> tuple[set[str], dict[str
     return kept, digests
 
 
-def _matches(path: Path, f: OutputFile) -> bool:
-    """A finished file of an earlier run fits the plan: same size, same header bytes."""
+def _matches(path: Path, f: OutputFile, header: bytes) -> bool:
+    """A finished file of an earlier run fits the plan: same size, same ``header`` bytes."""
     try:
         with open(path, "rb") as fh:
-            return os.fstat(fh.fileno()).st_size == f.size and fh.read(len(f.header)) == f.header
+            return os.fstat(fh.fileno()).st_size == f.size and fh.read(len(header)) == header
     except OSError:
         return False
+
+
+def _header(
+    plan: Plan, f: OutputFile, open_source: Callable[[str], str | RangeSource] | None = None
+) -> bytes:
+    """The bytes before ``f``'s data buffer: the plan's, or for a CLONE its source's own
+    (read from ``open_source(file)`` when given, as the data is)."""
+    if f.layout != CLONE:
+        return f.header
+    src = open_source(f.source_file) if open_source is not None else str(plan.checkpoint.path(f.source_file))
+    if not isinstance(src, str | os.PathLike):
+        buf = memoryview(bytearray(f.data_start))
+        src.readinto(buf, 0)
+        return bytes(buf)
+    with open(src, "rb") as fh:
+        return fh.read(f.data_start)
 
 
 def _read_journal(path: Path) -> dict[str, dict[str, str]]:
@@ -366,35 +426,61 @@ def _copy_files(
     plan: Plan,
     out: Path,
     to_write: list[tuple[StagePlan, OutputFile]],
-    digests: dict[int, dict[str, str]],
+    digests: dict[int, dict[str, str | None]],
     workers: int,
     reporter: Reporter,
     open_source: Callable[[str], str | RangeSource] | None = None,
-) -> int:
-    """Copy the data of ``to_write``, one worker per source shard; fills ``digests``."""
+    *,
+    share: bool,
+) -> tuple[int, int]:
+    """Copy (or share) the data of ``to_write``, one worker per source shard; fills ``digests``.
+
+    Returns how many of the files' bytes were copied and how many share the source's blocks.
+    """
     opened: list[_OpenFile] = []
     segments: dict[str, dict[str, Segment]] = {}
+    share_fds: dict[str, set[int]] = {}
+    shared = [0]
+    lock = threading.Lock()
+
+    def on_shared(n: int) -> None:
+        with lock:
+            shared[0] += n
+
     stop = threading.Event()
     try:
         for stage, f in to_write:
             stage_dir = out / stage.dirname
-            o = _create(stage, f, stage_dir / (f".{f.name}{PARTIAL_SUFFIX}"), stage_dir / f.name)
+            tmp = stage_dir / f".{f.name}{PARTIAL_SUFFIX}"
+            if share and f.layout == CLONE and _clone(plan, f, tmp):
+                o = _OpenFile(stage, f, tmp, stage_dir / f.name, os.open(tmp, os.O_RDONLY), set())
+                opened.append(o)
+                digests[stage.rank].update(dict.fromkeys(t.name for t in f.tensors))
+                on_shared(f.size)
+                continue
+            sharing = share and f.layout in (CLONE, ALIGNED)
+            header = _header(plan, f, open_source)
+            o = _create(stage, f, tmp, stage_dir / f.name, header, preallocate=not sharing)
             opened.append(o)
-            data_start = len(f.header)
+            if sharing:
+                share_fds.setdefault(f.source_file, set()).add(o.fd)
             for t in f.tensors:
                 s = t.source
                 seg = segments.setdefault(s.file, {}).setdefault(s.name, Segment(s.name, s.offset, s.nbytes))
-                seg.dests.append((o.fd, data_start + t.out_offset))
+                seg.dests.append((o.fd, f.data_start + t.out_offset))
         total = sum(seg.nbytes for segs in segments.values() for seg in segs.values())
         reporter.start(total)
-        for o in opened:
-            if not o.pending_sources:
-                _finish_file(o, out, digests)
+        _finish_files([o for o in opened if not o.pending_sources], digests)
 
-        def run(file: str) -> dict[str, str]:
+        def run(file: str) -> dict[str, str | None]:
             src = open_source(file) if open_source is not None else str(plan.checkpoint.path(file))
             return copy_segments(
-                src, list(segments[file].values()), on_progress=reporter.advance, should_stop=stop.is_set
+                src,
+                list(segments[file].values()),
+                on_progress=reporter.advance,
+                should_stop=stop.is_set,
+                share_fds=frozenset(share_fds.get(file, ())),
+                on_shared=on_shared,
             )
 
         with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
@@ -405,6 +491,7 @@ def _copy_files(
                     for fut in done:
                         file = futures.pop(fut)
                         found = fut.result()
+                        ready = []
                         for o in opened:
                             if file in o.pending_sources:
                                 digests[o.stage.rank].update(
@@ -412,13 +499,14 @@ def _copy_files(
                                 )
                                 o.pending_sources.discard(file)
                                 if not o.pending_sources:
-                                    _finish_file(o, out, digests)
+                                    ready.append(o)
+                        _finish_files(ready, digests)
             except BaseException:
                 stop.set()
                 for fut in futures:
                     fut.cancel()
                 raise
-        return total
+        return sum(f.size for _, f in to_write) - shared[0], shared[0]
     finally:
         for o in opened:
             if o.fd >= 0:
@@ -426,16 +514,42 @@ def _copy_files(
                 _remove(o.tmp)
 
 
-def _create(stage: StagePlan, f: OutputFile, tmp: Path, final: Path) -> _OpenFile:
+def _clone(plan: Plan, f: OutputFile, tmp: Path) -> bool:
+    """Make ``tmp`` share every block of ``f``'s source shard; False where refused."""
+    src = os.open(plan.checkpoint.path(f.source_file), os.O_RDONLY)
+    try:
+        dst = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            ok = reflinks.clone_file(src, dst) and os.fstat(dst).st_size == f.size
+        finally:
+            os.close(dst)
+    finally:
+        os.close(src)
+    if not ok:
+        _remove(tmp)
+    return ok
+
+
+def _create(
+    stage: StagePlan, f: OutputFile, tmp: Path, final: Path, header: bytes, *, preallocate: bool
+) -> _OpenFile:
+    """Create ``tmp`` at ``f``'s size with ``header`` written; its data comes later.
+
+    Preallocating makes a full disk fail here, before any copying; a file that will share
+    blocks with the source is only sized (allocating blocks it will share would need the
+    space the sharing saves).
+    """
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        if hasattr(os, "posix_fallocate") and f.size:
+        if preallocate and hasattr(os, "posix_fallocate") and f.size:
             try:
-                os.posix_fallocate(fd, 0, f.size)  # a full disk fails here, before any copying
+                os.posix_fallocate(fd, 0, f.size)
             except OSError as e:
                 if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                     raise
-        os.pwrite(fd, f.header, 0)
+        else:
+            os.ftruncate(fd, f.size)
+        os.pwrite(fd, header, 0)
     except BaseException:  # not yet known to the caller's cleanup: clean up here
         os.close(fd)
         _remove(tmp)
@@ -443,21 +557,40 @@ def _create(stage: StagePlan, f: OutputFile, tmp: Path, final: Path) -> _OpenFil
     return _OpenFile(stage, f, tmp, final, fd, {t.source.file for t in f.tensors})
 
 
-def _finish_file(o: _OpenFile, out: Path, digests: dict[int, dict[str, str]]) -> None:
-    """Make a finished data file durable, give it its final name, and journal it."""
-    os.fsync(o.fd)
-    os.close(o.fd)
-    o.fd = -1
-    os.replace(o.tmp, o.final)
-    _fsync_dir(o.final.parent)
-    record = {"file": o.plan.name, "digests": {t.name: digests[o.stage.rank][t.name] for t in o.plan.tensors}}
-    with open(o.final.parent / JOURNAL, "a") as j:
-        j.write(json.dumps(record) + "\n")
-        j.flush()
-        os.fsync(j.fileno())
+def _finish_files(files: list[_OpenFile], digests: dict[int, dict[str, str | None]]) -> None:
+    """Make finished data files durable, give them their final names, and journal them.
+
+    Files finished together (the clones, made before any copying; the files a source shard
+    completes) are fsynced side by side (a journaling filesystem commits them together) and
+    share one directory fsync and one journal write per stage, stages side by side too: a
+    clone costs little else.
+    """
+    if not files:
+        return
+    _fsync_all([o.fd for o in files])
+    for o in files:
+        os.close(o.fd)
+        o.fd = -1
+        os.replace(o.tmp, o.final)
+
+    def journal(stage_dir: Path) -> None:
+        _fsync_dir(stage_dir)
+        records = [
+            {"file": o.plan.name, "digests": {t.name: digests[o.stage.rank][t.name] for t in o.plan.tensors}}
+            for o in files
+            if o.final.parent == stage_dir
+        ]
+        with open(stage_dir / JOURNAL, "a") as j:
+            j.write("".join(json.dumps(r) + "\n" for r in records))
+            j.flush()
+            os.fsync(j.fileno())
+
+    stage_dirs = list(dict.fromkeys(o.final.parent for o in files))
+    with ThreadPoolExecutor(max_workers=max(1, len(stage_dirs))) as pool:
+        list(pool.map(journal, stage_dirs))
 
 
-def _finish_stage(plan: Plan, stage_dir: Path, stage: StagePlan, digests: dict[str, str]) -> None:
+def _finish_stage(plan: Plan, stage_dir: Path, stage: StagePlan, digests: dict[str, str | None]) -> None:
     """Copy the non-weight files, then write the manifest and, last, the index."""
     _copy_side_files(plan, stage_dir)
     index_bytes = manifest.dumps(manifest.stage_index(stage))
@@ -473,10 +606,17 @@ def _finish_stage(plan: Plan, stage_dir: Path, stage: StagePlan, digests: dict[s
 def _copy_side_files(plan: Plan, directory: Path) -> None:
     """Copy config.json and the source's other non-weight files into ``directory``, atomically."""
     root = plan.checkpoint.root
-    for name in plan.checkpoint.extra_files:
-        tmp = directory / f".{name}{PARTIAL_SUFFIX}"
+    names = plan.checkpoint.extra_files
+    tmps = [directory / f".{name}{PARTIAL_SUFFIX}" for name in names]
+    for name, tmp in zip(names, tmps, strict=True):
         shutil.copyfile(root / name, tmp)
-        _fsync_path(tmp)
+    fds = [os.open(tmp, os.O_RDONLY) for tmp in tmps]
+    try:
+        _fsync_all(fds)  # side by side: a journaling filesystem commits them together
+    finally:
+        for fd in fds:
+            os.close(fd)
+    for name, tmp in zip(names, tmps, strict=True):
         os.replace(tmp, directory / name)
 
 
@@ -490,12 +630,14 @@ def _write_atomic(path: Path, data: bytes) -> None:
     _fsync_dir(path.parent)
 
 
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _fsync_all(fds: list[int]) -> None:
+    """fsync every file of ``fds``, side by side: a journaling filesystem commits them together."""
+    if len(fds) < 2:
+        for fd in fds:
+            os.fsync(fd)
+        return
+    with ThreadPoolExecutor(max_workers=min(16, len(fds))) as pool:
+        list(pool.map(os.fsync, fds))
 
 
 def _fsync_dir(path: Path) -> None:

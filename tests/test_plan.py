@@ -201,6 +201,9 @@ def _check_files(stage, ckpt, *, max_file_bytes=None, max_header_bytes=None):
     file_order = {f: i for i, f in enumerate(ckpt.files)}
     for k, f in enumerate(stage.files, start=1):
         assert f.name == f"model-{k:05d}-of-{count:05d}.safetensors"
+        if f.layout == "clone":  # the source shard's own bytes, header included
+            assert f.header == b"" and f.size == ckpt.file_sizes[f.source_file]
+            continue
         header = _parse_header(f.header)
         assert header.pop("__metadata__") == {"format": "pt"}
         assert len(f.header) % 8 == 0
@@ -229,7 +232,9 @@ def _check_files(stage, ckpt, *, max_file_bytes=None, max_header_bytes=None):
 def test_stage_files_are_laid_out_aligned_and_in_source_order(checkpoints, kind):
     plan = make_plan(checkpoints[kind], pp=3)
     for stage in plan.stages:
-        assert len(stage.files) == 1
+        # Whole-shard clones keep the source's own header; the files the tool lays out are
+        # checked here: one gathered file per stage for these small checkpoints.
+        assert len([f for f in stage.files if f.layout != "clone"]) == 1
         _check_files(stage, checkpoints[kind])
 
 

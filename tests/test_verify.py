@@ -75,6 +75,13 @@ def data_file(stage: Path) -> Path:
     return sorted(stage.glob("*.safetensors"))[0]
 
 
+def laid_out_file(stage: Path) -> Path:
+    """A data file whose header the tool wrote (not a whole-shard clone, whose header is the
+    source's own and so not held to the writer's rules)."""
+    files = json.loads((stage / MANIFEST).read_bytes())["files"]
+    return stage / next(n for n, f in sorted(files.items()) if f["layout"] != "clone")
+
+
 def header_of(path: Path) -> tuple[int, dict]:
     raw = path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
@@ -239,7 +246,7 @@ def test_truncated_file_is_corrupt(out):
 def test_strict_header_rules(out, damage, needle):
     """Files the reference reader would accept (or mostly would) but our writer never writes."""
     stage = out / "pp3"
-    path = data_file(stage)
+    path = laid_out_file(stage)
     raw = path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
     text, data = raw[8 : 8 + n].rstrip(b" "), raw[8 + n :]
@@ -288,9 +295,13 @@ def test_unaligned_tensor_is_corrupt(tiny, tmp_path):
     model = tiny.build_checkpoint(tmp_path / "m")
     add_source_tensor(model, "model.language_model.layers.0.mlp.odd_probe", "BF16", [3], b"abcdef")
     out = tmp_path / "out"
-    qwen35_reshard.reshard(model, out, pp=2)
+    # One layer per stage: no stage needs the probe's shard whole, so the probe lands in a file
+    # the tool laid out (a whole-shard clone keeps its source's header: the writer's rules are
+    # not its).
+    qwen35_reshard.reshard(model, out, pp=8)
     stage = out / "pp0"
     path = data_file(stage)
+    assert json.loads((stage / "reshard-stage.json").read_bytes())["files"][path.name]["layout"] == "gathered"
     raw = path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
     hdr = json.loads(raw[8 : 8 + n])
@@ -347,6 +358,28 @@ def test_plain_checkpoint_is_not_a_stage(model):
     """A directory with an index but no manifest is never accepted as a finished stage."""
     report = verify(model)
     assert kinds(report, "incomplete") and not report.ok
+
+
+@pytest.mark.parametrize("layout", ["gathered", "clone"])
+def test_a_missing_digest_is_accepted_only_where_blocks_can_be_shared(tiny, tmp_path, layout):
+    """``"sha256": null`` means "shared with the source, never read": only a clone or an
+    aligned file can hold such a tensor; anywhere else the manifest is damaged."""
+    # Small shards: some are needed whole by a stage (clones), the rest are gathered.
+    model = tiny.build_checkpoint(tmp_path / "m", shard_bytes=60_000)
+    out = tmp_path / "out"
+    qwen35_reshard.reshard(model, out, pp=4)
+    stage = out / "pp1"
+    manifest = json.loads((stage / MANIFEST).read_bytes())
+    file = next(f for f, info in sorted(manifest["files"].items()) if info["layout"] == layout)
+    name = next(n for n, t in sorted(manifest["tensors"].items()) if t["file"] == file)
+    edit_json(stage / MANIFEST, lambda m: m["tensors"][name].update(sha256=None))
+    if layout == "clone":
+        report = verify(out)
+        assert report.ok and report.stages[1].bytes_unrecorded == manifest["tensors"][name]["nbytes"]
+        assert verify(out, model).ok  # --source compares those bytes with the source
+    else:
+        f = only(verify(out), "corrupt")
+        assert (f.stage, f.file) == ("pp1", MANIFEST) and "sha256" in f.message
 
 
 def test_damaged_manifest_is_corrupt(out):
