@@ -42,13 +42,7 @@ _NO_SHARING = {
 
 def clone_file(src_fd: int, dst_fd: int) -> bool:
     """Make ``dst_fd`` share every block of ``src_fd`` (same size, same bytes); False if refused."""
-    try:
-        fcntl.ioctl(dst_fd, FICLONE, src_fd)
-    except OSError as e:
-        if e.errno in _NO_SHARING:
-            return False
-        raise
-    return True
+    return _share(dst_fd, FICLONE, src_fd)
 
 
 def clone_range(src_fd: int, src_offset: int, length: int, dst_fd: int, dst_offset: int) -> bool:
@@ -57,9 +51,13 @@ def clone_range(src_fd: int, src_offset: int, length: int, dst_fd: int, dst_offs
     All three must be multiples of the block size (see :func:`block_size`), the length except
     at the source's end of file. False if the filesystem refuses.
     """
-    arg = struct.pack("<qQQQ", src_fd, src_offset, length, dst_offset)
+    return _share(dst_fd, FICLONERANGE, struct.pack("<qQQQ", src_fd, src_offset, length, dst_offset))
+
+
+def _share(dst_fd: int, request: int, arg: int | bytes) -> bool:
+    """Run a sharing ioctl on ``dst_fd``: True when done, False when the filesystem refuses."""
     try:
-        fcntl.ioctl(dst_fd, FICLONERANGE, arg)
+        fcntl.ioctl(dst_fd, request, arg)
     except OSError as e:
         if e.errno in _NO_SHARING:
             return False
