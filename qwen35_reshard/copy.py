@@ -50,8 +50,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from . import reflink
 from .errors import ReshardError
-from .transfer import reflink
 
 CHUNK_BYTES = 8 * 1024 * 1024
 # One window being copied, one being hashed, and slack for the two to drift.

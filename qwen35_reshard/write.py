@@ -28,12 +28,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import manifest
+from . import reflink as reflinks
 from .copy import RangeSource, Segment, copy_segments
 from .errors import ReshardError, SharingRefusedError
 from .layouts import ALIGNED, CLONE
 from .plan import OutputFile, Plan, StagePlan
 from .source import CONFIG_NAME, INDEX_NAME
-from .transfer import reflink as reflinks
 
 REFLINK_MODES = ("auto", "always", "never")
 
