@@ -84,6 +84,10 @@ class _State:
     ignore_range: bool = False
     blobs: dict[str, Path] = field(default_factory=dict)  # sha256 -> path
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # Requests being answered: an entry is logged only after its answer was sent, so a client can
+    # have read a whole answer before its entry is there; the tests' view waits for these.
+    in_flight: int = 0
+    settled: threading.Condition = field(default_factory=threading.Condition)
 
 
 def _sha256(path: Path) -> str:
@@ -175,7 +179,9 @@ class HubServer:
 
     @property
     def log(self) -> list[LogEntry]:
-        """Every request so far, in the order they came in (entries are added as they end)."""
+        """Every request so far, in the order they came in, once none is still being answered."""
+        with self.state.settled:
+            self.state.settled.wait_for(lambda: self.state.in_flight == 0, timeout=10)
         with self.state.lock:
             return sorted(self.state.log, key=lambda e: e.started)
 
@@ -233,6 +239,8 @@ class _Handler(BaseHTTPRequestHandler):
     # ------------------------------------------------------------------ routing
 
     def _dispatch(self, *, head: bool) -> None:
+        with self.owner.state.settled:
+            self.owner.state.in_flight += 1
         self._sent = 0
         self._status = 0
         started = time.monotonic()
@@ -257,6 +265,9 @@ class _Handler(BaseHTTPRequestHandler):
                         started,
                     )
                 )
+            with self.owner.state.settled:
+                self.owner.state.in_flight -= 1
+                self.owner.state.settled.notify_all()
 
     def _hub(self, head: bool) -> None:
         path = unquote(urlsplit(self.path).path)
