@@ -28,9 +28,9 @@ sys.path.insert(0, str(REPO / "examples"))
 
 import tiny_checkpoint  # noqa: E402
 
-from qwen35_reshard.balance import choose  # noqa: E402
-from qwen35_reshard.plan import make_plan  # noqa: E402
-from qwen35_reshard.source import Checkpoint, SourceTensor  # noqa: E402
+from qwen35_reshard.plan.balance import choose  # noqa: E402
+from qwen35_reshard.plan.planner import make_plan  # noqa: E402
+from qwen35_reshard.source.checkpoint import Checkpoint, SourceTensor  # noqa: E402
 
 GB = 1e9
 COMMON = {"vocab": 248320, "vision_dims": tiny_checkpoint.REAL_VISION, "mtp": True}

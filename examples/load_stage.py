@@ -16,7 +16,7 @@ import sys
 
 from qwen35_reshard import loader
 from qwen35_reshard.errors import ReshardError
-from qwen35_reshard.split import default_partition, layer_ranges
+from qwen35_reshard.model.runtimes import default_partition, layer_ranges
 
 
 def main(argv: list[str] | None = None) -> int:

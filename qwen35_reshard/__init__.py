@@ -1,21 +1,45 @@
 """qwen35-reshard: split a Qwen3.5 MoE checkpoint into one directory per pipeline stage.
 
-The library mirrors the pipeline: ``source.read_checkpoint`` (index and headers into plain
-data) -> ``plan.make_plan`` (pure placement) -> ``write.write_plan`` (byte-range copies) ->
-``verify.verify``; ``stage.read_stage`` checks a stage directory for both ``verify`` and
-``loader``, the server-side shim that reads what the writer wrote.
+The package follows the pipeline, one folder per step: ``source`` reads the checkpoint (index,
+config, shard headers) into plain data; ``plan`` places every tensor (pure, no I/O); ``write``
+executes a plan; ``verify`` and ``stage`` check what was written; ``loader`` hands a server
+exactly its stage. ``model`` holds the model's names, schema and the servers' rules, ``ondisk``
+every file name and the manifest schemas. Readers (``stage``, ``verify``, ``loader``) never
+import the writer.
+
+Names below are imported on first use, so ``import qwen35_reshard.loader`` in a server loads
+no planner or writer.
+
+Example::
+
+    >>> import qwen35_reshard
+    >>> plan, result = qwen35_reshard.reshard("MODEL", "OUT", pp=4)  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
-import os
+import importlib
+from typing import TYPE_CHECKING
 
-__version__ = "0.1.0"
+from ._version import __version__
+from .errors import ReshardError
 
-from .errors import ReshardError  # noqa: E402
-from .plan import DEFAULT_MAX_FILE_BYTES, Plan, make_plan  # noqa: E402
-from .source import Checkpoint, read_checkpoint  # noqa: E402
-from .write import Reporter, WriteResult, check_out_dir, write_plan  # noqa: E402
+if TYPE_CHECKING:
+    from .pipeline import reshard
+    from .plan.planner import Plan, make_plan
+    from .source.checkpoint import Checkpoint, read_checkpoint
+    from .write.writer import Reporter, WriteResult, write_plan
+
+_LAZY = {
+    "reshard": ".pipeline",
+    "Checkpoint": ".source.checkpoint",
+    "read_checkpoint": ".source.checkpoint",
+    "Plan": ".plan.planner",
+    "make_plan": ".plan.planner",
+    "Reporter": ".write.writer",
+    "WriteResult": ".write.writer",
+    "write_plan": ".write.writer",
+}
 
 __all__ = [
     "Checkpoint",
@@ -23,6 +47,7 @@ __all__ = [
     "Reporter",
     "ReshardError",
     "WriteResult",
+    "__version__",
     "make_plan",
     "read_checkpoint",
     "reshard",
@@ -30,34 +55,7 @@ __all__ = [
 ]
 
 
-def reshard(
-    model_dir: str | os.PathLike[str],
-    out_dir: str | os.PathLike[str],
-    *,
-    pp: int,
-    runtime: str = "sglang",
-    partition: list[int] | None = None,
-    ranks: list[int] | None = None,
-    keep_mtp: bool = True,
-    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
-    overwrite: bool = False,
-    workers: int = 1,
-    reporter: Reporter | None = None,
-    reflink: str = "auto",
-) -> tuple[Plan, WriteResult]:
-    """Read, plan and write in one call: what ``qwen35-reshard --pp N MODEL OUT`` does."""
-    from pathlib import Path
-
-    check_out_dir(Path(model_dir), Path(out_dir))
-    plan = make_plan(
-        read_checkpoint(model_dir),
-        pp=pp,
-        runtime=runtime,
-        partition=partition,
-        ranks=ranks,
-        keep_mtp=keep_mtp,
-        max_file_bytes=max_file_bytes,
-    )
-    return plan, write_plan(
-        plan, out_dir, overwrite=overwrite, workers=workers, reporter=reporter, reflink=reflink
-    )
+def __getattr__(name: str) -> object:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_LAZY[name], __name__), name)

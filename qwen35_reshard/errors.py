@@ -1,10 +1,23 @@
-"""The one exception type the tool raises for bad input or a failed run.
+"""The exception the tool raises for bad input or a failed run, in the library's own terms.
 
-Its message is a single line that names the file, tensor or flag at fault and what to do;
-the CLI prints it as ``error: <message>`` and exits with code 2, without a traceback.
+Its message is a single line that names the file, tensor or parameter at fault and what to do.
+A parameter is named through :func:`param`, so each caller sees its own spelling: ``str(e)``
+says ``pp`` or ``overwrite=True`` (the library's parameters), the CLI renders the same error
+with its flags (``--pp``, ``--overwrite``) through :meth:`ReshardError.render`.
 """
 
 from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+_MARK, _SEP = "\x1f", "\x1e"
+_PARAM = re.compile(f"{_MARK}([^{_MARK}{_SEP}]+)(?:{_SEP}([^{_MARK}]*))?{_MARK}")
+
+
+def param(name: str, value: object = None) -> str:
+    """Name parameter ``name`` (set to ``value``, if given) inside an error message."""
+    return f"{_MARK}{name}{'' if value is None else _SEP + repr(value)}{_MARK}"
 
 
 class ReshardError(Exception):
@@ -12,18 +25,19 @@ class ReshardError(Exception):
 
     exit_code = 2
 
+    def __str__(self) -> str:
+        return self.render({})
 
-class SharingRefusedError(ReshardError):
-    """Block sharing was required (``reflink="always"``) where the filesystem cannot share."""
+    def render(self, flags: Mapping[str, str]) -> str:
+        """The message with each parameter spelt as ``flags`` maps it (a CLI's flag); others as
+        the library spells them (``name`` or ``name=value``)."""
 
-    def __init__(self, out: str, source: str) -> None:
-        self.out, self.source = out, source
-        super().__init__(self.explain("reflink='always'"))
+        def spell(m: re.Match) -> str:
+            name, value = m.group(1), m.group(2)
+            if name not in flags:
+                return name if value is None else f"{name}={value}"
+            if value is None or value == "True":
+                return flags[name]
+            return f"{flags[name]} {value.strip(chr(39))}"
 
-    def explain(self, what: str) -> str:
-        """The message, naming what required sharing (a parameter, or the CLI's flag)."""
-        return (
-            f"OUT {self.out} cannot share blocks with {self.source} (another filesystem, or one "
-            f"without reflinks such as ext4 or tmpfs) and {what} forbids copying; use auto to copy "
-            "where sharing is impossible, or an OUT on the checkpoint's XFS/Btrfs filesystem"
-        )
+        return _PARAM.sub(spell, super().__str__())

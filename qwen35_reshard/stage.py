@@ -15,21 +15,29 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import re
-from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from . import names, schema
 from .errors import ReshardError
-from .header import DTYPE_SIZES, Header, read_header
-from .layouts import ALIGNED, CLONE, GATHERED, LAYOUTS
-from .manifest import RUN_MANIFEST, STAGE_DIR, STAGE_FORMAT, STAGE_MANIFEST
-from .source import CONFIG_NAME, INDEX_NAME
-from .split import RUNTIMES, layer_ranges, placement_rules
-from .write import RUN_MARKER
+from .model import names, schema
+from .model.runtimes import placement_rules
+from .ondisk import (
+    CONFIG_NAME,
+    INDEX_NAME,
+    RUN_MANIFEST,
+    RUN_MARKER,
+    STAGE_FORMAT,
+    STAGE_MANIFEST,
+    RunIdentity,
+    StageManifest,
+    StageTensor,
+    describe_differences,
+    parse_stage_manifest,
+    stage_dir_rank,
+)
+from .source.header import Header, read_header
 
 # Kinds of problem.
 MISSING = "missing"  # something that must be there is not
@@ -45,46 +53,15 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)
-class Problem:
-    """One thing wrong with a stage directory: its kind, a one-line message, and where."""
+class Finding:
+    """One thing wrong with a split: its kind, a one-line message, and where (stage directory,
+    file, tensor). ``read_stage`` leaves ``stage`` unset; ``verify`` fills it in."""
 
     kind: str
     message: str
     file: str | None = None
     tensor: str | None = None
-
-
-@dataclass(frozen=True)
-class StageTensor:
-    """One tensor of a stage: where its bytes are and what they are."""
-
-    name: str
-    file: str
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
-    offset: int  # absolute offset of the tensor's bytes in ``file``; -1 until its header is read
-    sha256: str | None  # None: the split shared the bytes with the source and never read them
-
-
-@dataclass(frozen=True)
-class StageManifest:
-    """A structurally valid stage manifest, as plain data."""
-
-    rank: int
-    pp: int
-    runtime: str
-    partition: tuple[int, ...]
-    start_layer: int
-    end_layer: int  # exclusive
-    mtp: str | None
-    identity: dict | None  # the run identity of the split the stage belongs to
-    source: dict  # what identifies the source checkpoint (config_sha256, fingerprint, ...)
-    index_sha256: str | None
-    files: dict[str, int]  # data file -> size in bytes
-    layouts: dict[str, dict]  # data file -> {"layout", "source", "sha256" (a clone's, if known)}
-    tensors: dict[str, StageTensor]  # in load order (file, then offset) once read by read_stage
-    raw: dict = field(repr=False)  # the manifest as read
+    stage: str | None = None  # stage directory name (pp0); None for the run directory
 
 
 @dataclass(frozen=True)
@@ -93,23 +70,23 @@ class StageDir:
 
     manifest: StageManifest | None
     headers: dict[str, Header]  # data files with their recorded size and a valid header
-    problems: list[Problem]
+    problems: list[Finding]
 
 
-def read_stage(root: Path, display: str, run: tuple[str, dict] | None = None) -> StageDir:
+def read_stage(root: Path, display: str, run: tuple[str, RunIdentity] | None = None) -> StageDir:
     """Check the stage directory ``root`` (``display`` in messages) against its manifest.
 
     ``run`` is ``(record name, identity)`` from the run directory beside the stage, if any
     (see :func:`read_run_record`). Problems come in the order a user should fix them.
     """
     m = read_manifest(root, display)
-    if isinstance(m, Problem):
+    if isinstance(m, Finding):
         return StageDir(None, {}, [m])
-    problems: list[Problem] = []
+    problems: list[Finding] = []
     want = stage_dir_rank(root)
     if want is not None and want != m.rank:
         problems.append(
-            Problem(
+            Finding(
                 DIFFERENT,
                 f"{display} holds stage {m.rank} of a pp={m.pp} split, not stage {want}: it was "
                 f"moved or belongs to another split; {REBUILD}",
@@ -118,13 +95,13 @@ def read_stage(root: Path, display: str, run: tuple[str, dict] | None = None) ->
         )
     if run is not None and run[1] != m.identity:
         record, theirs = run
+        differ = describe_differences(theirs, m.identity) if m.identity else "no recorded identity"
         problems.append(
-            Problem(
+            Finding(
                 DIFFERENT,
-                f"{display} belongs to another split (pp={m.pp} {m.runtime} partition "
-                f"{list(m.partition)}) than the one {record} beside it records (pp={theirs.get('pp')} "
-                f"{theirs.get('runtime')} partition {theirs.get('partition')}, or another source): "
-                f"delete {display} and run the qwen35-reshard command for the split you want again",
+                f"{display} belongs to another split than the one {record} beside it records "
+                f"({differ}): delete {display} and run the qwen35-reshard command for the split "
+                "you want again",
             )
         )
     problems += _index_problems(root, display, m)
@@ -142,7 +119,7 @@ def read_stage(root: Path, display: str, run: tuple[str, dict] | None = None) ->
     return StageDir(_with_offsets(m, headers), headers, problems)
 
 
-def read_manifest(root: Path, display: str) -> StageManifest | Problem:
+def read_manifest(root: Path, display: str) -> StageManifest | Finding:
     """The stage manifest of ``root`` after checking its structure, or what is wrong with it."""
     try:
         raw = (root / STAGE_MANIFEST).read_bytes()
@@ -158,27 +135,27 @@ def read_manifest(root: Path, display: str) -> StageManifest | Problem:
             )
         else:
             why = f"{display} is incomplete (no {STAGE_MANIFEST}): the reshard run was interrupted; {RERUN}"
-        return Problem(INCOMPLETE, why, STAGE_MANIFEST)
+        return Finding(INCOMPLETE, why, STAGE_MANIFEST)
     except OSError as e:
-        return Problem(CORRUPT, f"{display}/{STAGE_MANIFEST}: cannot read ({e.strerror})", STAGE_MANIFEST)
+        return Finding(CORRUPT, f"{display}/{STAGE_MANIFEST}: cannot read ({e.strerror})", STAGE_MANIFEST)
     try:
         obj = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError):
         obj = None
     if isinstance(obj, dict) and obj.get("format") != STAGE_FORMAT:
-        return Problem(
+        return Finding(
             CORRUPT,
             f"{display}/{STAGE_MANIFEST} has format {obj.get('format')!r}, not {STAGE_FORMAT!r}: it "
             "was written by another version of qwen35-reshard; use that version or re-split with this one",
             STAGE_MANIFEST,
         )
-    m = _parse_manifest(obj) if isinstance(obj, dict) else "not a valid JSON object"
+    m = parse_stage_manifest(obj) if isinstance(obj, dict) else "not a valid JSON object"
     if isinstance(m, str):
-        return Problem(CORRUPT, f"{display}/{STAGE_MANIFEST} is damaged ({m}); {REBUILD}", STAGE_MANIFEST)
+        return Finding(CORRUPT, f"{display}/{STAGE_MANIFEST} is damaged ({m}); {REBUILD}", STAGE_MANIFEST)
     return m
 
 
-def read_run_record(run_dir: Path, display: str) -> tuple[str, dict] | Problem | None:
+def read_run_record(run_dir: Path, display: str) -> tuple[str, RunIdentity] | Finding | None:
     """``(record name, identity)`` of the split the run directory ``run_dir`` records, if any.
 
     The run marker records a run in progress or interrupted, ``reshard.json`` a finished one;
@@ -191,127 +168,24 @@ def read_run_record(run_dir: Path, display: str) -> tuple[str, dict] | Problem |
             continue
         except (OSError, UnicodeDecodeError, json.JSONDecodeError):
             obj = None
-        if not isinstance(obj, dict) or not isinstance(obj.get("identity"), dict):
-            what = "no identity" if isinstance(obj, dict) else "not a valid JSON object"
-            return Problem(CORRUPT, f"{display}/{name} is damaged ({what}); {RERUN}", name)
-        return name, obj["identity"]
+        identity = RunIdentity.from_json(obj.get("identity")) if isinstance(obj, dict) else None
+        if identity is None:
+            what = "no valid identity" if isinstance(obj, dict) else "not a valid JSON object"
+            return Finding(CORRUPT, f"{display}/{name} is damaged ({what}); {RERUN}", name)
+        return name, identity
     return None
 
 
-def stage_dir_rank(path: Path) -> int | None:
-    """N for a directory named ``ppN``; None for any other name."""
-    m = STAGE_DIR.fullmatch(path.name)
-    return int(m.group(1)) if m else None
-
-
-def is_uint(v: object) -> bool:
-    """A JSON integer (not a bool) that is not negative."""
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
-
-
-def _parse_manifest(m: dict) -> StageManifest | str:
-    """The manifest as plain data, or what is structurally wrong with it."""
-    rank, pp, runtime, partition = m.get("stage"), m.get("pp"), m.get("runtime"), m.get("partition")
-    if not (is_uint(pp) and pp >= 1 and is_uint(rank) and rank < pp):
-        return f"stage {rank!r} of pp {pp!r}"
-    if runtime not in RUNTIMES:
-        return f"unknown runtime {runtime!r}"
-    if not (
-        isinstance(partition, list) and len(partition) == pp and all(is_uint(n) and n >= 1 for n in partition)
-    ):
-        return f"partition {partition!r} is not {pp} positive layer counts"
-    start, end = layer_ranges(partition)[rank]
-    layers = m.get("layers")
-    if not isinstance(layers, dict) or (layers.get("start"), layers.get("end")) != (start, end):
-        return f"layers {layers!r} do not match partition {partition} at stage {rank}"
-    files, tensors = m.get("files"), m.get("tensors")
-    if not isinstance(files, dict) or not isinstance(tensors, dict) or not tensors:
-        return "no files or tensors"
-    for file, info in files.items():
-        if not _plain_safetensors_name(file):
-            return f"file name {file!r} is not a plain *.safetensors name"
-        if not (isinstance(info, dict) and is_uint(info.get("bytes")) and is_uint(info.get("tensors"))):
-            return f"entry of file {file!r}"
-        layout, source, digest = info.get("layout", GATHERED), info.get("source"), info.get("sha256")
-        if layout not in LAYOUTS or (source is None) != (layout == GATHERED):
-            return f"layout of file {file!r}"
-        if source is not None and not _plain_safetensors_name(source):
-            return f"source of file {file!r}"
-        if digest is not None and (layout != CLONE or not _SHA256.fullmatch(str(digest))):
-            return f"sha256 of file {file!r}"
-    entries: dict[str, StageTensor] = {}
-    for name, info in tensors.items():
-        t = _parse_tensor(name, info, files)
-        if isinstance(t, str):
-            return t
-        entries[name] = t
-    per_file = Counter(t.file for t in entries.values())
-    for file, info in files.items():
-        if info["tensors"] != per_file[file]:
-            return f"file {file!r} should hold {per_file[file]} tensors, not {info['tensors']}"
-    identity, source = m.get("identity"), m.get("source")
-    return StageManifest(
-        rank=rank,
-        pp=pp,
-        runtime=runtime,
-        partition=tuple(partition),
-        start_layer=start,
-        end_layer=end,
-        mtp=m.get("mtp"),
-        identity=identity if isinstance(identity, dict) else None,
-        source=source if isinstance(source, dict) else {},
-        index_sha256=m.get("index_sha256"),
-        files={f: info["bytes"] for f, info in files.items()},
-        layouts={
-            f: {k: info.get(k) for k in ("source", "sha256")} | {"layout": info.get("layout", GATHERED)}
-            for f, info in files.items()
-        },
-        tensors=entries,
-        raw=m,
-    )
-
-
-def _parse_tensor(name: str, info: object, files: dict) -> StageTensor | str:
-    if not isinstance(info, dict) or not isinstance(info.get("file"), str) or info["file"] not in files:
-        return f"tensor {name!r} is not in a listed file"
-    dtype, shape, nbytes, digest = (
-        info.get("dtype"),
-        info.get("shape"),
-        info.get("nbytes"),
-        info.get("sha256"),
-    )
-    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
-        return f"tensor {name!r} has unknown dtype {dtype!r}"
-    if not (isinstance(shape, list) and all(is_uint(d) for d in shape)):
-        return f"shape of tensor {name!r}"
-    if not is_uint(nbytes) or nbytes != math.prod(shape) * DTYPE_SIZES[dtype]:
-        return f"tensor {name!r} is {nbytes!r} bytes, not {dtype} x {shape}"
-    shared = digest is None and files[info["file"]].get("layout") in (CLONE, ALIGNED)
-    if not (shared or (isinstance(digest, str) and _SHA256.fullmatch(digest))):
-        return f"sha256 of tensor {name!r}"
-    return StageTensor(name, info["file"], dtype, tuple(shape), nbytes, -1, digest)
-
-
-def _plain_safetensors_name(name: object) -> bool:
-    return (
-        isinstance(name, str)
-        and name.endswith(".safetensors")
-        and "/" not in name
-        and "\\" not in name
-        and not name.startswith(".")
-    )
-
-
-def _index_problems(root: Path, display: str, m: StageManifest) -> list[Problem]:
+def _index_problems(root: Path, display: str, m: StageManifest) -> list[Finding]:
     """The index is present, lists exactly the manifest's tensors, and is the one it records."""
     where = f"{display}/{INDEX_NAME}"
     try:
         raw = (root / INDEX_NAME).read_bytes()
     except FileNotFoundError:
         why = f"{display} is incomplete (no {INDEX_NAME}): the reshard run was interrupted; {RERUN}"
-        return [Problem(INCOMPLETE, why, INDEX_NAME)]
+        return [Finding(INCOMPLETE, why, INDEX_NAME)]
     except OSError as e:
-        return [Problem(CORRUPT, f"{where}: cannot read ({e.strerror})", INDEX_NAME)]
+        return [Finding(CORRUPT, f"{where}: cannot read ({e.strerror})", INDEX_NAME)]
     try:
         index = json.loads(raw)
         weight_map, total = index["weight_map"], index["metadata"]["total_size"]
@@ -319,16 +193,16 @@ def _index_problems(root: Path, display: str, m: StageManifest) -> list[Problem]
             raise TypeError
     except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
         why = f"{where} is damaged (not an index with weight_map and metadata.total_size); {REBUILD}"
-        return [Problem(CORRUPT, why, INDEX_NAME)]
+        return [Finding(CORRUPT, why, INDEX_NAME)]
     listed = {n: t.file for n, t in m.tensors.items()}
     problems = [
-        Problem(
+        Finding(
             EXTRA, f"{where} lists tensor {n!r}, which {STAGE_MANIFEST} does not; {REBUILD}", INDEX_NAME, n
         )
         for n in sorted(set(weight_map) - set(listed))
     ]
     problems += [
-        Problem(
+        Finding(
             MISSING,
             f"{where} lacks tensor {n!r}, which {STAGE_MANIFEST} lists in {listed[n]}; {REBUILD}",
             INDEX_NAME,
@@ -337,7 +211,7 @@ def _index_problems(root: Path, display: str, m: StageManifest) -> list[Problem]
         for n in sorted(set(listed) - set(weight_map))
     ]
     problems += [
-        Problem(
+        Finding(
             DIFFERENT,
             f"{where} puts tensor {n!r} in {weight_map[n]!r}, but {STAGE_MANIFEST} lists it in "
             f"{listed[n]}; {REBUILD}",
@@ -350,17 +224,17 @@ def _index_problems(root: Path, display: str, m: StageManifest) -> list[Problem]
     want_total = sum(t.nbytes for t in m.tensors.values())
     if total != want_total:
         why = f"{where}: total_size {total!r} is not the stage's {want_total} tensor bytes; {REBUILD}"
-        problems.append(Problem(DIFFERENT, why, INDEX_NAME))
+        problems.append(Finding(DIFFERENT, why, INDEX_NAME))
     if not problems and hashlib.sha256(raw).hexdigest() != m.index_sha256:
         why = (
             f"{where} is not the one {STAGE_MANIFEST} records: the stage is incomplete (an "
             f"interrupted run) or the index was edited; {RERUN}"
         )
-        problems.append(Problem(DIFFERENT, why, INDEX_NAME))
+        problems.append(Finding(DIFFERENT, why, INDEX_NAME))
     return problems
 
 
-def _config_problems(root: Path, display: str, m: StageManifest) -> list[Problem]:
+def _config_problems(root: Path, display: str, m: StageManifest) -> list[Finding]:
     """config.json is the one the stage was split from."""
     try:
         raw = (root / CONFIG_NAME).read_bytes()
@@ -368,7 +242,7 @@ def _config_problems(root: Path, display: str, m: StageManifest) -> list[Problem
         why = (
             f"{display} has no {CONFIG_NAME}; servers need the source's full config on every stage: {REBUILD}"
         )
-        return [Problem(MISSING, why, CONFIG_NAME)]
+        return [Finding(MISSING, why, CONFIG_NAME)]
     digest, recorded = hashlib.sha256(raw).hexdigest(), m.source.get("config_sha256")
     if digest == recorded:
         return []
@@ -377,10 +251,10 @@ def _config_problems(root: Path, display: str, m: StageManifest) -> list[Problem
         f"{digest[:12]}..., {STAGE_MANIFEST} records {str(recorded)[:12]}...); servers derive the "
         f"split from it, so it must be unchanged: {REBUILD}"
     )
-    return [Problem(DIFFERENT, why, CONFIG_NAME)]
+    return [Finding(DIFFERENT, why, CONFIG_NAME)]
 
 
-def _schema_problems(root: Path, display: str, m: StageManifest) -> list[Problem]:
+def _schema_problems(root: Path, display: str, m: StageManifest) -> list[Finding]:
     """The stage holds every tensor its layers and its role need, with the config's shapes.
 
     The model's schema (see ``schema``) limited to the stage's layers, and of the other
@@ -401,7 +275,7 @@ def _schema_problems(root: Path, display: str, m: StageManifest) -> list[Problem
             config, dtypes, layers=range(m.start_layer, m.end_layer), mtp=kept
         ).tensors
     except ReshardError as e:
-        return [Problem(DIFFERENT, f"{display}/{e}", CONFIG_NAME)]
+        return [Finding(DIFFERENT, f"{display}/{e}", CONFIG_NAME)]
     owners = placement_rules(m.pp, m.runtime, schema.tied_embeddings(config), kept)
     need = {n: s for n, s in required.items() if _holds(m, owners, n)}
     missing, wrong = schema.compare(need, {n: t.shape for n, t in m.tensors.items()})
@@ -412,13 +286,13 @@ def _schema_problems(root: Path, display: str, m: StageManifest) -> list[Problem
             f"stage {m.rank} needs for its layers [{m.start_layer}, {m.end_layer}) and its role under "
             f"{m.runtime}'s placement; a server would leave it unloaded: {REBUILD}"
         )
-        problems.append(Problem(MISSING, why, STAGE_MANIFEST, missing[0]))
+        problems.append(Finding(MISSING, why, STAGE_MANIFEST, missing[0]))
     for name, want, found in wrong:
         why = (
             f"{display}: tensor {name!r} has shape {list(found)} but {CONFIG_NAME} implies {list(want)}; "
             f"{REBUILD}"
         )
-        problems.append(Problem(DIFFERENT, why, STAGE_MANIFEST, name))
+        problems.append(Finding(DIFFERENT, why, STAGE_MANIFEST, name))
     return problems
 
 
@@ -431,7 +305,7 @@ def _holds(m: StageManifest, owners: dict[str, tuple[int, ...]], name: str) -> b
 
 def _read_data_file(
     root: Path, display: str, file: str, nbytes: int, recorded: dict[str, StageTensor]
-) -> tuple[Header | None, list[Problem]]:
+) -> tuple[Header | None, list[Finding]]:
     """The header of data file ``file`` (None unless it has its recorded ``nbytes`` and a valid
     header), and its problems: missing or damaged, or not holding exactly the ``recorded`` tensors.
     """
@@ -439,25 +313,25 @@ def _read_data_file(
     try:
         size = os.stat(root / file).st_size
     except FileNotFoundError:
-        return None, [Problem(MISSING, f"{where} is missing; the stage's index lists it: {REBUILD}", file)]
+        return None, [Finding(MISSING, f"{where} is missing; the stage's index lists it: {REBUILD}", file)]
     if size != nbytes:
         why = (
             f"{where} is {size} bytes but {STAGE_MANIFEST} records {nbytes}: the file is "
             f"truncated, extended or replaced; {REBUILD}"
         )
-        return None, [Problem(CORRUPT, why, file)]
+        return None, [Finding(CORRUPT, why, file)]
     try:
         header = read_header(root / file, display=where)
     except ReshardError as e:
-        return None, [Problem(CORRUPT, f"{e}; {REBUILD}", file)]
+        return None, [Finding(CORRUPT, f"{e}; {REBUILD}", file)]
     found = {t.name: t for t in header.tensors}
     problems = []
     for name in sorted(set(found) - set(recorded)):
         why = f"{where} holds tensor {name!r}, which {STAGE_MANIFEST} does not list there; {REBUILD}"
-        problems.append(Problem(EXTRA, why, file, name))
+        problems.append(Finding(EXTRA, why, file, name))
     for name in sorted(set(recorded) - set(found)):
         why = f"{where} lacks tensor {name!r}, which {STAGE_MANIFEST} lists there; {REBUILD}"
-        problems.append(Problem(MISSING, why, file, name))
+        problems.append(Finding(MISSING, why, file, name))
     for name in sorted(set(recorded) & set(found)):
         t, r = found[name], recorded[name]
         if (t.dtype, t.shape) != (r.dtype, r.shape):
@@ -465,7 +339,7 @@ def _read_data_file(
                 f"{where}: tensor {name!r} is {t.dtype} {list(t.shape)} but {STAGE_MANIFEST} "
                 f"records {r.dtype} {list(r.shape)}; {REBUILD}"
             )
-            problems.append(Problem(DIFFERENT, why, file, name))
+            problems.append(Finding(DIFFERENT, why, file, name))
     return header, problems
 
 

@@ -31,16 +31,29 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .copy import CHUNK_BYTES, Segment, copy_segments
 from .errors import ReshardError
-from .header import DTYPE_SIZES, Header
-from .hub import HubFetcher, HubRepo, HubSettings, fetch_files, open_model
-from .layouts import CLONE
-from .manifest import RUN_MANIFEST, STAGE_MANIFEST, source_identity
-from .names import LAYER, classify
-from .plan import MTP_DROPPED, Plan, make_plan
-from .source import CONFIG_NAME, INDEX_NAME, Checkpoint
-from .split import parse_partition
+from .model.names import LAYER, classify
+from .model.runtimes import parse_partition
+from .ondisk import (
+    CLONE,
+    CONFIG_NAME,
+    INDEX_NAME,
+    JOURNAL,
+    PARTIAL_SUFFIX,
+    RUN_MANIFEST,
+    RUN_MARKER,
+    STAGE_DIR,
+    STAGE_MANIFEST,
+    RunIdentity,
+    StageManifest,
+    is_uint,
+    source_identity,
+    stage_dir_rank,
+)
+from .plan.planner import MTP_DROPPED, Plan, make_plan
+from .source.checkpoint import Checkpoint
+from .source.header import DTYPE_SIZES, Header
+from .source.hub import HubFetcher, HubRepo, HubSettings, fetch_files, open_model
 from .stage import (
     CORRUPT,
     DIFFERENT,
@@ -49,32 +62,17 @@ from .stage import (
     KINDS,
     MISSING,
     RERUN,
-    STAGE_DIR,
-    Problem,
-    StageManifest,
-    is_uint,
+    Finding,
     read_run_record,
     read_stage,
-    stage_dir_rank,
 )
-from .write import JOURNAL, PARTIAL_SUFFIX, RUN_MARKER
+from .transfer import CHUNK_BYTES, Segment, copy_segments
 
 # transformers refuses safetensors files whose metadata lacks one of these formats.
 METADATA_FORMATS = ("pt", "tf", "flax", "mlx")
 
 # add(kind, message, file=..., tensor=...): records a finding of one stage.
 _Add = Callable[..., None]
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One problem: what kind, where (stage directory, file, tensor) and a one-line message."""
-
-    kind: str
-    message: str
-    stage: str | None = None  # stage directory name (pp0); None for the run directory
-    file: str | None = None
-    tensor: str | None = None
 
 
 @dataclass
@@ -134,7 +132,7 @@ class _Stage:
     path: Path
     display: str  # path as shown in messages
     summary: StageSummary
-    run: tuple[str, dict] | None  # (record name, identity) the run directory records, if any
+    run: tuple[str, RunIdentity] | None  # (record name, identity) the run directory records, if any
     manifest: StageManifest | None = None
     digests: dict[str, str] = field(default_factory=dict)  # sha256 computed from the files
 
@@ -232,15 +230,16 @@ def _check_run_dir(root: Path, display: str, report: VerifyReport) -> list[_Stag
             )
         )
     record, record_name = (run, RUN_MANIFEST) if run is not None else (marker, RUN_MARKER)
-    identity = record.get("identity") if isinstance(record, dict) else None
-    if record is not None and not isinstance(identity, dict):
+    identity = RunIdentity.from_json(record.get("identity")) if isinstance(record, dict) else None
+    if record is not None and identity is None:
         report.findings.append(
-            Finding(CORRUPT, f"{display}/{record_name}: no identity; the file is damaged", file=record_name)
+            Finding(
+                CORRUPT, f"{display}/{record_name}: no valid identity; the file is damaged", file=record_name
+            )
         )
-        identity = None
 
     dirs = _stage_dirs(root)
-    pp = identity.get("pp") if identity else None
+    pp = identity.pp if identity else None
     complete = _recorded_complete(run)
     for rank in sorted(complete - set(dirs)):
         report.findings.append(
@@ -252,7 +251,7 @@ def _check_run_dir(root: Path, display: str, report: VerifyReport) -> list[_Stag
         )
     stages = []
     for rank, path in dirs.items():
-        if isinstance(pp, int) and rank >= pp:
+        if pp is not None and rank >= pp:
             report.findings.append(
                 Finding(
                     EXTRA,
@@ -264,7 +263,7 @@ def _check_run_dir(root: Path, display: str, report: VerifyReport) -> list[_Stag
             continue
         run_record = (record_name, identity) if identity is not None else None
         stages.append(_new_stage(path, f"{display}/pp{rank}", report, run_record))
-    if isinstance(pp, int):
+    if pp is not None:
         report.not_built = [r for r in range(pp) if r not in dirs and r not in complete]
     return stages
 
@@ -278,18 +277,18 @@ def _recorded_complete(run: dict | None) -> set[int]:
     }
 
 
-def _parent_record(root: Path, report: VerifyReport) -> tuple[str, dict] | None:
+def _parent_record(root: Path, report: VerifyReport) -> tuple[str, RunIdentity] | None:
     """What the run directory beside a stage directory ppN records, if anything."""
     if stage_dir_rank(root) is None:
         return None
     record = read_run_record(root.parent, str(root.parent))
-    if isinstance(record, Problem):
+    if isinstance(record, Finding):
         report.findings.append(Finding(record.kind, record.message, file=record.file))
         return None
     return record
 
 
-def _new_stage(path: Path, display: str, report: VerifyReport, run: tuple[str, dict] | None) -> _Stage:
+def _new_stage(path: Path, display: str, report: VerifyReport, run: tuple[str, RunIdentity] | None) -> _Stage:
     summary = StageSummary(stage=path.name, path=display)
     report.stages.append(summary)
     return _Stage(path, display, summary, run)
@@ -354,7 +353,7 @@ def _check_stage(stage: _Stage, report: VerifyReport, ckpt: Checkpoint | None, c
 
 def _adder(report: VerifyReport, stage: _Stage) -> _Add:
     def add(kind: str, message: str, *, file: str | None = None, tensor: str | None = None) -> None:
-        report.findings.append(Finding(kind, message, stage.summary.stage, file, tensor))
+        report.findings.append(Finding(kind, message, file, tensor, stage.summary.stage))
 
     return add
 
@@ -563,10 +562,9 @@ def _plan_for(ckpt: Checkpoint, m: StageManifest, plans: dict, add: _Add, displa
 def _recorded_limits(m: StageManifest) -> dict[str, int] | None:
     """``max_file_bytes`` and ``max_header_bytes`` from the manifest's run identity, if recorded."""
     identity = m.identity
-    keys = ("max_file_bytes", "max_header_bytes")
-    if not isinstance(identity, dict) or not all(is_uint(identity.get(k)) and identity[k] > 0 for k in keys):
+    if identity is None or not (identity.max_file_bytes > 0 and identity.max_header_bytes > 0):
         return None
-    return {k: identity[k] for k in keys}
+    return {"max_file_bytes": identity.max_file_bytes, "max_header_bytes": identity.max_header_bytes}
 
 
 def _compare_layout(plan: Plan, stage: _Stage, add: _Add) -> None:

@@ -15,8 +15,8 @@ import pytest
 import test_balance
 
 from qwen35_reshard import read_checkpoint
-from qwen35_reshard.balance import choose
-from qwen35_reshard.capacity import Capacity
+from qwen35_reshard.plan.balance import choose
+from qwen35_reshard.plan.capacity import Capacity
 
 SMALL = test_balance.SMALL
 fixture_397b = test_balance.fixture_397b  # the headers-only 397B-FP8-shaped checkpoint, built once per module

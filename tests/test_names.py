@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from qwen35_reshard import names
-from qwen35_reshard.names import classify
+from qwen35_reshard.model import names
+from qwen35_reshard.model.names import classify
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ from hub_server import Fault, HubServer
 from huggingface_hub import get_session, hf_hub_url
 from huggingface_hub.utils import hf_raise_for_status
 
-from qwen35_reshard.ranged import RangeError, RangeReader
+from qwen35_reshard.source.ranged import RangeError, RangeReader
 
 FILE = "model-00002-of-00004.safetensors"
 

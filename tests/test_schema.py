@@ -23,9 +23,10 @@ import torch
 from test_loader_transformers import DTYPE, IMPL, tiny_config
 from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration
 
-from qwen35_reshard import loader, make_plan, read_checkpoint, schema
+from qwen35_reshard import loader, make_plan, read_checkpoint
 from qwen35_reshard.errors import ReshardError
-from qwen35_reshard.header import read_header
+from qwen35_reshard.model import schema
+from qwen35_reshard.source.header import read_header
 from qwen35_reshard.verify import verify
 
 INDEX = "model.safetensors.index.json"

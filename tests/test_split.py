@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from qwen35_reshard.errors import ReshardError
-from qwen35_reshard.split import (
+from qwen35_reshard.model.runtimes import (
     check_pp,
     default_partition,
     launch_env,

@@ -32,7 +32,7 @@ import torch
 from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
 
 import qwen35_reshard
-from qwen35_reshard.vllm_plugin import LOAD_FORMAT
+from qwen35_reshard.loader.vllm import LOAD_FORMAT
 
 GENERATE = Path(__file__).resolve().parent / "vllm_generate.py"
 PYTHON_ENV = "QWEN35_RESHARD_VLLM_PYTHON"

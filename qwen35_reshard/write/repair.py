@@ -14,13 +14,13 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ReshardError
-from .manifest import RUN_MANIFEST, source_identity
-from .plan import MTP_DROPPED, Plan, make_plan
-from .source import Checkpoint, read_checkpoint
-from .stage import Problem, read_manifest, read_run_record, stage_dir_rank
-from .verify import VerifyReport, verify
-from .write import RUN_MARKER, repair_files
+from ..errors import ReshardError
+from ..ondisk import RUN_MANIFEST, RUN_MARKER, RunIdentity, source_identity
+from ..plan.planner import MTP_DROPPED, Plan, make_plan
+from ..source.checkpoint import Checkpoint, read_checkpoint
+from ..stage import Finding, read_manifest, read_run_record, stage_dir_rank
+from ..verify import VerifyReport, verify
+from .writer import repair_files
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ def repair(
     out = target.parent if single else target
     ckpt = read_checkpoint(source)
     identity = _recorded_identity(out, target if single else None)
-    if identity.get("source_fingerprint") != source_identity(ckpt)["fingerprint"]:
+    if identity.source_fingerprint != source_identity(ckpt)["fingerprint"]:
         raise ReshardError(
             f"{target} was split from another checkpoint than {source} (or the source changed since); "
             "repair rewrites files from the checkpoint the split was made from: pass that one"
@@ -61,7 +61,7 @@ def repair(
     return RepairResult(before, rewritten, verify(target, source))
 
 
-def _recorded_identity(out: Path, stage_dir: Path | None) -> dict:
+def _recorded_identity(out: Path, stage_dir: Path | None) -> RunIdentity:
     """The split's settings: from the run record beside the stages, else from a stage manifest."""
     record = read_run_record(out, str(out)) if stage_dir is None else None
     if isinstance(record, tuple):
@@ -69,7 +69,7 @@ def _recorded_identity(out: Path, stage_dir: Path | None) -> dict:
     candidates = [stage_dir] if stage_dir is not None else sorted(out.glob("pp*"))
     for path in candidates:
         m = read_manifest(path, str(path))
-        if not isinstance(m, Problem) and isinstance(m.identity, dict):
+        if not isinstance(m, Finding) and m.identity is not None:
             return m.identity
     raise ReshardError(
         f"{out}: no readable {RUN_MANIFEST} or stage manifest records the split's settings; it "
@@ -77,21 +77,16 @@ def _recorded_identity(out: Path, stage_dir: Path | None) -> dict:
     )
 
 
-def _plan(ckpt: Checkpoint, identity: dict) -> Plan:
-    try:
-        return make_plan(
-            ckpt,
-            pp=identity["pp"],
-            runtime=identity["runtime"],
-            partition=identity["partition"],
-            keep_mtp=identity["mtp"] != MTP_DROPPED,
-            max_file_bytes=identity["max_file_bytes"],
-            max_header_bytes=identity["max_header_bytes"],
-        )
-    except (KeyError, TypeError) as e:
-        raise ReshardError(
-            f"the split's recorded settings are incomplete ({e}); it cannot be repaired: split again"
-        ) from None
+def _plan(ckpt: Checkpoint, identity: RunIdentity) -> Plan:
+    return make_plan(
+        ckpt,
+        pp=identity.pp,
+        runtime=identity.runtime,
+        partition=list(identity.partition),
+        keep_mtp=identity.mtp != MTP_DROPPED,
+        max_file_bytes=identity.max_file_bytes,
+        max_header_bytes=identity.max_header_bytes,
+    )
 
 
 def _damaged(report: VerifyReport, plan: Plan) -> tuple[dict[int, set[str]], bool]:

@@ -19,13 +19,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from . import __version__, manifest
-from .balance import Choice, choose
-from .capacity import Capacity
-from .errors import ReshardError, SharingRefusedError
-from .plan import DEFAULT_MAX_FILE_BYTES, Plan, make_plan
-from .split import RUNTIMES, parse_partition
-from .write import REFLINK_MODES, WriteResult, check_out_dir, write_plan
+from .. import ondisk as manifest
+from .._version import __version__
+from ..errors import ReshardError
+from ..model.runtimes import RUNTIMES, parse_partition
+from ..plan.balance import Choice, choose
+from ..plan.capacity import Capacity
+from ..plan.planner import DEFAULT_MAX_FILE_BYTES, Plan, make_plan
+from ..write.writer import REFLINK_MODES, WriteResult, check_out_dir, write_plan
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -41,6 +42,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _run_guarded(_reshard, args)
 
 
+# The library's parameters, as this command line spells them.
+FLAGS = {
+    "pp": "--pp",
+    "runtime": "--runtime",
+    "partition": "--partition",
+    "ranks": "--rank",
+    "keep_mtp": "--no-mtp",
+    "max_file_bytes": "--max-file-size",
+    "overwrite": "--overwrite",
+    "workers": "--workers",
+    "reflink": "--reflink",
+    "model_dir": "MODEL",
+    "model": "MODEL",
+    "revision": "--revision",
+    "out_dir": "OUT",
+}
+
+
 def _run_guarded(command: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
     """Turn errors into one line and an exit code; SIGTERM is handled like Ctrl-C."""
     signal.signal(signal.SIGTERM, _raise_interrupt)
@@ -49,7 +68,7 @@ def _run_guarded(command: Callable[[argparse.Namespace], int], args: argparse.Na
     except ReshardError as e:
         if args.debug:
             raise
-        _fail(args, f"error: {e}")
+        _fail(args, f"error: {e.render(FLAGS)}")
         return e.exit_code
     except KeyboardInterrupt:
         _fail(args, "interrupted: unfinished files were removed; run the same command again to resume")
@@ -208,7 +227,7 @@ def _reshard(args: argparse.Namespace) -> int:
     )
 
     console = Console(stderr=True)
-    from . import hub
+    from ..source import hub
 
     if args.out is not None and Path(args.model).is_dir():
         check_out_dir(Path(args.model), args.out)
@@ -283,8 +302,8 @@ def _reshard(args: argparse.Namespace) -> int:
                 open_source=fetcher.open if fetcher is not None else None,
                 reflink=args.reflink,
             )
-        except SharingRefusedError as e:
-            raise ReshardError(e.explain("--reflink always")) from e
+        except ReshardError:
+            raise
     finally:
         reporter.close()
     seconds = time.monotonic() - started
@@ -308,7 +327,7 @@ def _print_json(
 ) -> None:
     if not args.json:
         return
-    identity = manifest.run_identity(plan)
+    identity = manifest.RunIdentity.of_plan(plan)
     known = {*result.built, *result.already_complete} if result is not None else set()
     complete = [
         s.rank
@@ -365,14 +384,14 @@ def _verify_parser() -> argparse.ArgumentParser:
 
 def _verify(args: argparse.Namespace) -> int:
     """Run ``verify`` for parsed ``args``: human report on stderr, ``--json`` on stdout."""
-    from . import hub
+    from ..source import hub
+    from ..verify import verify
     from .report import verify_lines
-    from .verify import verify
 
     if args.repair:
         if args.source is None:
             raise ReshardError("--repair rewrites files from the checkpoint: pass --source MODEL")
-        from .repair import repair
+        from ..write.repair import repair
 
         result = repair(args.out, Path(args.source))
         if not result.before.ok:

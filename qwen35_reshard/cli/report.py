@@ -20,11 +20,11 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from . import names
-from .balance import Choice, StageLoad
-from .plan import Plan, StagePlan
-from .verify import Finding, VerifyReport
-from .write import Reporter, WriteResult
+from ..model import names
+from ..plan.balance import Choice, StageLoad
+from ..plan.planner import Plan, StagePlan
+from ..verify import Finding, VerifyReport
+from ..write.writer import Reporter, WriteResult
 
 
 def human_bytes(n: float) -> str:

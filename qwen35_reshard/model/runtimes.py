@@ -7,8 +7,8 @@ variables) overrides the default, and the launch line always states it.
 
 from __future__ import annotations
 
+from ..errors import ReshardError, param
 from . import names
-from .errors import ReshardError
 
 RUNTIMES = ("sglang", "vllm")
 PARTITION_ENV = {"sglang": "SGLANG_PP_LAYER_PARTITION", "vllm": "VLLM_PP_LAYER_PARTITION"}
@@ -33,16 +33,17 @@ def default_partition(num_layers: int, pp: int, runtime: str) -> list[int]:
 def check_runtime(runtime: str) -> None:
     """Refuse a runtime whose split and placement rules the tool does not know."""
     if runtime not in RUNTIMES:
-        raise ReshardError(f"--runtime {runtime!r} is not one of {', '.join(RUNTIMES)}")
+        raise ReshardError(f"{param('runtime', runtime)} is not one of {', '.join(RUNTIMES)}")
 
 
 def check_pp(num_layers: int, pp: int) -> None:
     """Refuse a stage count that leaves a stage without a decoder layer."""
     if pp < 1:
-        raise ReshardError(f"--pp must be at least 1, got {pp}")
+        raise ReshardError(f"{param('pp')} must be at least 1, got {pp}")
     if pp > num_layers:
         raise ReshardError(
-            f"--pp {pp} is larger than the model's {num_layers} decoder layers; use at most --pp {num_layers}"
+            f"{param('pp', pp)} is larger than the model's {num_layers} decoder layers; use at most "
+            f"{param('pp', num_layers)}"
         )
 
 
@@ -50,11 +51,11 @@ def parse_partition(text: str, *, pp: int, num_layers: int) -> list[int]:
     """Parse ``--partition "15,15,15,15"``: ``pp`` positive ints summing to ``num_layers``."""
     try:
         sizes = [int(part) for part in text.split(",")]
-    except ValueError:
+    except ValueError as e:
         raise ReshardError(
-            f"--partition {text!r} must be comma-separated integers, e.g. "
+            f"{param('partition', text)} must be comma-separated integers, e.g. "
             f"{','.join(map(str, default_partition(num_layers, pp, 'sglang')))}"
-        ) from None
+        ) from e
     check_partition(sizes, pp=pp, num_layers=num_layers)
     return sizes
 
@@ -63,12 +64,14 @@ def check_partition(sizes: list[int], *, pp: int, num_layers: int) -> None:
     """Refuse a partition that is not ``pp`` positive layer counts summing to ``num_layers``."""
     text = ",".join(map(str, sizes))
     if len(sizes) != pp:
-        raise ReshardError(f"--partition {text} has {len(sizes)} entries but --pp is {pp}")
+        raise ReshardError(
+            f"{param('partition', text)} has {len(sizes)} entries but {param('pp')} is {pp}"
+        )
     if any(s < 1 for s in sizes):
-        raise ReshardError(f"--partition {text}: every stage needs at least one layer")
+        raise ReshardError(f"{param('partition', text)}: every stage needs at least one layer")
     if sum(sizes) != num_layers:
         raise ReshardError(
-            f"--partition {text} sums to {sum(sizes)} but the model has {num_layers} decoder layers"
+            f"{param('partition', text)} sums to {sum(sizes)} but the model has {num_layers} decoder layers"
         )
 
 

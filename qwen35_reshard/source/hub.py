@@ -36,15 +36,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import __version__
-from .errors import ReshardError
+from .._version import __version__
+from ..errors import ReshardError, param
+from .checkpoint import CONFIG_NAME, INDEX_NAME, PICKLE_SUFFIXES, SINGLE_FILE_NAME
 from .header import Header, parse_header
 from .ranged import RangeReader
-from .source import CONFIG_NAME, INDEX_NAME, PICKLE_SUFFIXES, SINGLE_FILE_NAME
 
 if TYPE_CHECKING:
-    from .plan import Plan
-    from .source import Checkpoint
+    from ..plan.planner import Plan
+    from .checkpoint import Checkpoint
 
 TOOL_NAME = "qwen35-reshard"
 
@@ -290,7 +290,7 @@ def _transport_cause(e: BaseException) -> str | None:
 def read_hub_checkpoint(repo: HubRepo, *, traffic: Traffic | None = None) -> Checkpoint:
     """The checkpoint at ``repo`` as plain data: config and index through huggingface_hub,
     each shard's header by ranged reads (or from the kept headers / the cache)."""
-    from .source import assemble_checkpoint, load_config
+    from .checkpoint import assemble_checkpoint, load_config
 
     traffic = traffic if traffic is not None else Traffic()
     listing = _listing(repo)
@@ -675,15 +675,15 @@ def open_model(
     """MODEL as the user wrote it: a local checkpoint directory, a cache repo folder
     (``models--org--name``, resolved through ``refs/``) or a Hub repo id. Returns the checkpoint
     and, for a repo id, the pinned repo (None for local sources)."""
-    from .source import read_checkpoint
+    from .checkpoint import read_checkpoint
 
     path = Path(model)
     if path.is_dir():
         snapshot = cache_repo_snapshot(path, settings.revision)
         if snapshot is None and settings.revision is not None:
             raise ReshardError(
-                f"{model}: a revision applies to a Hub repo id or a cache repo folder (models--org--name), "
-                "not to a plain directory"
+                f"{model}: {param('revision')} applies to a Hub repo id or a cache repo folder "
+                "(models--org--name), not to a plain directory"
             )
         return read_checkpoint(snapshot or path), None
     if is_repo_id(model):
@@ -691,5 +691,5 @@ def open_model(
         return read_hub_checkpoint(repo, traffic=traffic), repo
     raise ReshardError(
         f"{model}: not a directory, and not a Hugging Face Hub repo id (org/name); pass the checkpoint's "
-        "directory or its repo id as MODEL"
+        f"directory or its repo id as {param('model')}"
     )

@@ -30,12 +30,9 @@ from functools import cached_property
 from itertools import groupby
 from typing import NamedTuple
 
-from . import names, schema
-from .errors import ReshardError
-from .header import DTYPE_SIZES, encode_header
-from .layouts import ALIGNED, CLONE, GATHERED, SHARE_ALIGN
-from .source import Checkpoint, SourceTensor
-from .split import (
+from ..errors import ReshardError, param
+from ..model import names, schema
+from ..model.runtimes import (
     check_partition,
     check_pp,
     check_runtime,
@@ -44,6 +41,9 @@ from .split import (
     layer_ranges,
     placement_rules,
 )
+from ..ondisk import ALIGNED, CLONE, GATHERED, SHARE_ALIGN
+from ..source.checkpoint import Checkpoint, SourceTensor
+from ..source.header import DTYPE_SIZES, encode_header
 
 DEFAULT_MAX_FILE_BYTES = 5 * 1024**3
 # The Hub reads remote headers only up to 25 MB; stay well below with room for long names.
@@ -206,7 +206,9 @@ def make_plan(
     ranks = sorted(set(ranks)) if ranks is not None else list(range(pp))
     for r in ranks:
         if not 0 <= r < pp:
-            raise ReshardError(f"--rank {r} is out of range for --pp {pp} (0..{pp - 1})")
+            raise ReshardError(
+                f"{param('ranks', r)} is out of range for {param('pp', pp)} (0..{pp - 1})"
+            )
 
     # This loop and the layout run once per tensor (~190,000 for a 397B FP8 checkpoint):
     # roles are checked in bulk, and each tensor goes straight to its stages' lists.

@@ -28,9 +28,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import cache
 
-from .errors import ReshardError
-
-CONFIG_NAME = "config.json"
+from ..errors import ReshardError
+from ..ondisk import CONFIG_NAME
 
 # --------------------------------------------------------------------------- shapes as data
 #

@@ -26,32 +26,19 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import ReshardError
-from .manifest import RUN_MANIFEST, STAGE_MANIFEST
-from .source import INDEX_NAME
-from .split import launch_env
-from .stage import REBUILD, Problem, StageTensor, read_run_record, read_stage, stage_dir_rank
-
-# safetensors dtype name -> torch dtype attribute. Resolved lazily so torch is not imported.
-TORCH_DTYPES: dict[str, str] = {
-    "BOOL": "bool",
-    "U8": "uint8",
-    "I8": "int8",
-    "I16": "int16",
-    "U16": "uint16",
-    "I32": "int32",
-    "U32": "uint32",
-    "I64": "int64",
-    "U64": "uint64",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "F32": "float32",
-    "F64": "float64",
-    "C64": "complex64",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2",
-    "F8_E8M0": "float8_e8m0fnu",
-}
+from ..errors import ReshardError
+from ..model.runtimes import launch_env
+from ..ondisk import (
+    INDEX_NAME,
+    RUN_MANIFEST,
+    STAGE_MANIFEST,
+    StageManifest,
+    StageTensor,
+    stage_dir_rank,
+    stage_dirname,
+)
+from ..source.header import DTYPES
+from ..stage import REBUILD, Finding, read_run_record, read_stage
 
 # Device types safe_open(device=...) places tensors on by itself.
 SAFETENSORS_DEVICES = ("cpu", "cuda", "mps", "npu", "xpu", "hpu", "mlu", "musa")
@@ -63,21 +50,51 @@ class StageError(ReshardError):
 
 @dataclass
 class Stage:
-    """A validated stage directory. Attributes are plain data; nothing is read until iterated."""
+    """A validated stage directory: its recorded facts (``manifest``) and where it is. Nothing
+    is read until iterated."""
 
     path: Path
     display: str  # the path as the caller spelled it, for messages
-    rank: int
-    pp: int
-    runtime: str
-    partition: tuple[int, ...]
-    start_layer: int
-    end_layer: int  # exclusive
-    mtp: str
-    manifest: dict = field(repr=False)
-    tensors: dict[str, StageTensor] = field(repr=False)  # in load order: file, then offset
-    files: tuple[str, ...] = ()  # data files in load order
-    _file_sizes: dict[str, int] = field(default_factory=dict, repr=False)
+    manifest: StageManifest = field(repr=False)  # tensors in load order: file, then offset
+
+    @property
+    def rank(self) -> int:
+        return self.manifest.rank
+
+    @property
+    def pp(self) -> int:
+        return self.manifest.pp
+
+    @property
+    def runtime(self) -> str:
+        return self.manifest.runtime
+
+    @property
+    def partition(self) -> tuple[int, ...]:
+        return self.manifest.partition
+
+    @property
+    def start_layer(self) -> int:
+        return self.manifest.start_layer
+
+    @property
+    def end_layer(self) -> int:
+        """The first layer after this stage's (exclusive end)."""
+        return self.manifest.end_layer
+
+    @property
+    def mtp(self) -> str | None:
+        return self.manifest.mtp
+
+    @property
+    def tensors(self) -> dict[str, StageTensor]:
+        """This stage's tensors by name, in load order: file, then offset."""
+        return self.manifest.tensors
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        """The stage's data files, in load order."""
+        return tuple(sorted(self.manifest.files))
 
     @property
     def names(self) -> list[str]:
@@ -165,7 +182,7 @@ class Stage:
         dtypes = {}
         for t in self.tensors.values():
             if t.dtype not in dtypes:
-                dt = getattr(torch, TORCH_DTYPES.get(t.dtype, ""), None)
+                dt = getattr(torch, DTYPES[t.dtype][1], None)
                 if dt is None:
                     raise StageError(
                         f"{self.display}: tensor {t.name!r} is {t.dtype}, which this torch "
@@ -185,14 +202,14 @@ class Stage:
             try:
                 # The file must still be the one validated at open time.
                 size = os.stat(path).st_size
-                if size != self._file_sizes[file]:
+                if size != self.manifest.files[file]:
                     raise StageError(
-                        f"{where}: is {size} bytes, not the {self._file_sizes[file]} bytes it had "
+                        f"{where}: is {size} bytes, not the {self.manifest.files[file]} bytes it had "
                         f"when the stage was opened; the stage changed while loading: {REBUILD}"
                     )
                 handle = safe_open(path, framework="pt", device=read_on)
             except (OSError, SafetensorError) as e:
-                raise StageError(f"{where}: cannot open ({e}); {REBUILD}") from None
+                raise StageError(f"{where}: cannot open ({e}); {REBUILD}") from e
             with handle as f, _Readahead(path) as readahead:
                 for t in by_file[file]:
                     readahead.through(t.offset + t.nbytes)
@@ -256,8 +273,8 @@ def _no_stage_dir(root: Path, given: str, pp_rank: int) -> str:
     if not root.is_dir():
         return f"{given} is not a directory; pass the run directory OUT or a stage directory OUT/pp<rank>"
     run = read_run_record(root, given)
-    pp = run[1].get("pp") if isinstance(run, tuple) else None
-    if isinstance(pp, int) and pp_rank >= pp:
+    pp = run[1].pp if isinstance(run, tuple) else None
+    if pp is not None and pp_rank >= pp:
         return (
             f"pp_rank {pp_rank} is outside the split in {given}: it has {pp} stages (pp0..pp{pp - 1}); "
             f"the server's pipeline size must be {pp}, or split again with --pp {pp_rank + 1} or more"
@@ -280,9 +297,9 @@ def open_stage(path: str | os.PathLike[str], pp_rank: int | None = None) -> Stag
     if pp_rank is not None:
         if isinstance(pp_rank, bool) or not isinstance(pp_rank, int) or pp_rank < 0:
             raise StageError(f"pp_rank must be a non-negative integer, got {pp_rank!r}")
-        sub = root / f"pp{pp_rank}"
+        sub = root / stage_dirname(pp_rank)
         if sub.is_dir():
-            root, display = sub, os.path.join(given, f"pp{pp_rank}")
+            root, display = sub, os.path.join(given, stage_dirname(pp_rank))
         elif (root / STAGE_MANIFEST).exists():
             display = given  # a stage directory passed together with its rank
         else:
@@ -304,7 +321,7 @@ def open_stage(path: str | os.PathLike[str], pp_rank: int | None = None) -> Stag
                 )
 
     run = read_run_record(root.parent, str(root.parent)) if stage_dir_rank(root) is not None else None
-    if isinstance(run, Problem):
+    if isinstance(run, Finding):
         raise StageError(run.message)
     found = read_stage(root, display, run)
     m = found.manifest
@@ -315,18 +332,4 @@ def open_stage(path: str | os.PathLike[str], pp_rank: int | None = None) -> Stag
         )
     if found.problems:
         raise StageError(found.problems[0].message)
-    return Stage(
-        path=root,
-        display=display,
-        rank=m.rank,
-        pp=m.pp,
-        runtime=m.runtime,
-        partition=m.partition,
-        start_layer=m.start_layer,
-        end_layer=m.end_layer,
-        mtp=m.mtp,
-        manifest=m.raw,
-        tensors=m.tensors,
-        files=tuple(sorted(m.files)),
-        _file_sizes=dict(m.files),
-    )
+    return Stage(path=root, display=display, manifest=m)

@@ -24,13 +24,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
-from . import names, schema
+from ..errors import ReshardError
+from ..model import names, schema
+from ..model.runtimes import check_pp, check_runtime, default_partition, layer_ranges, placement_rules
+from ..model.schema import text_config
+from ..source.checkpoint import Checkpoint
 from .capacity import Capacity, Serving, serving_costs
-from .errors import ReshardError
-from .plan import MTP_ABSENT, MTP_DROPPED, MTP_KEPT
-from .schema import text_config
-from .source import Checkpoint
-from .split import check_pp, check_runtime, default_partition, layer_ranges, placement_rules
+from .planner import MTP_ABSENT, MTP_DROPPED, MTP_KEPT
 
 # The non-layer parts a stage may hold, in display order.
 PARTS = (names.EMBED, names.LM_HEAD, names.NORM, names.MTP, names.VISUAL)

@@ -27,19 +27,34 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import manifest
-from . import reflink as reflinks
-from .copy import RangeSource, Segment, copy_segments
-from .errors import ReshardError, SharingRefusedError
-from .layouts import ALIGNED, CLONE
-from .plan import OutputFile, Plan, StagePlan
-from .source import CONFIG_NAME, INDEX_NAME
+from .. import reflink as reflinks
+from ..errors import ReshardError, param
+from ..ondisk import (
+    ALIGNED,
+    CLONE,
+    CONFIG_NAME,
+    INDEX_NAME,
+    JOURNAL,
+    PARTIAL_SUFFIX,
+    RUN_MANIFEST,
+    RUN_MARKER,
+    STAGE_DIR,
+    STAGE_MANIFEST,
+    RunIdentity,
+    describe_differences,
+    dumps,
+    read_run_identity,
+    run_manifest,
+    stage_index,
+    stage_is_complete,
+    stage_manifest,
+)
+from ..plan.planner import OutputFile, Plan, StagePlan
+from ..transfer import RangeSource, Segment, copy_segments
+from ..units import format_bytes
 
 REFLINK_MODES = ("auto", "always", "never")
 
-RUN_MARKER = ".reshard-run.json"  # identity of a run in progress; removed on success
-JOURNAL = ".reshard-journal.jsonl"  # finished data files of an unfinished stage, with digests
-PARTIAL_SUFFIX = ".partial"
 
 
 class Reporter:
@@ -102,20 +117,20 @@ def write_plan(
         raise ReshardError(f"reflink must be one of {', '.join(REFLINK_MODES)}, not {reflink!r}")
     reporter = reporter or Reporter()
     out = Path(out_dir)
-    identity = manifest.run_identity(plan)
+    identity = RunIdentity.of_plan(plan)
     try:
         created = _prepare_out(plan, out, identity, overwrite=overwrite)
     except OSError as e:  # OUT cannot be created or read: nothing was written
-        raise _write_error(e, out, 0) from None
+        raise _write_error(e, out, 0) from e
 
     result = WriteResult()
     todo = []
     for stage in plan.selected:
-        if manifest.stage_is_complete(out / stage.dirname, identity):
+        if stage_is_complete(out / stage.dirname, identity):
             result.already_complete.append(stage.rank)
         else:
             todo.append(stage)
-    if not todo and (out / manifest.RUN_MANIFEST).exists():
+    if not todo and (out / RUN_MANIFEST).exists():
         _remove(out / RUN_MARKER)  # left if a run was killed between its last two steps
         return result
 
@@ -125,8 +140,8 @@ def write_plan(
     # read-only or full OUT, no permission) leaves OUT as it found it.
     created += [out / name for name in (RUN_MARKER, *(s.dirname for s in todo)) if not (out / name).exists()]
     try:
-        _write_atomic(out / RUN_MARKER, manifest.dumps({"identity": identity}))
-        _remove(out / manifest.RUN_MANIFEST)
+        _write_atomic(out / RUN_MARKER, dumps({"identity": identity.to_json()}))
+        _remove(out / RUN_MANIFEST)
         to_write: list[tuple[StagePlan, OutputFile]] = []
         for stage in todo:
             kept, digests[stage.rank] = _resume_stage(plan, out / stage.dirname, stage, open_source)
@@ -155,13 +170,13 @@ def write_plan(
         complete = [
             s.rank
             for s in plan.stages
-            if s.rank in known or manifest.stage_is_complete(out / s.dirname, identity)
+            if s.rank in known or stage_is_complete(out / s.dirname, identity)
         ]
-        _write_atomic(out / manifest.RUN_MANIFEST, manifest.dumps(manifest.run_manifest(plan, complete)))
+        _write_atomic(out / RUN_MANIFEST, dumps(run_manifest(plan, complete)))
         _remove(out / RUN_MARKER)
         _fsync_dir(out)
     except OSError as e:  # a full disk, a file-size limit, ... while writing anything
-        raise _write_error(e, out, needed) from None
+        raise _write_error(e, out, needed) from e
     finally:
         # Whatever stopped the run (Ctrl-C, SIGTERM, a full disk), leave no temporary file.
         _remove_partials(out, todo)
@@ -215,17 +230,17 @@ def repair_files(
                     if f.name not in rewritten:
                         digests[stage.rank].update(_file_digests(stage_dir / f.name, f))
                 _finish_stage(plan, stage_dir, stage, digests[stage.rank])
-                meta = (*plan.checkpoint.extra_files, manifest.STAGE_MANIFEST, INDEX_NAME)
+                meta = (*plan.checkpoint.extra_files, STAGE_MANIFEST, INDEX_NAME)
                 done += [f"{stage.dirname}/{n}" for n in meta]
             else:
                 _remove(stage_dir / JOURNAL)  # a finished stage holds none
         if run_manifest:
-            complete = [s.rank for s in plan.stages if manifest.stage_is_complete(out / s.dirname)]
-            _write_atomic(out / manifest.RUN_MANIFEST, manifest.dumps(manifest.run_manifest(plan, complete)))
-            done.append(manifest.RUN_MANIFEST)
+            complete = [s.rank for s in plan.stages if stage_is_complete(out / s.dirname)]
+            _write_atomic(out / RUN_MANIFEST, dumps(run_manifest(plan, complete)))
+            done.append(RUN_MANIFEST)
         _fsync_dir(out)
     except OSError as e:
-        raise _write_error(e, out, 0) from None
+        raise _write_error(e, out, 0) from e
     finally:
         _remove_partials(out, stages)
     return done
@@ -242,7 +257,8 @@ def check_out_dir(model_dir: Path, out_dir: Path) -> None:
     model, out = model_dir.resolve(), out_dir.resolve()
     if out == model or out.is_relative_to(model):
         raise ReshardError(
-            f"OUT {out_dir} is inside MODEL {model_dir}; choose an output directory outside the checkpoint"
+            f"{param('out_dir')} {out_dir} is inside {param('model_dir')} {model_dir}; choose an output "
+            "directory outside the checkpoint"
         )
 
 
@@ -254,56 +270,62 @@ def _can_share(plan: Plan, out: Path, to_write: list[tuple[StagePlan, OutputFile
     src = plan.checkpoint.path(shareable[0] if shareable else plan.checkpoint.files[0])
     ok = reflinks.probe(src, out)
     if not ok and reflink == "always":
-        raise SharingRefusedError(str(out), str(src))
+        raise ReshardError(
+            f"{param('out_dir')} {out} cannot share blocks with {src} (another filesystem, or one "
+            f"without reflinks such as ext4 or tmpfs) and {param('reflink', 'always')} forbids "
+            f"copying; use {param('reflink', 'auto')} to copy where sharing is impossible, or an "
+            "output directory on the checkpoint's XFS/Btrfs filesystem"
+        )
     return ok and bool(shareable)
 
 
-def _prepare_out(plan: Plan, out: Path, identity: dict, *, overwrite: bool) -> list[Path]:
+def _prepare_out(plan: Plan, out: Path, identity: RunIdentity, *, overwrite: bool) -> list[Path]:
     """Create OUT if needed and check that this run may write into it.
 
     Returns the directories created (OUT and any missing parents, outermost first).
     """
     check_out_dir(plan.checkpoint.root, out)
     if out.exists() and not out.is_dir():
-        raise ReshardError(f"OUT {out} exists and is not a directory")
+        raise ReshardError(f"{param('out_dir')} {out} exists and is not a directory")
     created = _make_dirs(out)
     # A run killed while writing its marker or run manifest leaves only their temporary files:
     # ours, never worth keeping, and they must not make OUT look foreign to the next run.
-    for name in (RUN_MARKER, manifest.RUN_MANIFEST):
+    for name in (RUN_MARKER, RUN_MANIFEST):
         _remove(out / f".{name}{PARTIAL_SUFFIX}")
     entries = sorted(out.iterdir())
     if not entries:
         return created
-    marker = manifest.read_json(out / RUN_MARKER) or manifest.read_json(out / manifest.RUN_MANIFEST)
-    if marker is not None and marker.get("identity") == identity:
+    recorded = read_run_identity(out / RUN_MARKER) or read_run_identity(out / RUN_MANIFEST)
+    if recorded == identity:
         return created
-    what = "a split made with other settings" if marker else "files not written by qwen35-reshard"
-    if not overwrite:
-        raise ReshardError(
-            f"OUT {out} is not empty and holds {what}; choose an empty directory or pass "
-            "--overwrite to replace it"
-        )
     foreign = [
         p.name
         for p in entries
-        if not manifest.STAGE_DIR.fullmatch(p.name)
-        and p.name not in (RUN_MARKER, manifest.RUN_MANIFEST, *plan.checkpoint.extra_files)
+        if not STAGE_DIR.fullmatch(p.name)
+        and p.name not in (RUN_MARKER, RUN_MANIFEST, *plan.checkpoint.extra_files)
     ]
-    if foreign:
+    if foreign or recorded is None:
+        name = foreign[0] if foreign else entries[0].name
         raise ReshardError(
-            f"OUT {out} holds {foreign[0]!r}, which qwen35-reshard did not write; refusing to "
-            "delete it even with --overwrite: choose another directory"
+            f"{param('out_dir')} {out} holds {name!r}, which qwen35-reshard did not write; it is "
+            "never deleted for you: choose an empty or new directory"
+        )
+    if not overwrite:
+        raise ReshardError(
+            f"{param('out_dir')} {out} holds a split made with other settings "
+            f"({describe_differences(recorded, identity)}); choose another directory, or pass "
+            f"{param('overwrite', True)} to replace that split"
         )
     # What makes a directory look complete goes first, so that a run killed while deleting
     # leaves no run manifest and no stage index beside half-deleted data.
-    _remove(out / manifest.RUN_MANIFEST)
+    _remove(out / RUN_MANIFEST)
     for p in entries:
-        if manifest.STAGE_DIR.fullmatch(p.name) and p.is_dir() and not p.is_symlink():
+        if STAGE_DIR.fullmatch(p.name) and p.is_dir() and not p.is_symlink():
             _remove(p / INDEX_NAME)
     for p in entries:
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p)
-        elif p.name != manifest.RUN_MANIFEST:
+        elif p.name != RUN_MANIFEST:
             p.unlink()
     return created
 
@@ -345,7 +367,7 @@ def _resume_stage(
     stage_dir.mkdir(exist_ok=True)
     # Index first: without it no server loads the directory. Without config.json neither
     # does one that globs *.safetensors, while files are being replaced.
-    for name in (INDEX_NAME, manifest.STAGE_MANIFEST, CONFIG_NAME):
+    for name in (INDEX_NAME, STAGE_MANIFEST, CONFIG_NAME):
         _remove(stage_dir / name)
     journal = _read_journal(stage_dir / JOURNAL)
     planned = {f.name: f for f in stage.files}
@@ -417,8 +439,8 @@ def _check_free_space(out: Path, needed: int) -> None:
     free = shutil.disk_usage(out).free
     if needed > free:
         raise ReshardError(
-            f"OUT {out} has {_gb(free)} free but this run writes {_gb(needed)}; free "
-            f"{_gb(needed - free)} or choose another OUT"
+            f"{param('out_dir')} {out} has {format_bytes(free)} free but this run writes "
+            f"{format_bytes(needed)}; free {format_bytes(needed - free)} or choose another directory"
         )
 
 
@@ -593,12 +615,12 @@ def _finish_files(files: list[_OpenFile], digests: dict[int, dict[str, str | Non
 def _finish_stage(plan: Plan, stage_dir: Path, stage: StagePlan, digests: dict[str, str | None]) -> None:
     """Copy the non-weight files, then write the manifest and, last, the index."""
     _copy_side_files(plan, stage_dir)
-    index_bytes = manifest.dumps(manifest.stage_index(stage))
-    stage_manifest = manifest.stage_manifest(plan, stage, digests, index_bytes)
+    index_bytes = dumps(stage_index(stage))
+    manifest = stage_manifest(plan, stage, digests, index_bytes)
     # The journal goes before the stage can look complete: a finished stage never holds one
     # (later runs skip finished stages, so one left behind would never be cleaned up).
     _remove(stage_dir / JOURNAL)
-    _write_atomic(stage_dir / manifest.STAGE_MANIFEST, manifest.dumps(stage_manifest))
+    _write_atomic(stage_dir / STAGE_MANIFEST, dumps(manifest))
     _write_atomic(stage_dir / INDEX_NAME, index_bytes)
     _fsync_dir(stage_dir)
 
@@ -652,11 +674,11 @@ def _write_error(e: OSError, out: Path, needed: int) -> ReshardError:
     """One line for a failed write: a full disk names OUT and the space the run needs."""
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         return ReshardError(
-            f"OUT {out}: no space left on device ({e.strerror}); this run writes {_gb(needed)}: free "
-            "space and run the same command again to resume"
+            f"{param('out_dir')} {out}: no space left on device ({e.strerror}); this run writes "
+            f"{format_bytes(needed)}: free space and run the same command again to resume"
         )
     return ReshardError(
-        f"{e.filename or out}: {e.strerror or e}; cannot write the split there: choose another OUT "
+        f"{e.filename or out}: {e.strerror or e}; cannot write the split there: choose another directory "
         "or fix its permissions"
     )
 
@@ -679,7 +701,3 @@ def _remove(path: Path) -> None:
     except FileNotFoundError:
         pass
 
-
-def _gb(n: int) -> str:
-    """Bytes for people; MB below a GB, so that a small run does not read "0.00 GB"."""
-    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.2f} MB"

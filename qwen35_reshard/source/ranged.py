@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from urllib.parse import urljoin, urlsplit
 
-from .errors import ReshardError
+from ..errors import ReshardError
 
 # Status codes worth another try (as huggingface_hub retries them), and CDN answers that mean
 # "this signed address has expired: ask the Hub for a fresh one".

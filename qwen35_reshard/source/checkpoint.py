@@ -16,15 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from . import schema
-from .errors import ReshardError
+from ..errors import ReshardError, param
+from ..model import schema
+from ..ondisk import CONFIG_NAME, INDEX_NAME, PICKLE_SUFFIXES, SINGLE_FILE_NAME
 from .header import Header, read_header
-
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_FILE_NAME = "model.safetensors"
-CONFIG_NAME = "config.json"
-# Weight formats that can only be read by unpickling: refused, never opened.
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
@@ -73,7 +68,9 @@ def read_checkpoint(model_dir: str | os.PathLike[str]) -> Checkpoint:
     """Read config, index and shard headers of the checkpoint in ``model_dir``."""
     root = Path(model_dir)
     if not root.is_dir():
-        raise ReshardError(f"{root}: not a directory; pass the checkpoint's directory as MODEL")
+        raise ReshardError(
+            f"{root}: not a directory; pass the checkpoint's directory as {param('model_dir')}"
+        )
     allowed = _allowed_roots(root)
     config_bytes = _read_file(root, CONFIG_NAME, allowed)
     config = load_config(config_bytes, str(root / CONFIG_NAME))
@@ -232,7 +229,7 @@ def _load_json(raw: bytes, where: str) -> dict:
     try:
         obj = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ReshardError(f"{where}: not valid JSON ({e})") from None
+        raise ReshardError(f"{where}: not valid JSON ({e})") from e
     if not isinstance(obj, dict):
         raise ReshardError(f"{where}: expected a JSON object")
     return obj
@@ -273,12 +270,14 @@ def _checked_path(root: Path, name: str, allowed: tuple[Path, ...], *, what: str
 
 def _read_file(root: Path, name: str, allowed: tuple[Path, ...]) -> bytes:
     if not (root / name).exists():
-        raise ReshardError(f"{root / name}: missing; MODEL must be a Hugging Face model directory")
+        raise ReshardError(
+            f"{root / name}: missing; {param('model_dir')} must be a Hugging Face model directory"
+        )
     path = _checked_path(root, name, allowed, what="")
     try:
         return path.read_bytes()
     except OSError as e:
-        raise ReshardError(f"{path}: cannot read ({e.strerror})") from None
+        raise ReshardError(f"{path}: cannot read ({e.strerror})") from e
 
 
 def _extra_files(root: Path, allowed: tuple[Path, ...], *, skip: set[str]) -> tuple[str, ...]:

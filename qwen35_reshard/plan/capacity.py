@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import ReshardError
+from ..errors import ReshardError
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _CACHE_BYTES = 2  # BF16 KV cache and conv state
