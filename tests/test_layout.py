@@ -16,7 +16,8 @@ FRONT = ("qwen35_reshard.cli", "qwen35_reshard.pipeline")
 
 
 def loaded_after(statement: str) -> set[str]:
-    code = f"import sys; {statement}; print('\\n'.join(m for m in sys.modules if m.startswith('qwen35_reshard')))"
+    show = "print('\\n'.join(m for m in sys.modules if m.startswith('qwen35_reshard')))"
+    code = f"import sys; {statement}; {show}"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return set(run.stdout.split())
 
