@@ -43,6 +43,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from qwen35_reshard import loader, make_plan, read_checkpoint, write_plan  # noqa: E402
+from qwen35_reshard.source.header import DTYPES  # noqa: E402
 
 BUILDER = REPO / "examples" / "tiny_checkpoint.py"
 
@@ -105,7 +106,7 @@ def main() -> int:
         files = [stage.path / f for f in stage.files]
         nbytes = stage.nbytes
         dst = {
-            name: torch.empty(t.shape, dtype=getattr(torch, loader.TORCH_DTYPES[t.dtype]))
+            name: torch.empty(t.shape, dtype=getattr(torch, DTYPES[t.dtype][1]))
             for name, t in stage.tensors.items()
         }
         for t in dst.values():

@@ -19,7 +19,7 @@ from safetensors import safe_open
 import qwen35_reshard
 from qwen35_reshard import loader
 from qwen35_reshard.errors import ReshardError
-from qwen35_reshard.source.header import encode_header, read_header
+from qwen35_reshard.source.header import DTYPE_SIZES, DTYPES, encode_header, read_header
 from qwen35_reshard.write import writer as write
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,14 +88,13 @@ def test_iter_weights_yields_exactly_the_stage_tensors_with_the_source_bytes(out
         got = []
         for name, tensor in stage.iter_weights(verify=True):
             got.append(name)
-            info = stage.manifest["tensors"][name]
-            assert list(tensor.shape) == info["shape"]
+            assert tuple(tensor.shape) == stage.tensors[name].shape
             assert tensor.device.type == "cpu"
             with safe_open(source / src_index[name], "pt") as f:
                 want = f.get_tensor(name)
             assert tensor.dtype == want.dtype
             assert raw_bytes(tensor) == raw_bytes(want), name
-            assert hashlib.sha256(raw_bytes(tensor)).hexdigest() == info["sha256"]
+            assert hashlib.sha256(raw_bytes(tensor)).hexdigest() == stage.tensors[name].sha256
         assert got == expected == stage.names
     dtypes = {t.dtype for t in loader.open_stage(out, pp_rank=2).tensors.values()}
     assert {"F32", "BF16", "F8_E4M3"} <= dtypes
@@ -112,7 +111,7 @@ def test_every_safetensors_dtype_loads_bit_exactly(make_checkpoint, tmp_path):
     }
     entries, blobs = [], []
     for dtype, shape in specs.items():
-        size = qwen35_reshard.header.DTYPE_SIZES[dtype]
+        size = DTYPE_SIZES[dtype]
         n = size * int(torch.tensor(shape).prod().item() if shape else 1)
         data = torch.randint(0, 2 if dtype == "BOOL" else 256, (n,), generator=gen, dtype=torch.uint8)
         if dtype.startswith("F") or dtype == "C64":  # keep float payloads finite: clear the top exponent bit
@@ -137,7 +136,7 @@ def test_every_safetensors_dtype_loads_bit_exactly(make_checkpoint, tmp_path):
     assert set(seen) == set(want)
     for (name, dtype, shape, _), blob in zip(entries, blobs, strict=True):
         t = seen[name]
-        assert tuple(t.shape) == shape and t.dtype == getattr(torch, loader.TORCH_DTYPES[dtype]), name
+        assert tuple(t.shape) == shape and t.dtype == getattr(torch, DTYPES[dtype][1]), name
         assert raw_bytes(t) == blob, name
         with safe_open(src / "model-extra.safetensors", "pt") as f:
             assert raw_bytes(f.get_tensor(name)) == blob
@@ -180,7 +179,7 @@ def test_reads_lazily_one_tensor_at_a_time_and_only_this_stage_files(out, monkey
 def test_device_argument(out):
     stage = loader.open_stage(out, pp_rank=0)
     name, tensor = next(stage.iter_weights(device="meta"))
-    assert tensor.device.type == "meta" and list(tensor.shape) == stage.manifest["tensors"][name]["shape"]
+    assert tensor.device.type == "meta" and tuple(tensor.shape) == stage.tensors[name].shape
 
 
 def run_without(modules: list[str], code: str) -> str:
@@ -211,7 +210,7 @@ def test_package_imports_and_validates_without_torch(out):
 def test_vllm_plugin_imports_without_vllm():
     """The load format's module is importable without vllm; only registering needs it."""
     code = (
-        "from qwen35_reshard import vllm_plugin\n"
+        "from qwen35_reshard.loader import vllm as vllm_plugin\n"
         "print(vllm_plugin.LOAD_FORMAT)\n"
         "try:\n"
         "    vllm_plugin.register()\n"
@@ -368,7 +367,8 @@ def test_refuses_a_stage_of_another_split(source, out, tmp_path):
     with pytest.raises(loader.StageError) as e:
         loader.open_stage(out, pp_rank=1)
     msg = one_line(e)
-    assert "another split" in msg and "pp=2" in msg and "pp=3" in msg
+    # the settings that differ, the run's value first, then the stage's
+    assert "another split" in msg and "pp 3 -> 2" in msg and "partition [2, 3, 3] -> [4, 4]" in msg
     loader.open_stage(tmp_path / "other" / "pp1")  # fine where it belongs
 
 
