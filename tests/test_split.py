@@ -64,7 +64,7 @@ def test_pp_equal_to_layers_gives_one_layer_each():
 
 @pytest.mark.parametrize("pp", [0, -1, 9, 100])
 def test_bad_pp_is_refused(pp):
-    with pytest.raises(ReshardError, match="--pp"):
+    with pytest.raises(ReshardError, match=r"\bpp\b"):
         check_pp(8, pp)
     with pytest.raises(ReshardError):
         default_partition(8, pp, "sglang")

@@ -27,6 +27,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import ondisk
 from .. import reflink as reflinks
 from ..errors import ReshardError, param
 from ..ondisk import (
@@ -44,7 +45,6 @@ from ..ondisk import (
     describe_differences,
     dumps,
     read_run_identity,
-    run_manifest,
     stage_index,
     stage_is_complete,
     stage_manifest,
@@ -172,7 +172,7 @@ def write_plan(
             for s in plan.stages
             if s.rank in known or stage_is_complete(out / s.dirname, identity)
         ]
-        _write_atomic(out / RUN_MANIFEST, dumps(run_manifest(plan, complete)))
+        _write_atomic(out / RUN_MANIFEST, dumps(ondisk.run_manifest(plan, complete)))
         _remove(out / RUN_MARKER)
         _fsync_dir(out)
     except OSError as e:  # a full disk, a file-size limit, ... while writing anything
@@ -236,7 +236,7 @@ def repair_files(
                 _remove(stage_dir / JOURNAL)  # a finished stage holds none
         if run_manifest:
             complete = [s.rank for s in plan.stages if stage_is_complete(out / s.dirname)]
-            _write_atomic(out / RUN_MANIFEST, dumps(run_manifest(plan, complete)))
+            _write_atomic(out / RUN_MANIFEST, dumps(ondisk.run_manifest(plan, complete)))
             done.append(RUN_MANIFEST)
         _fsync_dir(out)
     except OSError as e:
