@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 from qwen35_reshard import ReshardError, make_plan, read_checkpoint
-from qwen35_reshard.balance import Costs, balance, choose, evaluate, servable
+from qwen35_reshard.balance import Costs, balance, choose, evaluate
 from qwen35_reshard.capacity import Capacity, Serving, linear_state_bytes, serving_costs
+from qwen35_reshard.split import servable
 
 GB = 1e9
 RUNTIMES = ("sglang", "vllm")
