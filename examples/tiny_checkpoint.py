@@ -89,7 +89,15 @@ def nbytes(tensor: TensorSpec) -> int:
 
 
 def _text_config(
-    *, layers: int, experts: int, hidden: int, moe_intermediate: int, vocab: int, mtp: bool, tied: bool
+    *,
+    layers: int,
+    experts: int,
+    hidden: int,
+    moe_intermediate: int,
+    vocab: int,
+    mtp: bool,
+    tied: bool,
+    full_attention_interval: int,
 ) -> dict[str, Any]:
     """text_config with attention sizes derived from `hidden`.
 
@@ -108,12 +116,12 @@ def _text_config(
         "attention_dropout": 0.0,
         "dtype": "bfloat16",
         "eos_token_id": _special_tokens(vocab)["<|im_end|>"],
-        "full_attention_interval": 4,
+        "full_attention_interval": full_attention_interval,
         "head_dim": head_dim,
         "hidden_act": "silu",
         "hidden_size": hidden,
         "initializer_range": 0.02,
-        "layer_types": [_layer_type(i) for i in range(layers)],
+        "layer_types": [_layer_type(i, full_attention_interval) for i in range(layers)],
         "linear_conv_kernel_dim": 4,
         "linear_key_head_dim": linear_head_dim,
         "linear_num_key_heads": key_heads,
@@ -145,9 +153,10 @@ def _text_config(
     }
 
 
-def _layer_type(index: int) -> str:
-    """Every fourth layer (3, 7, 11, ...) is full attention, the rest Gated DeltaNet."""
-    return "full_attention" if (index + 1) % 4 == 0 else "linear_attention"
+def _layer_type(index: int, interval: int) -> str:
+    """Every interval-th layer (3, 7, 11, ... for the releases' 4) is full attention, the rest
+    Gated DeltaNet."""
+    return "full_attention" if (index + 1) % interval == 0 else "linear_attention"
 
 
 def _special_tokens(vocab: int) -> dict[str, int]:
@@ -377,6 +386,7 @@ def describe_model(
     dtype_scale: int = 1,
     vision_dims: Mapping[str, int] | None = None,
     text_overrides: Mapping[str, Any] | None = None,
+    full_attention_interval: int = 4,
 ) -> tuple[dict[str, Any], list[TensorSpec]]:
     """config.json content and every tensor in state-dict order, without writing anything.
 
@@ -388,7 +398,8 @@ def describe_model(
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if min(layers, experts, hidden, moe_intermediate, vocab, dtype_scale) < 1 or hidden % 4 or vocab < 8:
+    sizes = (layers, experts, hidden, moe_intermediate, vocab, dtype_scale, full_attention_interval)
+    if min(sizes) < 1 or hidden % 4 or vocab < 8:
         raise ValueError("sizes must be positive, hidden a multiple of 4 and vocab at least 8")
     text = _text_config(
         layers=layers,
@@ -398,6 +409,7 @@ def describe_model(
         vocab=vocab * dtype_scale,
         mtp=mtp,
         tied=tied,
+        full_attention_interval=full_attention_interval,
     )
     text.update(text_overrides or {})
     vision_cfg = None if text_only or not vision else _vision_config(vision_dims or {}, hidden)
@@ -646,6 +658,7 @@ def build_checkpoint(
     sparse: bool = False,
     seed: int = 0,
     vision_dims: Mapping[str, int] | None = None,
+    full_attention_interval: int = 4,
 ) -> Path:
     """Write a synthetic Qwen3.5 MoE checkpoint and return the model directory.
 
@@ -666,6 +679,9 @@ def build_checkpoint(
     sparse: headers only; the data region is a hole (file extended with truncate).
     seed: data bytes derive from (seed, tensor name); same arguments, same bytes.
     vision_dims: overrides of TINY_VISION sizes (e.g. REAL_VISION, or {"depth": 27}).
+    full_attention_interval: every this many layers one is full attention, the rest linear
+        attention (4 in the releases; 1 makes every layer full attention, so that vLLM, which
+        needs one in every pipeline stage, can serve any split).
     """
     config, tensors = describe_model(
         layers=layers,
@@ -680,6 +696,7 @@ def build_checkpoint(
         text_only=text_only,
         dtype_scale=dtype_scale,
         vision_dims=vision_dims,
+        full_attention_interval=full_attention_interval,
     )
     if shard_bytes < 1:
         raise ValueError("shard_bytes must be positive")
@@ -776,6 +793,7 @@ _INT_OPTIONS = (
     "shard_bytes",
     "dtype_scale",
     "seed",
+    "full_attention_interval",
 )
 _FLAG_OPTIONS = ("mtp", "vision", "tied", "text_only", "single_file", "hf_cache", "sparse")
 

@@ -140,6 +140,14 @@ class Ref:
         return f"{Ref.ENV[runtime]}={','.join(map(str, partition))}"
 
     @staticmethod
+    def servable_attention(runtime: str, pp: int) -> dict:
+        """``build_checkpoint`` kwargs with which ``runtime`` can serve the default 8-layer
+        checkpoint's default split over ``pp`` stages. vLLM needs a full-attention layer in every
+        stage (vllm-cpu-notes.md); the checkpoint has them at layers 3 and 7 only, so its vLLM
+        splits of more than 2 stages are made of a twin whose every layer is full attention."""
+        return {"full_attention_interval": 1} if runtime == "vllm" and pp > 2 else {}
+
+    @staticmethod
     def owners(name: str, *, partition: list[int], runtime: str, tied: bool, mtp_kept: bool) -> set[int]:
         """Stages that must hold ``name`` (facts doc §3 placement table)."""
         pp = len(partition)

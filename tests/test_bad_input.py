@@ -333,6 +333,28 @@ def test_bad_partition(capsys, make_checkpoint, out, partition):
     assert_clean_failure(code, stdout, stderr, out, "--partition", partition)
 
 
+@pytest.mark.parametrize("command", [[], ["--dry-run"], ["plan"]], ids=["split", "dry_run", "plan"])
+@pytest.mark.parametrize("existing", [False, True], ids=["absent", "empty"])
+def test_vllm_split_with_a_stage_without_full_attention(capsys, make_checkpoint, out, command, existing):
+    # The tiny checkpoint's full attention is at layers 3 and 7; vLLM needs it in every stage.
+    model = make_checkpoint()
+    if existing:
+        out.mkdir()
+    target = [] if command == ["plan"] else [out]
+    cases = [
+        (["--pp", "3"], ["runtime vllm", "partition 3,3,2", "stage 0 (layers 0-2)", "at most pp 2"]),
+        (["--pp", "2", "--partition", "1,7"], ["runtime vllm", "partition 1,7", "stage 0 (layer 0)"]),
+    ]
+    for args, needles in cases:
+        code, stdout, stderr = run_cli(capsys, *command, *args, "--runtime", "vllm", model, *target)
+        needles += ["only linear-attention layers", "vLLM 0.32.0", "Workers disagree on supported KV"]
+        assert_clean_failure(code, stdout, stderr, out, *needles)
+        assert out.exists() == existing and (not existing or os.listdir(out) == [])
+    # The same splits for SGLang are planned.
+    code, _, stderr = run_cli(capsys, "plan", "--pp", "2", "--partition", "1,7", model)
+    assert code == 0, stderr
+
+
 def test_bad_rank(capsys, make_checkpoint, out):
     model = make_checkpoint()
     assert_clean_failure(*run_cli(capsys, "--pp", "2", "--rank", "2", model, out), out, "--rank 2")

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from qwen35_reshard import ReshardError, make_plan, read_checkpoint
-from qwen35_reshard.plan.balance import Costs, balance, choose, evaluate, servable
+from qwen35_reshard.model.runtimes import servable
+from qwen35_reshard.plan.balance import Costs, balance, choose, evaluate
 from qwen35_reshard.plan.capacity import Capacity, Serving, linear_state_bytes, serving_costs
 
 GB = 1e9

@@ -102,7 +102,10 @@ def test_iter_weights_yields_exactly_the_stage_tensors_with_the_source_bytes(out
 
 def test_every_safetensors_dtype_loads_bit_exactly(make_checkpoint, tmp_path):
     """A hand-made source with every dtype, a scalar and an empty tensor, split and read back."""
-    src = make_checkpoint(fresh=True, layers=2, mtp=False, vision=False, shard_bytes=10**9)
+    # Both layers full attention: vLLM needs one in each of the 2 stages.
+    src = make_checkpoint(
+        fresh=True, layers=2, mtp=False, vision=False, shard_bytes=10**9, full_attention_interval=1
+    )
     gen = torch.Generator().manual_seed(0)
     specs = {
         "F64": [3, 2], "F32": [], "F16": [5], "BF16": [0, 4], "I64": [2, 2], "I32": [3], "I16": [4],
@@ -249,7 +252,8 @@ def test_check_mismatch_shows_both_views_and_the_launch_variable(out):
     assert "--runtime vllm" in one_line(e)
 
 
-def test_check_names_vllms_variable_for_a_vllm_split(source, tmp_path):
+def test_check_names_vllms_variable_for_a_vllm_split(ref, make_checkpoint, tmp_path):
+    source = make_checkpoint(layout="per_expert_fp8", **ref.servable_attention("vllm", 3))
     qwen35_reshard.reshard(source, tmp_path / "v", pp=3, runtime="vllm")
     stage = loader.open_stage(tmp_path / "v", pp_rank=0)
     assert stage.partition == (3, 3, 2)

@@ -56,6 +56,8 @@ def tiny_config() -> Qwen3_5MoeConfig:
             "linear_num_key_heads": 2, "linear_num_value_heads": 4,
             "moe_intermediate_size": INTER, "shared_expert_intermediate_size": INTER,
             "num_experts": EXPERTS, "num_experts_per_tok": 2, "max_position_embeddings": 256,
+            # Full attention every other layer: every stage of the vLLM splits below has one, as vLLM needs.
+            "full_attention_interval": 2,
             # head_dim 32 x partial_rotary_factor 0.25 = 8 rotary dims = 4 frequencies = 2+1+1
             "rope_parameters": {
                 "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,

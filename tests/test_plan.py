@@ -14,6 +14,7 @@ import struct
 import pytest
 
 from qwen35_reshard import ReshardError, make_plan, read_checkpoint
+from qwen35_reshard.model.runtimes import servable
 from qwen35_reshard.plan.planner import MTP_ABSENT, MTP_DROPPED, MTP_KEPT
 from qwen35_reshard.source.checkpoint import SourceTensor
 
@@ -31,6 +32,13 @@ CHECKPOINTS = {
 @pytest.fixture(scope="module")
 def checkpoints(make_checkpoint):
     return {key: read_checkpoint(make_checkpoint(**kw)) for key, kw in CHECKPOINTS.items()}
+
+
+@pytest.fixture(scope="module")
+def dense(ref, make_checkpoint):
+    """Twins of ``checkpoints`` that vLLM can serve in more than 2 stages (``ref.servable_attention``)."""
+    twin = ref.servable_attention("vllm", 8)
+    return {key: read_checkpoint(make_checkpoint(**kw, **twin)) for key, kw in CHECKPOINTS.items()}
 
 
 def _expected_stages(ref, ckpt, *, partition, runtime, keep_mtp):
@@ -58,8 +66,8 @@ def _expected_stages(ref, ckpt, *, partition, runtime, keep_mtp):
 @pytest.mark.parametrize("pp", [1, 2, 3, 4, 5, 8])
 @pytest.mark.parametrize("runtime", ["sglang", "vllm"])
 @pytest.mark.parametrize("kind", sorted(CHECKPOINTS))
-def test_placement_follows_the_facts_doc(ref, checkpoints, kind, runtime, pp, keep_mtp):
-    ckpt = checkpoints[kind]
+def test_placement_follows_the_facts_doc(ref, checkpoints, dense, kind, runtime, pp, keep_mtp):
+    ckpt = (dense if ref.servable_attention(runtime, pp) else checkpoints)[kind]
     plan = make_plan(ckpt, pp=pp, runtime=runtime, keep_mtp=keep_mtp)
     partition = ref.split(8, pp, runtime)
     expected, dropped = _expected_stages(ref, ckpt, partition=partition, runtime=runtime, keep_mtp=keep_mtp)
@@ -103,8 +111,8 @@ def test_fp8_experts_and_scales_travel_with_their_layer(ref, checkpoints):
     assert mtp_experts <= {t.name for t in plan.stages[-1].tensors}
 
 
-def test_explicit_partition_overrides_the_default(ref, checkpoints):
-    ckpt = checkpoints["fused"]
+def test_explicit_partition_overrides_the_default(ref, dense):
+    ckpt = dense["fused"]
     for runtime in ("sglang", "vllm"):
         plan = make_plan(ckpt, pp=3, runtime=runtime, partition=[1, 3, 4])
         assert [(s.start_layer, s.end_layer) for s in plan.stages] == [(0, 1), (1, 4), (4, 8)]
@@ -122,6 +130,75 @@ def test_invalid_partition_from_the_library_is_refused(checkpoints, pp, partitio
     # The CLI validates --partition; the library's make_plan/reshard(partition=...) must too.
     with pytest.raises(ReshardError, match="partition"):
         make_plan(checkpoints["fused"], pp=pp, partition=partition)
+
+
+# vLLM cannot serve a pipeline stage with only linear-attention layers (measured on vLLM 0.32.0's
+# CPU build: "Workers disagree on supported KV cache layouts"). The tiny checkpoint's full
+# attention is at layers 3 and 7.
+
+
+def _one_line(e: pytest.ExceptionInfo) -> str:
+    message = str(e.value)
+    assert "\n" not in message
+    return message
+
+
+@pytest.mark.parametrize("ranks", [None, [2]], ids=["all", "rank2"])
+def test_vllm_refuses_a_default_split_with_a_stage_without_full_attention(checkpoints, ranks):
+    # Stage 2 (layers 6-7) has layer 7, but the split is one: stage 0 (layers 0-2) makes it unservable.
+    with pytest.raises(ReshardError) as e:
+        make_plan(checkpoints["fused"], pp=3, runtime="vllm", ranks=ranks)
+    message = _one_line(e)
+    for needle in (
+        "runtime vllm",
+        "default split for pp 3 (partition 3,3,2)",
+        "stage 0 (layers 0-2) has only linear-attention layers",
+        "measured on vLLM 0.32.0's CPU build",
+        "Workers disagree on supported KV cache layouts",
+        "the model has 2 full-attention layers: use at most pp 2",
+    ):
+        assert needle in message, message
+    assert "--" not in message  # library terms: the command line maps them to its flags
+
+
+def test_vllm_refuses_an_explicit_partition_with_a_stage_without_full_attention(checkpoints):
+    with pytest.raises(ReshardError) as e:
+        make_plan(checkpoints["fused"], pp=2, runtime="vllm", partition=[1, 7])
+    message = _one_line(e)
+    assert message.startswith("runtime vllm cannot serve partition 1,7: stage 0 (layer 0) has only ")
+    assert "partition balanced" in message and "fewer stages" in message
+
+
+def test_sglang_accepts_the_splits_vllm_refuses(checkpoints):
+    for pp, partition in ((3, None), (3, [3, 3, 2]), (2, [1, 7]), (8, None)):
+        plan = make_plan(checkpoints["fused"], pp=pp, runtime="sglang", partition=partition)
+        assert len(plan.stages) == pp
+
+
+@pytest.mark.parametrize("runtime", ["sglang", "vllm"])
+def test_every_split_of_the_tiny_checkpoint_is_refused_exactly_when_a_stage_lacks_full_attention(
+    checkpoints, runtime
+):
+    ckpt = checkpoints["fused"]
+    types = ckpt.config["text_config"]["layer_types"]
+    full = {i for i, t in enumerate(types) if t == "full_attention"}
+    assert full == {3, 7}
+    refused = 0
+    for cuts in range(2**7):  # every split of 8 layers: a cut or none after each of layers 0..6
+        bounds = [0, *(i + 1 for i in range(7) if cuts >> i & 1), 8]
+        stages = list(zip(bounds[:-1], bounds[1:], strict=True))
+        partition = [b - a for a, b in stages]
+        lacking = any(not (full & set(range(a, b))) for a, b in stages)
+        # One rule: the one --partition balanced chooses by (balance.py) is the one the plan enforces.
+        assert (servable(runtime, types, partition) is not None) == (runtime == "vllm" and lacking)
+        if runtime == "vllm" and lacking:
+            refused += 1
+            with pytest.raises(ReshardError, match="has only linear-attention layers"):
+                make_plan(ckpt, pp=len(partition), runtime=runtime, partition=partition)
+        else:
+            make_plan(ckpt, pp=len(partition), runtime=runtime, partition=partition)
+    # Servable by vLLM: one cut among layers 3..6 after full attention at 3, or none at all.
+    assert refused == (128 - 5 if runtime == "vllm" else 0)
 
 
 def test_unknown_runtime_is_refused_even_with_a_partition(checkpoints):
@@ -258,7 +335,7 @@ def test_size_limits_cut_stages_into_more_files(checkpoints, max_file, max_heade
 
 
 def test_plan_is_a_function_of_the_input(make_checkpoint):
-    model = make_checkpoint(layout="per_expert_fp8")
+    model = make_checkpoint(layout="per_expert_fp8", full_attention_interval=2)
     a = make_plan(read_checkpoint(model), pp=3, runtime="vllm")
     b = make_plan(read_checkpoint(model), pp=3, runtime="vllm")
     assert [(f.name, f.header) for s in a.stages for f in s.files] == [

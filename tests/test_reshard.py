@@ -180,7 +180,7 @@ CASES = {
     ],
 )
 def test_split_matches_source_and_facts_doc(ref, make_checkpoint, tmp_path, kind, pp, runtime):
-    model = make_checkpoint(**CASES[kind])
+    model = make_checkpoint(**CASES[kind], **ref.servable_attention(runtime, pp))
     out = tmp_path / "out"
     plan, result = qwen35_reshard.reshard(model, out, pp=pp, runtime=runtime)
     assert result.built == list(range(pp))
@@ -211,13 +211,14 @@ def test_small_copy_chunks(ref, make_checkpoint, tmp_path, monkeypatch, kind, ru
     from qwen35_reshard.write import writer as write
 
     monkeypatch.setattr(write, "copy_segments", functools.partial(copy_segments, chunk_bytes=chunk))
-    model = make_checkpoint(**CASES[kind])
+    model = make_checkpoint(**CASES[kind], **ref.servable_attention(runtime, pp))
     qwen35_reshard.reshard(model, tmp_path / "out", pp=pp, runtime=runtime, ranks=ranks, workers=2)
     check_split(ref, model, tmp_path / "out", pp=pp, runtime=runtime, ranks=ranks)
 
 
 def test_layer_straddling_two_shards_and_name_sorted_shards(ref, make_checkpoint, tmp_path):
-    model = make_checkpoint(layout="fused", layers=12, shard_bytes=1_000_000)
+    # Full attention in every other layer: vLLM needs it in each of the 5 stages.
+    model = make_checkpoint(layout="fused", layers=12, shard_bytes=1_000_000, full_attention_interval=2)
     src = ref.read_source(model)
     files_of_layer: dict[int, set[str]] = {}
     for name, t in src.tensors.items():
@@ -273,7 +274,7 @@ def test_source_on_another_filesystem(ref, make_checkpoint, tmp_path, other_fs_d
 
 @pytest.mark.parametrize("runtime", ["sglang", "vllm"])
 def test_no_mtp_drops_mtp_on_purpose(ref, make_checkpoint, tmp_path, runtime):
-    model = make_checkpoint(layout="fused")
+    model = make_checkpoint(layout="fused", **ref.servable_attention(runtime, 3))
     plan, _ = qwen35_reshard.reshard(model, tmp_path / "out", pp=3, runtime=runtime, keep_mtp=False)
     expected = check_split(ref, model, tmp_path / "out", pp=3, runtime=runtime, keep_mtp=False)
     assert not any(n.startswith("mtp.") for names in expected for n in names)
@@ -301,7 +302,7 @@ def test_mtp_per_expert_experts_go_to_the_last_stage(ref, make_checkpoint, tmp_p
 
 
 def test_explicit_partition(ref, make_checkpoint, tmp_path):
-    model = make_checkpoint(layout="per_expert_fp8")
+    model = make_checkpoint(layout="per_expert_fp8", **ref.servable_attention("vllm", 3))
     qwen35_reshard.reshard(model, tmp_path / "out", pp=3, runtime="vllm", partition=[4, 1, 3])
     check_split(ref, model, tmp_path / "out", pp=3, runtime="vllm", partition=[4, 1, 3])
 
@@ -392,8 +393,8 @@ def test_transformers_reads_stage_files_and_config(ref, make_checkpoint, tmp_pat
         assert any(t.dtype == torch.float8_e4m3fn for t in source.values()) == (kind == "fp8")
 
 
-def test_two_runs_give_identical_bytes(make_checkpoint, tmp_path):
-    model = make_checkpoint(layout="per_expert_fp8")
+def test_two_runs_give_identical_bytes(ref, make_checkpoint, tmp_path):
+    model = make_checkpoint(layout="per_expert_fp8", **ref.servable_attention("vllm", 3))
     qwen35_reshard.reshard(model, tmp_path / "a", pp=3, runtime="vllm", workers=1)
     qwen35_reshard.reshard(model, tmp_path / "b", pp=3, runtime="vllm", workers=3)
     run_cli("--pp", 3, "--runtime", "vllm", "--workers", 2, model, tmp_path / "c")
@@ -411,7 +412,7 @@ def test_two_runs_give_identical_bytes(make_checkpoint, tmp_path):
     [("sglang", [], [2, 3, 3]), ("vllm", [], [3, 3, 2]), ("sglang", ["--partition", "1,4,3"], [1, 4, 3])],
 )
 def test_cli_json_summary(ref, make_checkpoint, tmp_path, runtime, extra, partition):
-    model = make_checkpoint(layout="fused")
+    model = make_checkpoint(layout="fused", **ref.servable_attention(runtime, 3))
     out = tmp_path / "out"
     proc = run_cli("--pp", 3, "--runtime", runtime, *extra, "--json", model, out)
     summary = json.loads(proc.stdout)  # stdout is the JSON summary and nothing else
@@ -459,7 +460,7 @@ def test_cli_no_mtp(ref, make_checkpoint, tmp_path):
 
 @pytest.mark.parametrize("existing", [False, True], ids=["absent", "empty"])
 def test_cli_dry_run_writes_nothing(ref, make_checkpoint, tmp_path, existing):
-    model = make_checkpoint(layout="fused")
+    model = make_checkpoint(layout="fused", **ref.servable_attention("vllm", 3))
     out = tmp_path / "out"
     if existing:
         out.mkdir()
@@ -479,7 +480,8 @@ def test_cli_dry_run_writes_nothing(ref, make_checkpoint, tmp_path, existing):
 
 
 def test_cli_plan_subcommand(make_checkpoint, tmp_path):
-    model = make_checkpoint(layout="fused", layers=12)
+    # Full attention in every other layer: vLLM needs it in each of the 5 stages.
+    model = make_checkpoint(layout="fused", layers=12, full_attention_interval=2)
     proc = run_cli("plan", "--pp", 5, "--json", model)
     summary = json.loads(proc.stdout)
     assert summary["launch_env"] == "SGLANG_PP_LAYER_PARTITION=2,2,2,3,3"

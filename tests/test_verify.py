@@ -40,6 +40,13 @@ def model(tiny, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def model_every_other(tiny, tmp_path_factory):
+    """The default tiny checkpoint with full attention in every other layer, as vLLM needs one
+    in each stage of a 4-stage split."""
+    return Path(tiny.build_checkpoint(tmp_path_factory.mktemp("src") / "model", full_attention_interval=2))
+
+
+@pytest.fixture(scope="module")
 def pristine(model, tmp_path_factory):
     """A pp=4 SGLang split made by the real command, never modified: copy it before damaging."""
     out = tmp_path_factory.mktemp("split") / "out"
@@ -141,9 +148,15 @@ def test_single_stage_directory_on_its_own(out, model, tmp_path):
 
 
 @pytest.mark.parametrize("runtime", ["sglang", "vllm"])
-def test_replicated_tensors_pass_against_source(tiny, tmp_path, runtime):
+def test_replicated_tensors_pass_against_source(ref, tiny, tmp_path, runtime):
     """vLLM builds embed_tokens and the vision tower on every rank: replicated on purpose."""
-    model = tiny.build_checkpoint(tmp_path / "m", layout="per_expert_fp8", tied=True, shard_bytes=150_000)
+    model = tiny.build_checkpoint(
+        tmp_path / "m",
+        layout="per_expert_fp8",
+        tied=True,
+        shard_bytes=150_000,
+        **ref.servable_attention(runtime, 3),
+    )
     out = tmp_path / "out"
     qwen35_reshard.reshard(model, out, pp=3, runtime=runtime)
     report = verify(out, model)
@@ -506,8 +519,9 @@ def _claim(stage: Path, **settings) -> None:
     edit_json(stage / MANIFEST, lambda m: m.update(settings))
 
 
-def test_tensors_on_the_wrong_stage_are_extra(model, tmp_path):
+def test_tensors_on_the_wrong_stage_are_extra(model_every_other, tmp_path):
     """A vLLM stage passed off as SGLang: embed_tokens and model.visual.* are extra on pp1."""
+    model = model_every_other
     qwen35_reshard.reshard(model, tmp_path / "v", pp=4, runtime="vllm")
     node = Path(shutil.copytree(tmp_path / "v" / "pp1", tmp_path / "node" / "pp1"))
     _claim(node, runtime="sglang")
@@ -521,8 +535,9 @@ def test_tensors_on_the_wrong_stage_are_extra(model, tmp_path):
     assert "stage(s) [0, 3]" in next(f for f in extra if "embed_tokens" in f.tensor).message
 
 
-def test_tensors_missing_from_their_stage(model, tmp_path):
+def test_tensors_missing_from_their_stage(model_every_other, tmp_path):
     """An SGLang stage passed off as vLLM lacks the replicated embed_tokens and vision pos_embed."""
+    model = model_every_other
     qwen35_reshard.reshard(model, tmp_path / "s", pp=4)
     node = Path(shutil.copytree(tmp_path / "s" / "pp1", tmp_path / "node" / "pp1"))
     _claim(node, runtime="vllm")

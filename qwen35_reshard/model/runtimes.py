@@ -7,11 +7,14 @@ variables) overrides the default, and the launch line always states it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from ..errors import ReshardError, param
 from . import names
 
 RUNTIMES = ("sglang", "vllm")
 PARTITION_ENV = {"sglang": "SGLANG_PP_LAYER_PARTITION", "vllm": "VLLM_PP_LAYER_PARTITION"}
+FULL_ATTENTION = "full_attention"
 
 
 def default_partition(num_layers: int, pp: int, runtime: str) -> list[int]:
@@ -82,6 +85,54 @@ def layer_ranges(partition: list[int]) -> list[tuple[int, int]]:
         ranges.append((start, start + size))
         start += size
     return ranges
+
+
+def servable(runtime: str, layer_types: Sequence[str], partition: Sequence[int]) -> str | None:
+    """Why ``runtime`` cannot serve this split of a model with these layer types, or None.
+
+    vLLM cannot run a pipeline stage with only linear-attention layers: measured on its CPU
+    build (0.32.0), the engine fails to start because such a rank reports other KV-cache layouts
+    than the ranks with full attention; on GPUs, vLLM issue #54710 reports the same failure (and
+    #51752 a related one). SGLang 0.5.23's source sizes such a stage's KV cache from the other
+    stages' (its pool configurator's ``has_kv_on_another_pp_stage``), so no rule applies to it
+    here; that is read, not run (its engine does not start on the machines this was checked on).
+    ``balance`` asks it about one stage at a time (``layer_types`` of that stage only).
+    """
+    if runtime != "vllm":
+        return None
+    for rank, (start, end) in enumerate(layer_ranges(list(partition))):
+        if FULL_ATTENTION not in layer_types[start:end]:
+            layers = f"layer {start}" if end - start == 1 else f"layers {start}-{end - 1}"
+            return (
+                f"stage {rank} ({layers}) has only linear-attention layers, and vLLM needs a "
+                "full-attention layer in every pipeline stage (measured on vLLM 0.32.0's CPU build: "
+                'the engine fails to start with "Workers disagree on supported KV cache layouts"; '
+                "vLLM issue #54710 reports the same on GPUs)"
+            )
+    return None
+
+
+def check_servable(
+    runtime: str, layer_types: Sequence[str], partition: Sequence[int], *, default: bool
+) -> None:
+    """Refuse a split ``runtime`` cannot serve, and say what to use instead.
+
+    ``default``: ``partition`` is the runtime's own split (no partition was given).
+    """
+    problem = servable(runtime, layer_types, partition)
+    if problem is None:
+        return
+    pp, sizes = len(partition), ",".join(map(str, partition))
+    split = f"its default split for pp {pp} (partition {sizes})" if default else f"partition {sizes}"
+    # The only rule is vLLM's one full-attention layer per stage, so they bound the stage count.
+    full = list(layer_types).count(FULL_ATTENTION)
+    if full >= pp:
+        remedy = "give every stage one (partition balanced picks the lightest such split) or use fewer stages"
+    elif full:
+        remedy = f"the model has {full} full-attention layer{'s' * (full != 1)}: use at most pp {full}"
+    else:
+        remedy = "the model has no full-attention layer, so no split of it can be served"
+    raise ReshardError(f"runtime {runtime} cannot serve {split}: {problem}; {remedy}")
 
 
 def launch_env(runtime: str, partition: list[int]) -> str:

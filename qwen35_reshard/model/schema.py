@@ -207,6 +207,14 @@ def language_model_prefix(config: Mapping) -> str:
     return "model.language_model." if isinstance(config.get("text_config"), dict) else "model."
 
 
+def layer_types(config: Mapping) -> list[str]:
+    """Attention kind of each decoder layer (``full_attention`` or ``linear_attention``)."""
+    try:
+        return _layer_types(text_config(config))
+    except ValueError as e:
+        raise ReshardError(f"{CONFIG_NAME}: {e}") from e
+
+
 def required_tensors(
     config: Mapping,
     dtypes: Mapping[str, str],

@@ -25,9 +25,16 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 from ..errors import ReshardError
-from ..model import names, schema
-from ..model.runtimes import check_pp, check_runtime, default_partition, layer_ranges, placement_rules
-from ..model.schema import text_config
+from ..model import names
+from ..model.runtimes import (
+    FULL_ATTENTION,
+    check_pp,
+    check_runtime,
+    default_partition,
+    placement_rules,
+    servable,
+)
+from ..model.schema import layer_types, text_config
 from ..source.checkpoint import Checkpoint
 from .capacity import Capacity, Serving, serving_costs
 from .planner import MTP_ABSENT, MTP_DROPPED, MTP_KEPT
@@ -256,7 +263,7 @@ def choose(
     if partition is None:
         raise ReshardError(
             f"no split of the {ckpt.num_layers} decoder layers into {pp} stages can be served by "
-            f"{runtime} ({problem}); use fewer stages"
+            f"{runtime}: in its default split {','.join(map(str, default))}, {problem}; use fewer stages"
         )
     return Choice(
         tuple(partition),
@@ -296,35 +303,3 @@ def stage_costs(ckpt: Checkpoint, *, pp: int, runtime: str, keep_mtp: bool) -> t
                 fixed[r][role.kind] = fixed[r].get(role.kind, 0) + src.nbytes
     full = tuple(t == FULL_ATTENTION for t in layer_types(ckpt.config))
     return Costs(tuple(layer_bytes), full, tuple(fixed)), mtp
-
-
-# --------------------------------------------------------------------------- model rules
-# servable is to move beside the runtimes' split rules once the package layout settles.
-
-FULL_ATTENTION = "full_attention"
-
-
-def layer_types(config: dict) -> list[str]:
-    """Attention kind of each decoder layer, as the model schema reads it from the config."""
-    try:
-        return schema._layer_types(text_config(config))
-    except ValueError as e:
-        raise ReshardError(f"config.json: {e}") from e
-
-
-def servable(runtime: str, layer_types: Sequence[str], partition: Sequence[int]) -> str | None:
-    """Why ``runtime`` cannot serve this split of a model with these layer types, or None.
-
-    vLLM cannot run a pipeline stage without a full-attention layer (measured on its CPU
-    build; on GPUs, vLLM issues #51752 and #54710 report the engine failing to start when a
-    hybrid model's PP rank owns no attention layer), so every stage needs one.
-    """
-    if runtime != "vllm":
-        return None
-    for rank, (start, end) in enumerate(layer_ranges(list(partition))):
-        if FULL_ATTENTION not in layer_types[start:end]:
-            return (
-                f"stage {rank} (layers {start}-{end - 1}) has no full-attention layer, and vLLM "
-                "cannot serve a pipeline stage without one"
-            )
-    return None

@@ -36,6 +36,7 @@ from ..model.runtimes import (
     check_partition,
     check_pp,
     check_runtime,
+    check_servable,
     default_partition,
     launch_env,
     layer_ranges,
@@ -193,7 +194,8 @@ def make_plan(
 
     Raises ReshardError for a tensor no rule places, layer ids that are not exactly
     0..num_layers-1, a tensor the config requires that is missing or has another shape (see
-    ``schema``), or a split that does not fit the model.
+    ``schema``), a split that does not fit the model, or one the runtime cannot serve (any
+    stage of it, selected by ``ranks`` or not: see ``model.runtimes.servable``).
     """
     check_pp(ckpt.num_layers, pp)
     check_runtime(runtime)
@@ -216,6 +218,8 @@ def make_plan(
     _check_roles(list(ckpt.tensors), roles, ckpt.num_layers)
     required = schema.required_tensors(ckpt.config, {n: t.dtype for n, t in ckpt.tensors.items()})
     schema.check_complete(required.tensors, {n: t.shape for n, t in ckpt.tensors.items()}, str(ckpt.root))
+    # After the checks above, so that a config that does not match the weights is told as such.
+    check_servable(runtime, schema.layer_types(ckpt.config), sizes, default=partition is None)
     kinds = {r.kind for r in roles}
     mtp = MTP_ABSENT if names.MTP not in kinds else MTP_KEPT if keep_mtp else MTP_DROPPED
     place = placement_rules(pp, runtime, ckpt.tied_embeddings, mtp == MTP_KEPT)
