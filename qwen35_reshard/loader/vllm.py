@@ -37,7 +37,7 @@ def _loader_class() -> type:
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
     from vllm.model_executor.models.utils import PPMissingLayer, StageMissingLayer
 
-    from . import loader
+    from .. import loader
 
     log = init_logger(f"vllm.{__name__}")  # vLLM configures loggers under "vllm." in every process
 
