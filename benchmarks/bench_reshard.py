@@ -420,7 +420,7 @@ def measure_sharing(kind: str, size: int, args: argparse.Namespace, cache: str) 
             [PY, "-m", "qwen35_reshard", "verify", str(out), "--source", str(model)], capture_output=True
         )
         if v.returncode:
-            raise SystemExit(f"{kind}: verify --source failed:\n{v.stderr.decode()[-2000:]}")
+            raise SystemExit(f"{kind}: verify --source failed:\n{(v.stdout + v.stderr).decode()[-2000:]}")
         return rows
     finally:
         subprocess.run(["umount", str(mnt)], check=False)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from .plan.planner import DEFAULT_MAX_FILE_BYTES, Plan, make_plan
 from .source.checkpoint import read_checkpoint
-from .write.writer import Reporter, WriteResult, check_out_dir, write_plan
+from .write.writer import DEFAULT_WORKERS, Reporter, WriteResult, check_out_dir, write_plan
 
 
 def reshard(
@@ -21,7 +21,7 @@ def reshard(
     keep_mtp: bool = True,
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
     overwrite: bool = False,
-    workers: int = 1,
+    workers: int = DEFAULT_WORKERS,
     reporter: Reporter | None = None,
     reflink: str = "auto",
 ) -> tuple[Plan, WriteResult]:

@@ -40,7 +40,7 @@ def test_cli_balanced_split_is_recorded_like_an_explicit_one(ref, make_checkpoin
     assert ref.launch_env("sglang", expected) in proc.stderr
     assert f"default split {','.join(map(str, default))}: fullest" in proc.stderr
     check_split(ref, model, out, pp=3, partition=expected)
-    assert "verify OK" in run_cli("verify", out, "--source", model).stderr
+    assert "verify OK" in run_cli("verify", out, "--source", model).stdout
     # Each node builds its own stage of the same split, with no coordinator.
     node = tmp_path / "node"
     run_cli("--pp", 3, "--partition", "balanced", "--rank", 1, model, node)
@@ -54,7 +54,7 @@ def test_cli_says_when_the_default_is_already_optimal(make_checkpoint):
     ckpt = read_checkpoint(model)
     pp = next(p for p in range(2, 9) if choose(ckpt, pp=p, runtime="vllm", keep_mtp=False).default_optimal)
     proc = run_cli("plan", "--pp", pp, "--runtime", "vllm", "--no-mtp", "--partition", "balanced", model)
-    assert "is already optimal" in proc.stderr
+    assert "is already optimal" in proc.stdout
 
 
 def test_cli_capacity_mode(make_checkpoint):

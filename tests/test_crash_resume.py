@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -45,13 +46,25 @@ def command(model: Path, out: Path, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
-def start(model: Path, out: Path, logs: Path) -> tuple[subprocess.Popen, Path, Path]:
+def start(model: Path, out: Path, logs: Path, preexec_fn=None) -> tuple[subprocess.Popen, Path, Path]:
     """Start a real run; stdout and stderr go to files so that a full pipe never blocks it."""
     logs.mkdir(parents=True, exist_ok=True)
     stdout, stderr = logs / "stdout", logs / "stderr"
     with open(stdout, "w") as o, open(stderr, "w") as e:
-        proc = subprocess.Popen(command(model, out), stdout=o, stderr=e)
+        proc = subprocess.Popen(command(model, out), stdout=o, stderr=e, preexec_fn=preexec_fn)
     return proc, stdout, stderr
+
+
+def plan_cli(model: Path, out: Path, pp: int = PP) -> str:
+    """``qwen35-reshard plan`` against OUT: its stdout (the table, then what a real run would do)."""
+    p = subprocess.run(
+        [sys.executable, "-m", "qwen35_reshard", "plan", "--pp", str(pp), str(model), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stderr
+    return p.stdout
 
 
 def run(model: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -188,11 +201,18 @@ def test_sigkill_mid_run_then_resume(big, big_clean, tmp_path, moment):
 
     assert (out / RUN_MARKER).exists()
     assert_nothing_complete(out)
+    # The preview says what the real run then does: resume, keeping the killed run's finished files.
+    before = digests(out)
+    preview = [line for line in plan_cli(big, out).splitlines() if line.startswith(str(out))]
+    assert len(preview) == 1 and "a real run resumes it" in preview[0], preview
+    found = re.search(r"keeping (\d+) finished data files? of ", preview[0])
+    assert digests(out) == before, "plan changed OUT"
 
     again = run(big, out)
     assert again.returncode == 0, again.stderr
     result = json.loads(again.stdout)["result"]
     assert result["built"] == list(range(PP))
+    assert result["files_kept"] == (int(found.group(1)) if found else 0), preview[0]
     if moment == "journaled":
         assert result["files_kept"] >= 1, "finished files of the killed run were not kept"
     assert digests(out) == big_clean
@@ -203,6 +223,7 @@ def test_sigkill_mid_run_then_resume(big, big_clean, tmp_path, moment):
     assert json.loads(done.stdout)["status"] == "nothing_to_do"
     assert "nothing to do" in done.stderr
     assert digests(out) == big_clean
+    assert f"{out} already holds this split: a real run has nothing to do" in plan_cli(big, out).splitlines()
 
 
 def test_sigkill_at_many_moments_then_resume(small, small_clean, tmp_path):
@@ -287,10 +308,20 @@ def test_killed_between_two_writes(small, small_clean, tmp_path, moment):
 # --------------------------------------------------------------------------- Ctrl-C and SIGTERM
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_interrupt_stops_cleanly_and_says_how_to_resume(big, big_clean, tmp_path, sig):
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize(
+    "sig, preexec_fn",
+    [(signal.SIGINT, None), (signal.SIGINT, _ignore_sigint), (signal.SIGTERM, None)],
+    ids=["SIGINT", "SIGINT-initially-ignored", "SIGTERM"],
+)
+def test_interrupt_stops_cleanly_and_says_how_to_resume(big, big_clean, tmp_path, sig, preexec_fn):
+    """Also when the run starts with SIGINT ignored (a background job, some CI runners): the
+    command handles SIGINT itself."""
     out = tmp_path / "out"
-    proc, stdout, stderr = start(big, out, tmp_path / "logs")
+    proc, stdout, stderr = start(big, out, tmp_path / "logs", preexec_fn=preexec_fn)
     wait_until(proc, lambda: copying(out))
     proc.send_signal(sig)
     assert proc.wait(timeout=60) == 130, stderr.read_text()
@@ -323,6 +354,11 @@ def test_a_different_command_is_refused_unless_overwrite(small, tmp_path):
     assert other.returncode == 2
     line = one_error_line(other.stderr)
     assert str(out) in line and "--overwrite" in line
+    assert digests(out) == before
+    # The preview names the refusal, and the settings that differ with their old and new values.
+    preview = [line for line in plan_cli(small, out, pp=2).splitlines() if line.startswith(str(out))]
+    assert preview == [f"{out}: a real run would refuse: {line.removeprefix('error: ')}"]
+    assert "pp 4 -> 2" in preview[0] and "partition [2, 2, 2, 2] -> [4, 4]" in preview[0]
     assert digests(out) == before
 
     replaced = subprocess.run(

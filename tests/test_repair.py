@@ -76,12 +76,12 @@ def test_flipped_byte_truncated_and_deleted_files_are_rebuilt_and_nothing_else(m
 
     r = cli("verify", out)
     assert r.returncode == 1
-    last = r.stderr.rstrip("\n").splitlines()[-1]
+    last = r.stdout.rstrip("\n").splitlines()[-1]
     assert f"qwen35-reshard verify {out} --source {model.resolve()} --repair" in last, last
 
     # A plain re-run judges completeness by sizes and manifests: fast, and says who checks bytes.
     r = cli("--pp", PP, model, out, "--max-file-size", "150000")
-    assert r.returncode == 0 and "nothing to do" in r.stderr and f"verify {out} --source" in r.stderr, (
+    assert r.returncode == 0 and "nothing to do" in r.stdout and f"verify {out} --source" in r.stdout, (
         r.stderr
     )
     assert files(out) == before
@@ -94,10 +94,10 @@ def test_flipped_byte_truncated_and_deleted_files_are_rebuilt_and_nothing_else(m
     r = cli("verify", out, "--source", model, "--repair")
     assert r.returncode == 0, r.stderr
     repaired = {
-        line.split(str(out) + "/", 1)[1] for line in r.stderr.splitlines() if line.startswith("repaired: ")
+        line.split(str(out) + "/", 1)[1] for line in r.stdout.splitlines() if line.startswith("repaired: ")
     }
     assert repaired == damaged
-    assert "verify OK" in r.stderr.splitlines()[-1]
+    assert "verify OK" in r.stdout.splitlines()[-1]
     after = files(out)
     for name, st in before.items():
         if name not in damaged:  # untouched: same inode, same modification time
@@ -134,7 +134,7 @@ def test_one_stage_directory_is_repaired_on_its_own(model, clean, out):
     damaged.write_bytes(raw)
     r = cli("verify", out / "pp2", "--source", model, "--repair")
     assert r.returncode == 0, r.stderr
-    assert [line for line in r.stderr.splitlines() if line.startswith("repaired: ")] == [
+    assert [line for line in r.stdout.splitlines() if line.startswith("repaired: ")] == [
         f"repaired: {damaged}"
     ]
     same_bytes(out, clean)

@@ -269,7 +269,7 @@ def test_source_on_another_filesystem(ref, make_checkpoint, tmp_path, other_fs_d
     shutil.copytree(make_checkpoint(layout="per_expert_fp8"), model)
     run_cli("--pp", 3, model, tmp_path / "out")
     check_split(ref, model, tmp_path / "out", pp=3)
-    assert "verify OK" in run_cli("verify", tmp_path / "out", "--source", model).stderr
+    assert "verify OK" in run_cli("verify", tmp_path / "out", "--source", model).stdout
 
 
 @pytest.mark.parametrize("runtime", ["sglang", "vllm"])
@@ -429,10 +429,10 @@ def test_cli_json_summary(ref, make_checkpoint, tmp_path, runtime, extra, partit
     check_split(ref, model, out, pp=3, runtime=runtime, partition=partition)
 
 
-def test_cli_human_output_only_on_stderr(make_checkpoint, tmp_path):
+def test_cli_results_on_stdout_progress_on_stderr(make_checkpoint, tmp_path):
     proc = run_cli("--pp", 2, make_checkpoint(layout="fused"), tmp_path / "out")
-    assert proc.stdout == ""
-    assert "SGLANG_PP_LAYER_PARTITION=4,4" in proc.stderr
+    assert "SGLANG_PP_LAYER_PARTITION=4,4" in proc.stdout
+    assert "SGLANG_PP_LAYER_PARTITION" not in proc.stderr and "copying" in proc.stderr
 
 
 def test_cli_rank_builds_only_that_stage(ref, make_checkpoint, tmp_path):
@@ -487,7 +487,7 @@ def test_cli_plan_subcommand(make_checkpoint, tmp_path):
     assert summary["launch_env"] == "SGLANG_PP_LAYER_PARTITION=2,2,2,3,3"
     assert len(summary["stages"]) == 5
     proc = run_cli("plan", "--pp", 5, "--runtime", "vllm", model)
-    assert "VLLM_PP_LAYER_PARTITION=2,2,3,3,2" in proc.stderr and proc.stdout == ""
+    assert "VLLM_PP_LAYER_PARTITION=2,2,3,3,2" in proc.stdout and proc.stderr == ""
 
 
 @pytest.mark.parametrize(

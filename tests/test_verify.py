@@ -213,10 +213,11 @@ def test_flipped_byte_is_different_naming_the_tensor(out, model):
     against = verify(out, model)
     assert {(f.kind, f.tensor) for f in against.findings} == {("different", name)}
     assert len(against.findings) == 2 and "source" in against.findings[1].message
-    code, _, stderr = run_verify(out)
-    assert code == 1 and name in stderr and stderr.splitlines()[-2].startswith("verify FAILED")
+    code, stdout, stderr = run_verify(out)
+    assert code == 1 and stderr == ""
+    assert name in stdout and stdout.splitlines()[-2].startswith("verify FAILED")
     # The report ends with the command that mends it, naming the source the split records.
-    assert stderr.splitlines()[-1].endswith(f"verify {out} --source {model.resolve()} --repair")
+    assert stdout.splitlines()[-1].endswith(f"verify {out} --source {model.resolve()} --repair")
 
 
 def test_bytes_changed_with_manifest_updated_only_source_finds_it(out, model):

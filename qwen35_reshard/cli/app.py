@@ -1,46 +1,44 @@
-"""The ``qwen35-reshard`` command: a thin layer over the library.
+"""The ``qwen35-reshard`` command (typer): a thin layer over the library.
 
-``qwen35-reshard --pp 4 MODEL OUT`` is the main job; ``plan`` shows the plan without
-writing. Human output goes to stderr, ``--json`` puts a machine-readable summary on stdout.
-Bad input ends with one ``error: ...`` line and exit code 2 (a traceback only with --debug).
+``qwen35-reshard split --pp 4 MODEL OUT`` is the main job, and ``qwen35-reshard --pp 4 MODEL
+OUT`` (no command named) still runs it; ``plan`` and ``verify`` are commands beside it.
+Results (the plan table, the summary, the launch line, verify's report) go to stdout, progress
+and warnings to stderr; with ``--json`` stdout holds only JSON and the human output goes to
+stderr. Bad input ends with one ``error: ...`` line on stderr and exit code 2, verify's findings
+with 1, an interrupt with 130; a traceback only with ``--debug``.
 """
 
 from __future__ import annotations
 
-import argparse
+import difflib
+import enum
 import gc
 import json
 import os
-import re
 import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NoReturn
+from types import SimpleNamespace
+from typing import Annotated
 
-from .. import ondisk as manifest
+import typer
+
+# typer (>= 0.26) carries its own click and no longer re-exports these (fastapi/typer#1832).
+from typer._click.exceptions import ClickException, NoSuchOption, UsageError
+
+from .. import ondisk
 from .._version import __version__
 from ..errors import ReshardError
 from ..model.runtimes import RUNTIMES, parse_partition
 from ..plan.balance import Choice, choose
 from ..plan.capacity import Capacity
 from ..plan.planner import DEFAULT_MAX_FILE_BYTES, Plan, make_plan
-from ..write.writer import REFLINK_MODES, WriteResult, check_out_dir, write_plan
+from ..units import parse_size
+from ..write.writer import DEFAULT_WORKERS, REFLINK_MODES, WriteResult, assess_out, write_plan
 
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line ``argv``; return the exit code."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "verify":
-        return _run_guarded(_verify, _verify_parser().parse_args(argv[1:]))
-    if argv and argv[0] == "plan":
-        args = _parser(plan_only=True).parse_args(argv[1:])
-        args.dry_run = True
-    else:
-        args = _parser(plan_only=False).parse_args(argv)
-    return _run_guarded(_reshard, args)
-
+PROG = "qwen35-reshard"
 
 # The library's parameters, as this command line spells them.
 FLAGS = {
@@ -60,132 +58,383 @@ FLAGS = {
 }
 
 
-def _run_guarded(command: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
-    """Turn errors into one line and an exit code; SIGTERM is handled like Ctrl-C."""
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line ``argv`` (default: ``sys.argv[1:]``); return the exit code."""
+    argv = _with_command(list(sys.argv[1:] if argv is None else argv))
+    command = typer.main.get_command(app)
     try:
-        return command(args)
-    except ReshardError as e:
-        if args.debug:
-            raise
-        _fail(args, f"error: {e.render(FLAGS)}")
+        return command.main(args=argv, prog_name=PROG, standalone_mode=False) or 0
+    except ClickException as e:  # click's usage errors: one line, no usage block
+        _fail("--json" in argv, _usage_message(e))
         return e.exit_code
-    except KeyboardInterrupt:
-        _fail(args, "interrupted: unfinished files were removed; run the same command again to resume")
-        return 130
-    except BrokenPipeError:
-        # The reader of our output went away (e.g. `| head`): nothing left to say to anyone.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
 
 
-class _ArgumentParser(argparse.ArgumentParser):
-    """argparse with the tool's one-line ``error: ...`` (exit 2) instead of usage + error."""
+_GROUP_OPTIONS = ("--help", "-h", "--version", "--install-completion", "--show-completion")
 
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+def _with_command(argv: list[str]) -> list[str]:
+    """``argv`` naming its command: none named means ``split`` (the form CI scripts use)."""
+    if not argv:
+        return ["--help"]
+    first = argv[0]
+    if first in COMMANDS or first in _GROUP_OPTIONS:
+        return argv
+    # A word close to a command name that is no path nor repo id: a misspelt command, which the
+    # command group answers with "did you mean".
+    if (
+        not first.startswith("-")
+        and "/" not in first
+        and not Path(first).exists()
+        and difflib.get_close_matches(first, COMMANDS)
+    ):
+        return argv
+    return ["split", *argv]
+
+
+def _usage_message(e: ClickException) -> str:
+    if isinstance(e, NoSuchOption):  # click lists every close match: name the closest
+        message = e.message + (f". Did you mean {e.possibilities[0]}?" if e.possibilities else "")
+    else:
+        message = e.format_message()
+    ctx = e.ctx if isinstance(e, UsageError) else None
+    return f"error: {message} (see {ctx.command_path if ctx else PROG} --help)"
+
+
+def _fail(as_json: bool, message: str) -> None:
+    """``message`` as one line on stderr; with ``--json`` also as a JSON error on stdout."""
+    print(message, file=sys.stderr)
+    if as_json:
+        print(json.dumps({"status": "error", "error": message.removeprefix("error: ")}))
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def _fail(args: argparse.Namespace, message: str) -> None:
-    print(message, file=sys.stderr)
-    if getattr(args, "json", False):
-        print(json.dumps({"status": "error", "error": message}))
+def _run_guarded(command: Callable[[SimpleNamespace], int], args: SimpleNamespace, interrupted: str) -> None:
+    """Run ``command``; errors become one line and an exit code, ``interrupted`` is what an
+    interrupt (Ctrl-C, SIGINT, SIGTERM) says.
+
+    SIGINT is handled here rather than left to Python's default, which a process started
+    with SIGINT ignored (a background job, some CI runners) never installs.
+    """
+    previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code = command(args)
+    except ReshardError as e:
+        if args.debug:
+            raise
+        _fail(args.json, f"error: {e.render(FLAGS)}")
+        code = e.exit_code
+    except KeyboardInterrupt:
+        _fail(args.json, f"interrupted: {interrupted}")
+        code = 130
+    except BrokenPipeError:
+        # The reader of our output went away (e.g. `| head`): nothing left to say to anyone.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 1
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    raise typer.Exit(code)
 
 
-def _parser(*, plan_only: bool) -> argparse.ArgumentParser:
-    p = _ArgumentParser(
-        prog="qwen35-reshard plan" if plan_only else "qwen35-reshard",
-        description=(
-            "Show how MODEL splits into pipeline stages."
-            if plan_only
-            else "Split a Qwen3.5 MoE checkpoint into one Hugging Face directory per pipeline stage "
-            "(OUT/pp0, OUT/pp1, ...). Subcommands: plan, verify."
-        ),
-    )
-    p.add_argument(
-        "model", metavar="MODEL", help="checkpoint directory (plain or a HF cache snapshot) or Hub repo id"
-    )
-    p.add_argument("--revision", help="branch, tag or commit of a Hub repo (default: main)")
-    p.add_argument("--token", help="Hugging Face token (default: HF_TOKEN or the saved login)")
-    p.add_argument("--offline", action="store_true", help="use only the Hugging Face cache")
-    p.add_argument("out", metavar="OUT", type=Path, nargs="?" if plan_only else None, help="output directory")
-    p.add_argument("--pp", type=int, required=True, help="number of pipeline stages")
-    p.add_argument(
-        "--runtime",
-        choices=RUNTIMES,
-        default="sglang",
-        help="server whose split and placement rules apply (default: sglang)",
-    )
-    p.add_argument(
-        "--partition",
-        help="explicit layers per stage, e.g. 15,15,15,15, or 'balanced': the split whose fullest "
-        "stage holds the fewest bytes (default: the runtime's own split)",
-    )
-    p.add_argument(
-        "--gpu-memory",
-        type=_size,
-        metavar="SIZE",
-        help="with --partition balanced: size for serving on GPUs of this memory, e.g. 80GB "
-        "(maximise the requests the worst stage holds)",
-    )
-    p.add_argument("--tp", type=int, help="with --gpu-memory: tensor-parallel size of each stage (default 1)")
-    p.add_argument("--context-length", type=int, help="with --gpu-memory: tokens per request")
-    p.add_argument(
-        "--mem-fraction",
-        type=float,
-        help="with --gpu-memory: share of GPU memory the server uses for weights and cache (default 0.9)",
-    )
-    p.add_argument(
-        "--rank", type=int, action="append", help="build only this stage; repeat for several (default: all)"
-    )
-    p.add_argument(
-        "--no-mtp", action="store_true", help="leave mtp.* out on purpose (recorded in the manifest)"
-    )
-    p.add_argument(
-        "--max-file-size",
-        type=_size,
-        default=DEFAULT_MAX_FILE_BYTES,
-        metavar="SIZE",
-        help="largest output data file, e.g. 5GB or 500MB (default: 5GiB)",
-    )
-    if not plan_only:
-        p.add_argument(
-            "--dry-run", action="store_true", help="plan from the index and headers only; write nothing"
-        )
-        p.add_argument(
-            "--overwrite", action="store_true", help="replace a non-empty OUT that holds another split"
-        )
-        p.add_argument("--workers", type=int, default=2, help="source shards copied at once (default: 2)")
-        p.add_argument(
-            "--reflink",
-            choices=REFLINK_MODES,
-            default="auto",
-            help="share the source's blocks (XFS, Btrfs, ...) instead of copying: auto where the "
-            "filesystem can, always (refuse where it cannot), never (default: auto)",
-        )
-    p.add_argument("--json", action="store_true", help="print a machine-readable summary on stdout")
-    p.add_argument("--debug", action="store_true", help="show tracebacks")
-    p.add_argument("--version", action="version", version=f"qwen35-reshard {__version__}")
-    return p
+# --------------------------------------------------------------------------- options
 
-
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
+Runtime = enum.Enum("Runtime", {r: r for r in RUNTIMES}, type=str)
+Reflink = enum.Enum("Reflink", {m: m for m in REFLINK_MODES}, type=str)
 
 
 def _size(text: str) -> int:
-    """Parse a byte size such as ``5GB``, ``500MB``, ``4GiB`` or ``1048576``."""
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
-    if not m or m.group(2).upper() not in _UNITS or float(m.group(1)) <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 5GB, 500MB or 1048576")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
 
 
-def _capacity(args: argparse.Namespace) -> Capacity | None:
+def _version(value: bool) -> None:
+    if value:
+        print(f"{PROG} {__version__}")
+        raise typer.Exit()
+
+
+Model = Annotated[
+    str,
+    typer.Argument(
+        metavar="MODEL",
+        help="checkpoint directory (plain or a Hugging Face cache snapshot) or Hub repo id",
+        show_default=False,
+    ),
+]
+Pp = Annotated[int, typer.Option("--pp", metavar="N", help="number of pipeline stages", show_default=False)]
+RuntimeOpt = Annotated[
+    Runtime, typer.Option("--runtime", help="server whose split and placement rules apply")
+]
+Partition = Annotated[
+    str | None,
+    typer.Option(
+        "--partition",
+        metavar="SPEC",
+        help="explicit layers per stage, e.g. 15,15,15,15, or 'balanced': the split whose fullest "
+        "stage holds the fewest bytes  [default: the runtime's own split]",
+        show_default=False,
+    ),
+]
+GpuMemory = Annotated[
+    int | None,
+    typer.Option(
+        "--gpu-memory",
+        parser=_size,
+        metavar="SIZE",
+        help="with --partition balanced: size for serving on GPUs of this memory, e.g. 80GB "
+        "(maximise the requests the worst stage holds)",
+    ),
+]
+Tp = Annotated[
+    int | None,
+    typer.Option(
+        "--tp", metavar="N", help="with --gpu-memory: tensor-parallel size of each stage  [default: 1]"
+    ),
+]
+ContextLength = Annotated[
+    int | None,
+    typer.Option("--context-length", metavar="TOKENS", help="with --gpu-memory: tokens per request"),
+]
+MemFraction = Annotated[
+    float | None,
+    typer.Option(
+        "--mem-fraction",
+        metavar="FRACTION",
+        help="with --gpu-memory: share of GPU memory the server uses for weights and cache  [default: 0.9]",
+    ),
+]
+Rank = Annotated[
+    list[int] | None,
+    typer.Option("--rank", metavar="R", help="build only this stage; repeat for several  [default: all]"),
+]
+NoMtp = Annotated[
+    bool, typer.Option("--no-mtp", help="leave mtp.* out on purpose (recorded in the manifest)")
+]
+MaxFileSize = Annotated[
+    int,
+    typer.Option(
+        "--max-file-size", parser=_size, metavar="SIZE", help="largest output data file, e.g. 5GB or 500MB"
+    ),
+]
+Revision = Annotated[
+    str | None,
+    typer.Option("--revision", metavar="REV", help="branch, tag or commit of a Hub repo  [default: main]"),
+]
+Token = Annotated[
+    str | None,
+    typer.Option(
+        "--token", metavar="TOKEN", help="Hugging Face token  [default: HF_TOKEN or the saved login]"
+    ),
+]
+Offline = Annotated[bool, typer.Option("--offline", help="use only the Hugging Face cache")]
+Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="print only the launch line")]
+Json = Annotated[
+    bool, typer.Option("--json", help="print a machine-readable summary on stdout (human output on stderr)")
+]
+Debug = Annotated[bool, typer.Option("--debug", help="show tracebacks")]
+Version = Annotated[
+    bool,
+    typer.Option("--version", callback=_version, is_eager=True, help="print the version and exit"),
+]
+
+# 5GiB: the default said in the unit it was chosen in.
+_MAX_FILE_DEFAULT = f"{DEFAULT_MAX_FILE_BYTES // 2**30}GiB"
+
+_SPLIT_EXAMPLES = f"""Examples:
+
+\b
+  {PROG} split --pp 4 Qwen3.5-35B-A3B out
+  {PROG} --pp 4 Qwen3.5-35B-A3B out        # the same: split is the default
+  {PROG} split --pp 8 --runtime vllm --rank 3 Qwen/Qwen3.5-397B-A17B-FP8 out
+  {PROG} split --pp 4 --partition balanced --dry-run Qwen3.5-35B-A3B out
+  export $({PROG} split -q --pp 4 Qwen3.5-35B-A3B out)   # the partition"""
+
+_PLAN_EXAMPLES = f"""Examples:
+
+\b
+  {PROG} plan --pp 4 Qwen3.5-35B-A3B
+  {PROG} plan --pp 4 Qwen3.5-35B-A3B out   # and what a split would do in out
+  {PROG} plan --pp 16 --partition balanced --gpu-memory 80GB --tp 8 \\
+      --context-length 262144 Qwen/Qwen3.5-397B-A17B-FP8
+  {PROG} plan --pp 4 Qwen3.5-35B-A3B > plan.txt
+  export $({PROG} plan -q --pp 4 Qwen3.5-35B-A3B)   # the partition"""
+
+_VERIFY_EXAMPLES = f"""Examples:
+
+\b
+  {PROG} verify out
+  {PROG} verify out --source Qwen3.5-35B-A3B
+  {PROG} verify out/pp2 --source Qwen3.5-35B-A3B --repair
+  {PROG} verify out --json > report.json"""
+
+app = typer.Typer(
+    name=PROG,
+    epilog=f"""Examples:
+
+\b
+  {PROG} split --pp 4 Qwen3.5-35B-A3B out
+  {PROG} --pp 4 Qwen3.5-35B-A3B out        # the same: split is the default
+  {PROG} plan --pp 4 Qwen3.5-35B-A3B
+  {PROG} verify out --source Qwen3.5-35B-A3B
+  {PROG} --install-completion              # Tab completion in your shell""",
+    rich_markup_mode=None,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+COMMANDS = ("split", "plan", "verify")
+
+
+@app.callback()
+def _group(version: Version = False) -> None:
+    """Split a Qwen3.5 MoE checkpoint into one Hugging Face directory per pipeline stage
+    (OUT/pp0, OUT/pp1, ...). With no command named, runs split: `qwen35-reshard --pp 4 MODEL OUT`."""
+
+
+@app.command(epilog=_SPLIT_EXAMPLES)
+def split(
+    model: Model,
+    out: Annotated[Path, typer.Argument(metavar="OUT", help="output directory", show_default=False)],
+    pp: Pp,
+    runtime: RuntimeOpt = Runtime.sglang,
+    partition: Partition = None,
+    gpu_memory: GpuMemory = None,
+    tp: Tp = None,
+    context_length: ContextLength = None,
+    mem_fraction: MemFraction = None,
+    rank: Rank = None,
+    no_mtp: NoMtp = False,
+    max_file_size: MaxFileSize = _MAX_FILE_DEFAULT,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="plan from the index and headers only; write nothing")
+    ] = False,
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="replace a non-empty OUT that holds another split")
+    ] = False,
+    workers: Annotated[
+        int, typer.Option("--workers", metavar="N", help="source shards copied at once")
+    ] = DEFAULT_WORKERS,
+    reflink: Annotated[
+        Reflink,
+        typer.Option(
+            "--reflink",
+            help="share the source's blocks (XFS, Btrfs, ...) instead of copying: auto where the "
+            "filesystem can, always (refuse where it cannot), never",
+        ),
+    ] = Reflink.auto,
+    revision: Revision = None,
+    token: Token = None,
+    offline: Offline = False,
+    quiet: Quiet = False,
+    json_: Json = False,
+    debug: Debug = False,
+    version: Version = False,
+) -> None:
+    """Split MODEL into OUT/pp0, OUT/pp1, ...: one Hugging Face directory per pipeline stage,
+    byte for byte, resumable. Prints the launch line for the server."""
+    args = SimpleNamespace(**{k: v for k, v in locals().items() if k != "json_"}, json=json_)
+    _run_guarded(
+        _reshard,
+        args,
+        "nothing was written"
+        if dry_run
+        else "unfinished files were removed; run the same command again to resume",
+    )
+
+
+@app.command(epilog=_PLAN_EXAMPLES)
+def plan(
+    model: Model,
+    pp: Pp,
+    out: Annotated[
+        Path | None,
+        typer.Argument(
+            metavar="OUT",
+            help="an output directory: also say what a split would do there",
+            show_default=False,
+        ),
+    ] = None,
+    runtime: RuntimeOpt = Runtime.sglang,
+    partition: Partition = None,
+    gpu_memory: GpuMemory = None,
+    tp: Tp = None,
+    context_length: ContextLength = None,
+    mem_fraction: MemFraction = None,
+    rank: Rank = None,
+    no_mtp: NoMtp = False,
+    max_file_size: MaxFileSize = _MAX_FILE_DEFAULT,
+    revision: Revision = None,
+    token: Token = None,
+    offline: Offline = False,
+    quiet: Quiet = False,
+    json_: Json = False,
+    debug: Debug = False,
+    version: Version = False,
+) -> None:
+    """Show how MODEL splits into pipeline stages (from its index and headers); write nothing."""
+    args = SimpleNamespace(
+        **{k: v for k, v in locals().items() if k != "json_"},
+        json=json_,
+        dry_run=True,
+        overwrite=False,
+        workers=DEFAULT_WORKERS,
+        reflink=Reflink.auto,
+    )
+    _run_guarded(_reshard, args, "nothing was written")
+
+
+@app.command(epilog=_VERIFY_EXAMPLES)
+def verify(
+    out: Annotated[
+        Path,
+        typer.Argument(
+            metavar="OUT", help="the run directory, or one stage directory (OUT/pp2)", show_default=False
+        ),
+    ],
+    source: Annotated[
+        str | None,
+        typer.Option("--source", metavar="MODEL", help="the checkpoint the split was made from"),
+    ] = None,
+    repair: Annotated[
+        bool,
+        typer.Option(
+            "--repair",
+            help="rewrite from --source exactly the files found damaged, missing or truncated, "
+            "then verify again",
+        ),
+    ] = False,
+    revision: Revision = None,
+    token: Token = None,
+    offline: Offline = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="print only the problems found")] = False,
+    json_: Annotated[
+        bool, typer.Option("--json", help="print the full report as JSON on stdout (human output on stderr)")
+    ] = False,
+    debug: Debug = False,
+    version: Version = False,
+) -> None:
+    """Check a split: every stage's files (strict safetensors), index, config.json and manifest,
+    and every tensor's bytes. With --source, also that every source tensor is exactly where the
+    plan puts it, with identical bytes. Exit 0 when all is well, 1 when something is missing,
+    extra, different, corrupt or incomplete, 2 for bad input."""
+    args = SimpleNamespace(**{k: v for k, v in locals().items() if k != "json_"}, json=json_)
+    _run_guarded(
+        _verify,
+        args,
+        "files rewritten so far are complete; run the same command again to finish the repair"
+        if repair
+        else "nothing was written",
+    )
+
+
+# --------------------------------------------------------------------------- split and plan
+
+
+def _capacity(args: SimpleNamespace) -> Capacity | None:
     """Capacity mode's settings, or None; each of its options needs --gpu-memory and balanced."""
     given = [
         f"--{k.replace('_', '-')}"
@@ -213,25 +462,35 @@ def _capacity(args: argparse.Namespace) -> Capacity | None:
     )
 
 
-def _reshard(args: argparse.Namespace) -> int:
+def _consoles(args: SimpleNamespace) -> tuple[object, object]:
+    """(results, progress): results on stdout, or on stderr beside ``--json``; progress on stderr."""
     from rich.console import Console
 
+    progress = Console(stderr=True)
+    return (progress if args.json else Console(soft_wrap=False)), progress
+
+
+def _reshard(args: SimpleNamespace) -> int:
+    """``split`` and ``plan``: plan, show the plan, and (unless a dry run) write it."""
+    from ..source import hub
+    from ..write.writer import Reporter, check_out_dir
     from .report import (
         RichReporter,
         balance_table,
         balance_verdict,
         fetch_line,
+        out_line,
         plan_table,
         shares_line,
         summary,
     )
 
-    console = Console(stderr=True)
-    from ..source import hub
+    results, progress = _consoles(args)
+    say = (lambda *a, **k: None) if args.quiet else results.print
 
     if args.out is not None and Path(args.model).is_dir():
         check_out_dir(Path(args.model), args.out)
-    if getattr(args, "workers", 1) < 1:
+    if args.workers < 1:
         raise ReshardError(f"--workers must be at least 1, got {args.workers}")
     capacity = _capacity(args)
     # Reading and planning make a few small objects per tensor (~190,000 tensors for a
@@ -250,7 +509,7 @@ def _reshard(args: argparse.Namespace) -> int:
         choice = None
         if args.partition == "balanced":
             choice = choose(
-                ckpt, pp=args.pp, runtime=args.runtime, keep_mtp=not args.no_mtp, capacity=capacity
+                ckpt, pp=args.pp, runtime=args.runtime.value, keep_mtp=not args.no_mtp, capacity=capacity
             )
             partition = list(choice.partition)
         elif args.partition is not None:
@@ -260,7 +519,7 @@ def _reshard(args: argparse.Namespace) -> int:
         plan = make_plan(
             ckpt,
             pp=args.pp,
-            runtime=args.runtime,
+            runtime=args.runtime.value,
             partition=partition,
             ranks=args.rank,
             keep_mtp=not args.no_mtp,
@@ -268,58 +527,75 @@ def _reshard(args: argparse.Namespace) -> int:
         )
     finally:
         gc.enable()
-    console.print(plan_table(plan))
+    say(plan_table(plan))
     if choice is not None:
-        console.print(balance_table(choice, plan.runtime))
+        say(balance_table(choice, plan.runtime))
         for line in balance_verdict(choice):
-            console.print(line, highlight=False)
+            say(line, highlight=False)
     if args.dry_run:
-        console.print(shares_line(plan), highlight=False)
+        say(shares_line(plan), highlight=False)
         fetch = None
         if repo is not None:
             fetch = hub.fetch_report(plan, hub.HubFetcher(repo, ckpt, hub.needed_by(plan), traffic=traffic))
-            console.print(fetch_line(fetch, planned=True), highlight=False)
-        console.print(f"dry run: nothing written. Launch with [bold]{plan.launch_env}[/]", highlight=False)
-        _print_json(args, "dry_run", plan, None, 0.0, fetch=fetch, choice=choice)
+            say(fetch_line(fetch, planned=True), highlight=False)
+        state = None
+        if args.out is not None:
+            # What a real run would do in OUT: the writer's own decision, a refusal included.
+            try:
+                state = assess_out(plan, args.out, overwrite=args.overwrite)
+                say(out_line(plan, args.out, state), highlight=False, soft_wrap=True)
+            except ReshardError as e:
+                refusal = f"{args.out}: a real run would refuse: {e.render(FLAGS)}"
+                say(refusal, highlight=False, soft_wrap=True)
+        launch = f"dry run: nothing written. Launch with [bold]{plan.launch_env}[/]"
+        say(launch, highlight=False, soft_wrap=True)
+        if args.quiet:
+            results.print(plan.launch_env, highlight=False, markup=False, soft_wrap=True)
+        complete = list(state.complete) if state is not None else []
+        _print_json(args, "dry_run", plan, complete, None, 0.0, fetch=fetch, choice=choice)
         return 0
-    reporter = RichReporter(console)
+    reporter = Reporter() if args.quiet else RichReporter(progress)
     started = time.monotonic()
     fetcher = None
     if repo is not None:
         needed = hub.needed_by(plan)
-        fetcher = hub.HubFetcher(repo, ckpt, needed, traffic=traffic, on_fetched=reporter.fetched)
-        reporter.expect_downloads(fetcher.download_bytes)
+        on_fetched = reporter.fetched if isinstance(reporter, RichReporter) else None
+        fetcher = hub.HubFetcher(repo, ckpt, needed, traffic=traffic, on_fetched=on_fetched)
+        if isinstance(reporter, RichReporter):
+            reporter.expect_downloads(fetcher.download_bytes)
     try:
         if fetcher is not None:
             fetcher.prepare()
-        try:
-            result = write_plan(
-                plan,
-                args.out,
-                overwrite=args.overwrite,
-                workers=args.workers,
-                reporter=reporter,
-                open_source=fetcher.open if fetcher is not None else None,
-                reflink=args.reflink,
-            )
-        except ReshardError:
-            raise
+        result = write_plan(
+            plan,
+            args.out,
+            overwrite=args.overwrite,
+            workers=args.workers,
+            reporter=reporter,
+            open_source=fetcher.open if fetcher is not None else None,
+            reflink=args.reflink.value,
+        )
     finally:
-        reporter.close()
+        if isinstance(reporter, RichReporter):
+            reporter.close()
     seconds = time.monotonic() - started
-    summary(console, plan, result, str(args.out), seconds)
     fetch = hub.fetch_report(plan, fetcher) if fetcher is not None else None
-    if fetch is not None:
-        console.print(fetch_line(fetch), highlight=False)
+    if args.quiet:
+        results.print(plan.launch_env, highlight=False, markup=False, soft_wrap=True)
+    else:
+        summary(results, plan, result, str(args.out), seconds)
+        if fetch is not None:
+            results.print(fetch_line(fetch), highlight=False)
     status = "nothing_to_do" if result.nothing_to_do else "ok"
-    _print_json(args, status, plan, result, seconds, fetch=fetch, choice=choice)
+    _print_json(args, status, plan, result.complete, result, seconds, fetch=fetch, choice=choice)
     return 0
 
 
 def _print_json(
-    args: argparse.Namespace,
+    args: SimpleNamespace,
     status: str,
     plan: Plan,
+    complete: list[int],
     result: WriteResult | None,
     seconds: float,
     fetch: dict | None = None,
@@ -327,16 +603,8 @@ def _print_json(
 ) -> None:
     if not args.json:
         return
-    identity = manifest.RunIdentity.of_plan(plan)
-    known = {*result.built, *result.already_complete} if result is not None else set()
-    complete = [
-        s.rank
-        for s in plan.stages
-        if s.rank in known
-        or (args.out is not None and manifest.stage_is_complete(args.out / s.dirname, identity))
-    ]
     doc = {"status": status, "out": str(args.out) if args.out else None}
-    doc.update(manifest.run_manifest(plan, complete=complete))
+    doc.update(ondisk.run_manifest(plan, complete=complete))
     if choice is not None:
         doc["balanced"] = choice.to_dict()
     if result is not None:
@@ -353,41 +621,16 @@ def _print_json(
     print(json.dumps(doc, indent=2))
 
 
-def _verify_parser() -> argparse.ArgumentParser:
-    """The ``qwen35-reshard verify`` command line."""
-    p = _ArgumentParser(
-        prog="qwen35-reshard verify",
-        description=(
-            "Check a split: every stage's files (strict safetensors), index, config.json and manifest, "
-            "and every tensor's bytes. With --source, also that every source tensor is exactly where "
-            "the plan puts it, with identical bytes. Exit 0 when all is well, 1 when something is "
-            "missing, extra, different, corrupt or incomplete, 2 for bad input."
-        ),
-    )
-    p.add_argument(
-        "out", metavar="OUT", type=Path, help="the run directory, or one stage directory (OUT/pp2)"
-    )
-    p.add_argument("--source", metavar="MODEL", help="the checkpoint the split was made from")
-    p.add_argument(
-        "--repair",
-        action="store_true",
-        help="rewrite from --source exactly the files found damaged, missing or truncated, then verify again",
-    )
-    p.add_argument("--revision", help="branch, tag or commit of a Hub repo (default: main)")
-    p.add_argument("--token", help="Hugging Face token (default: HF_TOKEN or the saved login)")
-    p.add_argument("--offline", action="store_true", help="use only the Hugging Face cache")
-    p.add_argument("--json", action="store_true", help="print the full report as JSON on stdout")
-    p.add_argument("--debug", action="store_true", help="show tracebacks")
-    p.add_argument("--version", action="version", version=f"qwen35-reshard {__version__}")
-    return p
+# --------------------------------------------------------------------------- verify
 
 
-def _verify(args: argparse.Namespace) -> int:
-    """Run ``verify`` for parsed ``args``: human report on stderr, ``--json`` on stdout."""
+def _verify(args: SimpleNamespace) -> int:
+    """``verify``: the report on stdout (stderr beside ``--json``), the JSON report with ``--json``."""
     from ..source import hub
     from ..verify import verify
     from .report import verify_lines
 
+    out = sys.stderr if args.json else sys.stdout
     if args.repair:
         if args.source is None:
             raise ReshardError("--repair rewrites files from the checkpoint: pass --source MODEL")
@@ -395,16 +638,17 @@ def _verify(args: argparse.Namespace) -> int:
 
         result = repair(args.out, Path(args.source))
         if not result.before.ok:
-            for line in verify_lines(result.before)[:-1]:
-                print(line, file=sys.stderr)
+            for line in verify_lines(result.before, problems_only=args.quiet)[:-1]:
+                print(line, file=out)
             for path in result.rewritten:
-                print(f"repaired: {path}", file=sys.stderr)
+                print(f"repaired: {path}", file=out)
         report = result.after
     else:
         settings = hub.HubSettings(revision=args.revision, token=args.token, offline=args.offline)
         report = verify(args.out, args.source, hub_settings=settings)
-    for line in verify_lines(report):
-        print(line, file=sys.stderr)
+    for line in verify_lines(report, problems_only=args.quiet):
+        print(line, file=out)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     return 0 if report.ok else 1
+

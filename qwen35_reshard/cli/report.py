@@ -1,67 +1,79 @@
-"""What the CLI shows people: the plan table, copy progress, and the closing summary.
+"""What the CLI shows people: the plan table, copy progress, the closing summary, verify's report.
 
-Everything here goes to stderr through rich, so stdout stays free for ``--json``.
+Sizes are decimal, through :func:`units.format_bytes` (the bar, the table, the summary and
+verify alike); counts through :func:`units.plural`. Tables fit an 80-column terminal.
 """
 
 from __future__ import annotations
 
 import shlex
 from collections.abc import Sequence
+from pathlib import Path
 
 from rich import box
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
+from rich.progress import BarColumn, Progress, ProgressColumn, Task, TextColumn, TimeRemainingColumn
 from rich.table import Table
+from rich.text import Text
 
 from ..model import names
 from ..plan.balance import Choice, StageLoad
 from ..plan.planner import Plan, StagePlan
+from ..units import format_bytes, plural
 from ..verify import Finding, VerifyReport
-from ..write.writer import Reporter, WriteResult
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    raise AssertionError("unreachable")
+from ..write.writer import OutState, Reporter, WriteResult
 
 
 def plan_table(plan: Plan) -> Table:
-    """One row per stage: layers, tensors, bytes, source shards read, and extra roles."""
+    """One row per stage: layers, tensors, size, output files, source shards read, extra roles
+    and whether this run builds it; within 80 columns up to pp=16 (numbers never wrap)."""
     ckpt = plan.checkpoint
     table = Table(
-        title=f"{ckpt.display}: {ckpt.num_layers} layers, {len(ckpt.tensors)} tensors, "
-        f"{len(ckpt.files)} shards -> pp={plan.pp} ({plan.runtime})",
+        title=f"{ckpt.display}: {plural(ckpt.num_layers, 'layer')}, {plural(len(ckpt.tensors), 'tensor')}, "
+        f"{plural(len(ckpt.files), 'shard')} -> pp={plan.pp} ({plan.runtime})",
         title_justify="left",
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        padding=(0, 1, 0, 0),
+        pad_edge=False,
     )
-    for col in ("stage", "layers", "tensors", "bytes", "files", "shards read", "also", "build"):
-        table.add_column(col, justify="right" if col in ("tensors", "bytes", "files") else "left")
+    # "shards": source shards the stage reads, of all; "also": its roles besides decoder layers.
+    for col in ("stage", "layers", "tensors", "size", "files", "shards", "also", "build"):
+        numeric = col in ("tensors", "size", "files", "shards")
+        table.add_column(col, justify="right" if numeric else "left", no_wrap=col != "also")
+    skipped = False
     for s in plan.stages:
+        skipped |= s.rank not in plan.ranks
         table.add_row(
             s.dirname,
             f"{s.start_layer}-{s.end_layer - 1} ({s.end_layer - s.start_layer})",
             str(len(s.tensors)),
-            human_bytes(s.size),
+            format_bytes(s.size),
             str(len(s.files)),
-            _shard_list(s, len(ckpt.files)),
+            f"{len(s.source_files)}/{len(ckpt.files)}",
             ", ".join(s.extras) or "-",
-            "yes" if s.rank in plan.ranks else "no (not in --rank)",
+            "yes" if s.rank in plan.ranks else "no",
         )
+    if skipped:
+        table.caption = "build no: not selected by --rank"
+        table.caption_justify = "left"
     return table
 
 
-def _shard_list(stage: StagePlan, total: int) -> str:
-    files = stage.source_files
-    return f"{len(files)}/{total}" + (f" ({files[0]})" if len(files) == 1 else "")
+class _BytesColumn(ProgressColumn):
+    """``done / total`` in the tool's decimal units."""
+
+    def render(self, task: Task) -> Text:
+        total = format_bytes(task.total) if task.total is not None else "?"
+        return Text(f"{format_bytes(task.completed)} / {total}", style="progress.download")
+
+
+class _RateColumn(ProgressColumn):
+    """Bytes per second in the tool's decimal units."""
+
+    def render(self, task: Task) -> Text:
+        speed = task.finished_speed or task.speed
+        return Text("?" if speed is None else f"{format_bytes(speed)}/s", style="progress.data.speed")
 
 
 class RichReporter(Reporter):
@@ -73,8 +85,8 @@ class RichReporter(Reporter):
         self.progress = Progress(
             TextColumn("{task.description}"),
             BarColumn(),
-            DownloadColumn(),
-            TransferSpeedColumn(),
+            _BytesColumn(),
+            _RateColumn(),
             TimeRemainingColumn(),
             console=console,
             transient=False,
@@ -102,9 +114,8 @@ class RichReporter(Reporter):
 
     def stage_done(self, stage: StagePlan) -> None:
         self.close()  # copying is over once stages finish; the bar stays as the last record
-        self.console.print(
-            f"[green]done[/] {stage.dirname}: {len(stage.tensors)} tensors, {human_bytes(stage.size)}"
-        )
+        tensors = plural(len(stage.tensors), "tensor")
+        self.console.print(f"[green]done[/] {stage.dirname}: {tensors}, {format_bytes(stage.size)}")
 
     def close(self) -> None:
         if self.progress.live.is_started:
@@ -133,9 +144,30 @@ def shares_line(plan: Plan) -> str:
     size = sum(s.size for s in plan.selected)
     share = sum(s.shareable_bytes for s in plan.selected)
     return (
-        f"reflink: {human_bytes(share)} of {human_bytes(size)} shareable "
-        f"({100 * share / max(size, 1):.2f}%), {human_bytes(size - share)} to copy"
+        f"reflink: {format_bytes(share)} of {format_bytes(size)} shareable "
+        f"({100 * share / max(size, 1):.2f}%), {format_bytes(size - share)} to copy"
     )
+
+
+def out_line(plan: Plan, out: Path, state: OutState) -> str:
+    """What a real run of ``plan`` would do in ``out``, as :func:`assess_out` decided."""
+    todo = [f"pp{s.rank}" for s in plan.selected if s.rank not in state.complete]
+    if state.action == "new":
+        return f"{out}: new or empty: a real run writes {', '.join(todo)}"
+    if state.action == "complete":
+        return f"{out} already holds this split: a real run has nothing to do"
+    if state.action == "replace":
+        return (
+            f"{out} holds a split made with other settings ({state.differences}): a real run with "
+            f"--overwrite replaces it and writes {', '.join(todo)}"
+        )
+    done = [f"pp{s.rank}" for s in plan.selected if s.rank in state.complete]
+    kept = [f"the complete {', '.join(done)}"] if done else []
+    if state.files_kept:
+        kept.append(f"{plural(state.files_kept, 'finished data file')} of {', '.join(todo)}")
+    keeping = f"keeping {' and '.join(kept)}, " if kept else ""
+    writes = f"writes {', '.join(todo)}" if todo else "writes the run manifest"
+    return f"{out} holds an unfinished run of this split: a real run resumes it, {keeping}and {writes}"
 
 
 def summary(console: Console, plan: Plan, result: WriteResult, out: str, seconds: float) -> None:
@@ -150,14 +182,16 @@ def summary(console: Console, plan: Plan, result: WriteResult, out: str, seconds
         )
     else:
         rate = result.bytes_copied / seconds if seconds > 0 else 0.0
-        kept = f", {result.files_kept} files kept from an earlier run" if result.files_kept else ""
-        shared = f", {human_bytes(result.bytes_shared)} shared with the source" if result.sharing else ""
+        kept = (
+            f", {plural(result.files_kept, 'file')} kept from an earlier run" if result.files_kept else ""
+        )
+        shared = f", {format_bytes(result.bytes_shared)} shared with the source" if result.sharing else ""
         console.print(
             f"[bold green]wrote[/] {', '.join(f'pp{r}' for r in result.built)} in {seconds:.1f} s: "
-            f"{human_bytes(result.bytes_copied)} copied at {human_bytes(rate)}/s{shared}{kept}"
+            f"{format_bytes(result.bytes_copied)} copied at {format_bytes(rate)}/s{shared}{kept}"
         )
     if plan.dropped:
-        console.print(f"left out on purpose (--no-mtp): {len(plan.dropped)} mtp.* tensors")
+        console.print(f"left out on purpose (--no-mtp): {plural(len(plan.dropped), 'mtp.* tensor')}")
     console.print("Launch each stage R on its node with exactly this partition:")
     console.print(f"  [bold]{plan.launch_env}[/]", soft_wrap=True, highlight=False)
     for line in launch_lines(plan, out):
@@ -168,21 +202,21 @@ def fetch_line(fetch: dict, *, planned: bool = False) -> str:
     """What this node fetched from the Hub (or, ``planned``, would fetch for the stages
     selected), against the whole checkpoint."""
     hows = list(fetch["shards"].values())
-    counts = ", ".join(f"{hows.count(h)} {label}" for h, label in _HOWS if hows.count(h))
-    total = human_bytes(fetch["checkpoint_bytes"])
+    counts = ", ".join(f"{plural(hows.count(h), 'shard')} {label}" for h, label in _HOWS if hows.count(h))
+    total = format_bytes(fetch["checkpoint_bytes"])
     if planned:
-        return f"a split would fetch {human_bytes(fetch['shard_bytes_to_fetch'])} of {total} ({counts})"
-    return (
-        f"fetched {human_bytes(fetch['fetched_bytes'])} of {total} in {fetch['requests']} requests "
-        f"({counts or 'no shards'})"
-    )
+        return f"a split would fetch {format_bytes(fetch['shard_bytes_to_fetch'])} of {total} ({counts})"
+    requests = plural(fetch["requests"], "request")
+    fetched = format_bytes(fetch["fetched_bytes"])
+    return f"fetched {fetched} of {total} in {requests} ({counts or 'no shards'})"
 
 
-_HOWS = (("whole", "shards downloaded whole"), ("ranges", "by byte ranges"), ("cache", "from the cache"))
+_HOWS = (("whole", "downloaded whole"), ("ranges", "by byte ranges"), ("cache", "from the cache"))
 
 
-def verify_lines(report: VerifyReport, *, per_stage: int = 20) -> list[str]:
-    """One line per stage, up to ``per_stage`` findings each, and a closing verdict."""
+def verify_lines(report: VerifyReport, *, per_stage: int = 20, problems_only: bool = False) -> list[str]:
+    """One line per stage, up to ``per_stage`` findings each, and a closing verdict; with
+    ``problems_only``, only the findings, their stages and the verdict of a failed check."""
     lines = []
     by_stage: dict[str | None, list[Finding]] = {}
     for f in report.findings:
@@ -191,29 +225,35 @@ def verify_lines(report: VerifyReport, *, per_stage: int = 20) -> list[str]:
         lines.append(f"  {f.kind}: {f.message}")
     for s in report.stages:
         found = by_stage.pop(s.stage, [])
-        state = "ok" if not found else f"{len(found)} problem(s)"
+        if problems_only and not found:
+            continue
+        state = "ok" if not found else plural(len(found), "problem")
+        unrecorded = (
+            f"; {format_bytes(s.bytes_unrecorded)} more shared with the source when split have no digest "
+            "to compare with: add --source MODEL to compare them with the source"
+            if s.bytes_unrecorded and report.source is None
+            else ""
+        )
         lines.append(
-            f"{s.path}: {state} ({s.tensors} tensors in {s.files} files, {s.bytes_hashed} bytes hashed"
-            + (
-                f"; {s.bytes_unrecorded} more bytes shared with the source when split have no digest "
-                "to compare with: add --source MODEL to compare them with the source)"
-                if s.bytes_unrecorded and report.source is None
-                else ")"
-            )
+            f"{s.path}: {state} ({plural(s.tensors, 'tensor')} in {plural(s.files, 'file')}, "
+            f"{format_bytes(s.bytes_hashed)} hashed{unrecorded})"
         )
         lines += [f"  {f.kind}: {f.message}" for f in found[:per_stage]]
         if len(found) > per_stage:
             lines.append(f"  ... and {len(found) - per_stage} more (see --json)")
     for found in by_stage.values():  # stages recorded but absent
         lines += [f"  {f.kind}: {f.message}" for f in found]
-    if report.not_built:
+    if report.not_built and not problems_only:
         lines.append(f"not built here (--rank): {', '.join(f'pp{r}' for r in report.not_built)}")
     against = f" against {report.source}" if report.source else ""
     if report.ok:
-        lines.append(f"verify OK: {report.target}{against}, {len(report.stages)} stage(s)")
+        if not problems_only:
+            lines.append(f"verify OK: {report.target}{against}, {plural(len(report.stages), 'stage')}")
     else:
         counts = ", ".join(f"{n} {k}" for k, n in report.counts().items() if n)
-        lines.append(f"verify FAILED: {report.target}{against}: {len(report.findings)} problem(s): {counts}")
+        lines.append(
+            f"verify FAILED: {report.target}{against}: {plural(len(report.findings), 'problem')}: {counts}"
+        )
         lines.append(f"to rebuild the damaged files from the source: {repair_command(report)}")
     return lines
 

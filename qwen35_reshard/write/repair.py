@@ -20,7 +20,7 @@ from ..plan.planner import MTP_DROPPED, Plan, make_plan
 from ..source.checkpoint import Checkpoint, read_checkpoint
 from ..stage import Finding, read_manifest, read_run_record, stage_dir_rank
 from ..verify import VerifyReport, verify
-from .writer import repair_files
+from .writer import DEFAULT_WORKERS, repair_files
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class RepairResult:
 
 
 def repair(
-    out_dir: str | os.PathLike[str], source: str | os.PathLike[str], *, workers: int = 1
+    out_dir: str | os.PathLike[str], source: str | os.PathLike[str], *, workers: int = DEFAULT_WORKERS
 ) -> RepairResult:
     """Verify the split in ``out_dir`` against ``source``, rewrite what is damaged, verify again.
 
@@ -54,10 +54,9 @@ def repair(
             "repair rewrites files from the checkpoint the split was made from: pass that one"
         )
     plan = _plan(ckpt, identity)
-    files, run_manifest = _damaged(before, plan)
-    rewritten = [
-        str(out / p) for p in repair_files(plan, out, files, run_manifest=run_manifest, workers=workers)
-    ]
+    files, redo_run_manifest = _damaged(before, plan)
+    done = repair_files(plan, out, files, rewrite_run_manifest=redo_run_manifest, workers=workers)
+    rewritten = [str(out / p) for p in done]
     return RepairResult(before, rewritten, verify(target, source))
 
 

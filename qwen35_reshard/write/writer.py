@@ -54,8 +54,7 @@ from ..transfer import RangeSource, Segment, copy_segments
 from ..units import format_bytes
 
 REFLINK_MODES = ("auto", "always", "never")
-
-
+DEFAULT_WORKERS = 2  # source shards copied at once: the library's default and the CLI's
 
 class Reporter:
     """Progress callbacks of a write; the default reports nothing. May be called from threads."""
@@ -77,10 +76,30 @@ class WriteResult:
     bytes_copied: int = 0  # bytes of the data files written by copying
     bytes_shared: int = 0  # bytes of the data files sharing the source's blocks (never read)
     sharing: bool = False  # OUT could share blocks with the source
+    complete: list[int] = field(default_factory=list)  # every stage of the split complete in OUT now
 
     @property
     def nothing_to_do(self) -> bool:
         return not self.built
+
+
+@dataclass(frozen=True)
+class OutState:
+    """What a write of a plan does in OUT, decided before anything is written (:func:`assess_out`).
+
+    ``action`` is "new" (OUT is absent or empty), "complete" (nothing to do), "resume" (an
+    unfinished run with the same settings: its finished stages and data files are kept) or
+    "replace" (a split made with other settings, replaced as ``overwrite`` allows).
+    """
+
+    action: str
+    complete: tuple[int, ...] = ()  # stages of the split (selected or not) already complete
+    kept: dict[int, dict[str, dict[str, str | None]]] = field(default_factory=dict)  # rank -> file -> digests
+    differences: str = ""  # "replace": the settings that differ, old -> new
+
+    @property
+    def files_kept(self) -> int:
+        return sum(len(files) for files in self.kept.values())
 
 
 @dataclass
@@ -98,7 +117,7 @@ def write_plan(
     out_dir: str | os.PathLike[str],
     *,
     overwrite: bool = False,
-    workers: int = 1,
+    workers: int = DEFAULT_WORKERS,
     reporter: Reporter | None = None,
     open_source: Callable[[str], str | RangeSource] | None = None,
     reflink: str = "auto",
@@ -119,18 +138,15 @@ def write_plan(
     out = Path(out_dir)
     identity = RunIdentity.of_plan(plan)
     try:
-        created = _prepare_out(plan, out, identity, overwrite=overwrite)
+        state = assess_out(plan, out, overwrite=overwrite, open_source=open_source)
+        created = _prepare_out(plan, out, state)
     except OSError as e:  # OUT cannot be created or read: nothing was written
         raise _write_error(e, out, 0) from e
 
-    result = WriteResult()
-    todo = []
-    for stage in plan.selected:
-        if stage_is_complete(out / stage.dirname, identity):
-            result.already_complete.append(stage.rank)
-        else:
-            todo.append(stage)
-    if not todo and (out / RUN_MANIFEST).exists():
+    result = WriteResult(complete=list(state.complete))
+    result.already_complete = [s.rank for s in plan.selected if s.rank in state.complete]
+    todo = [s for s in plan.selected if s.rank not in state.complete]
+    if state.action == "complete":
         _remove(out / RUN_MARKER)  # left if a run was killed between its last two steps
         return result
 
@@ -144,7 +160,9 @@ def write_plan(
         _remove(out / RUN_MANIFEST)
         to_write: list[tuple[StagePlan, OutputFile]] = []
         for stage in todo:
-            kept, digests[stage.rank] = _resume_stage(plan, out / stage.dirname, stage, open_source)
+            kept = state.kept.get(stage.rank, {})
+            _resume_stage(out / stage.dirname, stage, kept)
+            digests[stage.rank] = {t: d for file in kept.values() for t, d in file.items()}
             result.files_kept += len(kept)
             to_write += [(stage, f) for f in stage.files if f.name not in kept]
         # Sharing needs the source on this machine: not for a source read from the Hub.
@@ -166,13 +184,8 @@ def write_plan(
         # the config and the tokenizer there (and refuses a split for SGLang in the plugin, with
         # the shim's message), each rank's weights from OUT/pp{rank}.
         _copy_side_files(plan, out)
-        known = {*result.built, *result.already_complete}
-        complete = [
-            s.rank
-            for s in plan.stages
-            if s.rank in known or stage_is_complete(out / s.dirname, identity)
-        ]
-        _write_atomic(out / RUN_MANIFEST, dumps(ondisk.run_manifest(plan, complete)))
+        result.complete = sorted({*state.complete, *result.built})
+        _write_atomic(out / RUN_MANIFEST, dumps(ondisk.run_manifest(plan, result.complete)))
         _remove(out / RUN_MARKER)
         _fsync_dir(out)
     except OSError as e:  # a full disk, a file-size limit, ... while writing anything
@@ -189,8 +202,8 @@ def repair_files(
     out_dir: str | os.PathLike[str],
     files: dict[int, set[str]],
     *,
-    run_manifest: bool = False,
-    workers: int = 1,
+    rewrite_run_manifest: bool = False,
+    workers: int = DEFAULT_WORKERS,
     reporter: Reporter | None = None,
 ) -> list[str]:
     """Rewrite from the source exactly ``files`` of a finished split in ``out_dir``.
@@ -198,7 +211,7 @@ def repair_files(
     ``files`` maps a stage rank to names in its directory: its data files (rewritten from the
     plan), or its index, manifest, config.json or another side file (then the stage's
     non-weight files, manifest and index are written again, the manifest's digests taken from
-    the data files). ``run_manifest`` rewrites ``reshard.json`` too. Every other file is left
+    the data files). ``rewrite_run_manifest`` rewrites ``reshard.json`` too. Every other file is left
     untouched; each rewritten one is replaced atomically, so a stage whose manifest and index
     are intact stays consistent throughout. Returns the paths rewritten, relative to OUT.
     """
@@ -234,7 +247,7 @@ def repair_files(
                 done += [f"{stage.dirname}/{n}" for n in meta]
             else:
                 _remove(stage_dir / JOURNAL)  # a finished stage holds none
-        if run_manifest:
+        if rewrite_run_manifest:
             complete = [s.rank for s in plan.stages if stage_is_complete(out / s.dirname)]
             _write_atomic(out / RUN_MANIFEST, dumps(ondisk.run_manifest(plan, complete)))
             done.append(RUN_MANIFEST)
@@ -279,43 +292,73 @@ def _can_share(plan: Plan, out: Path, to_write: list[tuple[StagePlan, OutputFile
     return ok and bool(shareable)
 
 
-def _prepare_out(plan: Plan, out: Path, identity: RunIdentity, *, overwrite: bool) -> list[Path]:
-    """Create OUT if needed and check that this run may write into it.
+def assess_out(
+    plan: Plan,
+    out_dir: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+    open_source: Callable[[str], str | RangeSource] | None = None,
+) -> OutState:
+    """What writing ``plan`` into ``out_dir`` would do there, without writing anything.
 
-    Returns the directories created (OUT and any missing parents, outermost first).
+    The one decision both a real run (:func:`write_plan`) and a preview (``plan``, ``--dry-run``)
+    take: raises ReshardError where a run refuses (OUT is a file, holds files this tool did not
+    write, or a split made with other settings and not ``overwrite``).
     """
+    out = Path(out_dir)
     check_out_dir(plan.checkpoint.root, out)
     if out.exists() and not out.is_dir():
         raise ReshardError(f"{param('out_dir')} {out} exists and is not a directory")
-    created = _make_dirs(out)
     # A run killed while writing its marker or run manifest leaves only their temporary files:
     # ours, never worth keeping, and they must not make OUT look foreign to the next run.
+    ours = {f".{name}{PARTIAL_SUFFIX}" for name in (RUN_MARKER, RUN_MANIFEST)}
+    entries = sorted(p for p in out.iterdir() if p.name not in ours) if out.is_dir() else []
+    if not entries:
+        return OutState("new")
+    identity = RunIdentity.of_plan(plan)
+    recorded = read_run_identity(out / RUN_MARKER) or read_run_identity(out / RUN_MANIFEST)
+    if recorded != identity:
+        foreign = [
+            p.name
+            for p in entries
+            if not STAGE_DIR.fullmatch(p.name)
+            and p.name not in (RUN_MARKER, RUN_MANIFEST, *plan.checkpoint.extra_files)
+        ]
+        if foreign or recorded is None:
+            name = foreign[0] if foreign else entries[0].name
+            raise ReshardError(
+                f"{param('out_dir')} {out} holds {name!r}, which qwen35-reshard did not write; it is "
+                "never deleted for you: choose an empty or new directory"
+            )
+        differences = describe_differences(recorded, identity)
+        if not overwrite:
+            raise ReshardError(
+                f"{param('out_dir')} {out} holds a split made with other settings ({differences}); "
+                f"choose another directory, or pass {param('overwrite', True)} to replace that split"
+            )
+        return OutState("replace", differences=differences)
+    complete = tuple(s.rank for s in plan.stages if stage_is_complete(out / s.dirname, identity))
+    if all(s.rank in complete for s in plan.selected) and (out / RUN_MANIFEST).exists():
+        return OutState("complete", complete)
+    kept = {
+        s.rank: _keepable(plan, out / s.dirname, s, open_source)
+        for s in plan.selected
+        if s.rank not in complete and (out / s.dirname).is_dir()
+    }
+    return OutState("resume", complete, {rank: files for rank, files in kept.items() if files})
+
+
+def _prepare_out(plan: Plan, out: Path, state: OutState) -> list[Path]:
+    """Create OUT if needed and clear what ``state`` says this run replaces.
+
+    Returns the directories created (OUT and any missing parents, outermost first).
+    """
+    created = _make_dirs(out)
     for name in (RUN_MARKER, RUN_MANIFEST):
         _remove(out / f".{name}{PARTIAL_SUFFIX}")
+    if state.action != "replace":
+        return created
     entries = sorted(out.iterdir())
-    if not entries:
-        return created
-    recorded = read_run_identity(out / RUN_MARKER) or read_run_identity(out / RUN_MANIFEST)
-    if recorded == identity:
-        return created
-    foreign = [
-        p.name
-        for p in entries
-        if not STAGE_DIR.fullmatch(p.name)
-        and p.name not in (RUN_MARKER, RUN_MANIFEST, *plan.checkpoint.extra_files)
-    ]
-    if foreign or recorded is None:
-        name = foreign[0] if foreign else entries[0].name
-        raise ReshardError(
-            f"{param('out_dir')} {out} holds {name!r}, which qwen35-reshard did not write; it is "
-            "never deleted for you: choose an empty or new directory"
-        )
-    if not overwrite:
-        raise ReshardError(
-            f"{param('out_dir')} {out} holds a split made with other settings "
-            f"({describe_differences(recorded, identity)}); choose another directory, or pass "
-            f"{param('overwrite', True)} to replace that split"
-        )
     # What makes a directory look complete goes first, so that a run killed while deleting
     # leaves no run manifest and no stage index beside half-deleted data.
     _remove(out / RUN_MANIFEST)
@@ -357,36 +400,35 @@ def _undo(created: list[Path]) -> None:
             pass  # not empty (another writer?) or already gone: leave it
 
 
-def _resume_stage(
+def _keepable(
     plan: Plan, stage_dir: Path, stage: StagePlan, open_source: Callable[[str], str | RangeSource] | None
-) -> tuple[set[str], dict[str, str | None]]:
-    """Prepare an unfinished stage: keep journaled files that check out, clear the rest.
+) -> dict[str, dict[str, str | None]]:
+    """The data files of an unfinished stage that an earlier run finished (journaled, and they
+    fit the plan), with their tensors' digests. Reads only."""
+    journal = _read_journal(stage_dir / JOURNAL)
+    kept: dict[str, dict[str, str | None]] = {}
+    for f in stage.files:
+        entry = journal.get(f.name)
+        if entry is None or set(entry) != {t.name for t in f.tensors}:
+            continue
+        # A CLONE's header is its source's own: from the Hub it is not read just to compare.
+        header = b"" if f.layout == CLONE and open_source is not None else _header(plan, f)
+        if _matches(stage_dir / f.name, f, header):
+            kept[f.name] = entry
+    return kept
 
-    Returns the names of the kept data files and the digests of their tensors.
-    """
+
+def _resume_stage(stage_dir: Path, stage: StagePlan, kept: dict[str, dict[str, str | None]]) -> None:
+    """Prepare an unfinished stage: keep the ``kept`` data files, clear what will be rewritten."""
     stage_dir.mkdir(exist_ok=True)
     # Index first: without it no server loads the directory. Without config.json neither
     # does one that globs *.safetensors, while files are being replaced.
     for name in (INDEX_NAME, STAGE_MANIFEST, CONFIG_NAME):
         _remove(stage_dir / name)
-    journal = _read_journal(stage_dir / JOURNAL)
-    planned = {f.name: f for f in stage.files}
-    kept: set[str] = set()
-    digests: dict[str, str | None] = {}
+    planned = {f.name for f in stage.files}
     for p in sorted(stage_dir.iterdir()):
-        f = planned.get(p.name)
-        entry = journal.get(p.name)
-        if (
-            f is not None
-            and entry is not None
-            and _matches(p, f, b"" if f.layout == CLONE and open_source is not None else _header(plan, f))
-            and set(entry) == {t.name for t in f.tensors}
-        ):
-            kept.add(p.name)
-            digests.update(entry)
-        elif p.name.endswith(PARTIAL_SUFFIX) or p.name in planned:
+        if p.name not in kept and (p.name.endswith(PARTIAL_SUFFIX) or p.name in planned):
             p.unlink()
-    return kept, digests
 
 
 def _matches(path: Path, f: OutputFile, header: bytes) -> bool:
