@@ -132,7 +132,7 @@ def test_results_on_stdout_progress_on_stderr(model, tmp_path):
     assert "stage" in p.stdout and "pp1" in p.stdout  # the table
     assert "wrote pp0, pp1" in p.stdout and "SGLANG_PP_LAYER_PARTITION=4,4" in p.stdout
     assert "SGLANG_PP_LAYER_PARTITION" not in p.stderr and "wrote" not in p.stderr
-    assert "copying" in p.stderr and "done pp1" in p.stderr  # progress
+    assert "source bytes" in p.stderr and "done pp1" in p.stderr  # progress
     # --json: only JSON on stdout, the human output on stderr.
     j = cli("split", "--pp", 2, "--json", model, tmp_path / "out")
     assert json.loads(j.stdout)["status"] == "nothing_to_do"

@@ -432,7 +432,7 @@ def test_cli_json_summary(ref, make_checkpoint, tmp_path, runtime, extra, partit
 def test_cli_results_on_stdout_progress_on_stderr(make_checkpoint, tmp_path):
     proc = run_cli("--pp", 2, make_checkpoint(layout="fused"), tmp_path / "out")
     assert "SGLANG_PP_LAYER_PARTITION=4,4" in proc.stdout
-    assert "SGLANG_PP_LAYER_PARTITION" not in proc.stderr and "copying" in proc.stderr
+    assert "SGLANG_PP_LAYER_PARTITION" not in proc.stderr and "source bytes" in proc.stderr
 
 
 def test_cli_rank_builds_only_that_stage(ref, make_checkpoint, tmp_path):

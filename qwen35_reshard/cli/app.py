@@ -540,13 +540,10 @@ def _reshard(args: SimpleNamespace) -> int:
             say(fetch_line(fetch, planned=True), highlight=False)
         state = None
         if args.out is not None:
-            # What a real run would do in OUT: the writer's own decision, a refusal included.
-            try:
-                state = assess_out(plan, args.out, overwrite=args.overwrite)
-                say(out_line(plan, args.out, state), highlight=False, soft_wrap=True)
-            except ReshardError as e:
-                refusal = f"{args.out}: a real run would refuse: {e.render(FLAGS)}"
-                say(refusal, highlight=False, soft_wrap=True)
+            # What a real run would do in OUT: the writer's own decision. A refusal fails the
+            # preview as it would fail the run (exit 2, the same line), so CI can gate on it.
+            state = assess_out(plan, args.out, overwrite=args.overwrite)
+            say(out_line(plan, args.out, state), highlight=False, soft_wrap=True)
         launch = f"dry run: nothing written. Launch with [bold]{plan.launch_env}[/]"
         say(launch, highlight=False, soft_wrap=True)
         if args.quiet:

@@ -101,7 +101,7 @@ class RichReporter(Reporter):
     def start(self, total_bytes: int) -> None:
         if self.downloads:
             self.download_task = self.progress.add_task("downloading", total=self.downloads)
-        self.task = self.progress.add_task("copying", total=total_bytes)
+        self.task = self.progress.add_task("source bytes", total=total_bytes)
         self.progress.start()
 
     def advance(self, nbytes: int) -> None:
