@@ -67,8 +67,10 @@ def test_old_form_and_split_form_are_the_same_job(model, tmp_path):
     assert untimed(old.stdout, "old") == untimed(new.stdout, "new")
     assert "SGLANG_PP_LAYER_PARTITION=4,4" in old.stdout
     # Dry runs and bad input alike.
-    dry = [cli(*form, "--pp", 3, "--dry-run", model, tmp_path / "old") for form in ([], ["split"])]
+    dry = [cli(*form, "--pp", 3, "--dry-run", model, tmp_path / "dry") for form in ([], ["split"])]
     assert dry[0].returncode == dry[1].returncode == 0 and dry[0].stdout == dry[1].stdout
+    refused = [cli(*form, "--pp", 3, "--dry-run", model, tmp_path / "old") for form in ([], ["split"])]
+    assert refused[0].returncode == refused[1].returncode == 2 and refused[0].stderr == refused[1].stderr
     bad = [cli(*form, "--pp", 0, model, tmp_path / "x") for form in ([], ["split"])]
     assert bad[0].returncode == bad[1].returncode == 2 and bad[0].stderr == bad[1].stderr
 
