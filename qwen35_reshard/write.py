@@ -13,10 +13,17 @@ manifest records no sha256 for the tensors of CLONE and ALIGNED files (``null``;
 Hugging Face cache blob records the blob's sha256 as the file's); ``verify --source`` proves
 their bytes against the source. Where OUT cannot share, everything is copied and hashed as
 usual, the same bytes land in the same files, and every tensor has its digest.
+
+Durability (see :class:`_Durability`): a run that copies fsyncs each file it finished; a run
+that shares blocks writes mostly metadata and makes a whole batch durable with one
+``syncfs`` of OUT's filesystem instead. Either way the order is the same: a file's bytes are
+durable before its final name is; a stage's data files, journal removal, side files and
+manifest are durable before its index is; every index before the run manifest.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import json
 import os
@@ -40,6 +47,8 @@ REFLINK_MODES = ("auto", "always", "never")
 RUN_MARKER = ".reshard-run.json"  # identity of a run in progress; removed on success
 JOURNAL = ".reshard-journal.jsonl"  # finished data files of an unfinished stage, with digests
 PARTIAL_SUFFIX = ".partial"
+# Copied bytes a run that syncs its filesystem whole may hold unfinished (lost to a crash).
+PROGRESS_BYTES = 1 << 30
 
 
 class Reporter:
@@ -140,26 +149,39 @@ def write_plan(
         _check_free_space(out, needed)
         created = []  # from here on, finished files are kept for the next run to resume
 
+        durable = _Durability(out, whole_fs=result.sharing)
         result.bytes_copied, result.bytes_shared = _copy_files(
-            plan, out, to_write, digests, workers, reporter, open_source, share=result.sharing
+            plan,
+            out,
+            to_write,
+            digests,
+            workers,
+            reporter,
+            open_source,
+            share=result.sharing,
+            durable=durable,
         )
-        for stage in todo:
-            _finish_stage(plan, out / stage.dirname, stage, digests[stage.rank])
-            result.built.append(stage.rank)
-            reporter.stage_done(stage)
-        # OUT itself is the model path of `vllm serve OUT --load-format qwen35-stages`: vLLM reads
-        # the config and the tokenizer there (and refuses a split for SGLang in the plugin, with
-        # the shim's message), each rank's weights from OUT/pp{rank}.
-        _copy_side_files(plan, out)
-        known = {*result.built, *result.already_complete}
+        known = {*result.already_complete, *(s.rank for s in todo)}
         complete = [
             s.rank
             for s in plan.stages
             if s.rank in known or manifest.stage_is_complete(out / s.dirname, identity)
         ]
-        _write_atomic(out / manifest.RUN_MANIFEST, manifest.dumps(manifest.run_manifest(plan, complete)))
-        _remove(out / RUN_MARKER)
-        _fsync_dir(out)
+        # OUT itself is the model path of `vllm serve OUT --load-format qwen35-stages`: vLLM reads
+        # the config and the tokenizer there (and refuses a split for SGLang in the plugin, with
+        # the shim's message), each rank's weights from OUT/pp{rank}.
+        _finish_stages(
+            plan,
+            out,
+            todo,
+            digests,
+            durable,
+            side_files_of_out=True,
+            run_record=manifest.dumps(manifest.run_manifest(plan, complete)),
+        )
+        for stage in todo:
+            result.built.append(stage.rank)
+            reporter.stage_done(stage)
     except OSError as e:  # a full disk, a file-size limit, ... while writing anything
         raise _write_error(e, out, needed) from None
     finally:
@@ -206,7 +228,8 @@ def repair_files(
             done += [f"{stage.dirname}/{f.name}" for f in data]
         digests: dict[int, dict[str, str | None]] = {s.rank: {} for s in stages}
         # Mended files are copied, not shared: their bytes are read and get their digests.
-        _copy_files(plan, out, to_write, digests, workers, reporter, share=False)
+        durable = _Durability(out, whole_fs=False)
+        _copy_files(plan, out, to_write, digests, workers, reporter, share=False, durable=durable)
         for stage in stages:
             stage_dir = out / stage.dirname
             if stage in redo_meta:
@@ -214,11 +237,11 @@ def repair_files(
                 for f in stage.files:
                     if f.name not in rewritten:
                         digests[stage.rank].update(_file_digests(stage_dir / f.name, f))
-                _finish_stage(plan, stage_dir, stage, digests[stage.rank])
                 meta = (*plan.checkpoint.extra_files, manifest.STAGE_MANIFEST, INDEX_NAME)
                 done += [f"{stage.dirname}/{n}" for n in meta]
             else:
                 _remove(stage_dir / JOURNAL)  # a finished stage holds none
+        _finish_stages(plan, out, redo_meta, digests, durable)
         if run_manifest:
             complete = [s.rank for s in plan.stages if manifest.stage_is_complete(out / s.dirname)]
             _write_atomic(out / manifest.RUN_MANIFEST, manifest.dumps(manifest.run_manifest(plan, complete)))
@@ -432,6 +455,7 @@ def _copy_files(
     open_source: Callable[[str], str | RangeSource] | None = None,
     *,
     share: bool,
+    durable: _Durability,
 ) -> tuple[int, int]:
     """Copy (or share) the data of ``to_write``, one worker per source shard; fills ``digests``.
 
@@ -470,7 +494,7 @@ def _copy_files(
                 seg.dests.append((o.fd, f.data_start + t.out_offset))
         total = sum(seg.nbytes for segs in segments.values() for seg in segs.values())
         reporter.start(total)
-        _finish_files([o for o in opened if not o.pending_sources], digests)
+        _finish_files([o for o in opened if not o.pending_sources], digests, durable)
 
         def run(file: str) -> dict[str, str | None]:
             src = open_source(file) if open_source is not None else str(plan.checkpoint.path(file))
@@ -483,6 +507,7 @@ def _copy_files(
                 on_shared=on_shared,
             )
 
+        ready: list[_OpenFile] = []  # finished, not yet made durable
         with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
             futures = {pool.submit(run, file): file for file in sorted(segments)}
             try:
@@ -491,7 +516,6 @@ def _copy_files(
                     for fut in done:
                         file = futures.pop(fut)
                         found = fut.result()
-                        ready = []
                         for o in opened:
                             if file in o.pending_sources:
                                 digests[o.stage.rank].update(
@@ -500,7 +524,14 @@ def _copy_files(
                                 o.pending_sources.discard(file)
                                 if not o.pending_sources:
                                     ready.append(o)
-                        _finish_files(ready, digests)
+                    # A barrier of the whole filesystem costs the same for one file or many:
+                    # then files are finished once enough copied bytes would be lost to a crash.
+                    copied = (
+                        sum(o.plan.size - o.plan.shareable_bytes for o in ready) if durable.whole_fs else 0
+                    )
+                    if not futures or not durable.whole_fs or copied >= PROGRESS_BYTES:
+                        _finish_files(ready, digests, durable)
+                        ready = []
             except BaseException:
                 stop.set()
                 for fut in futures:
@@ -557,24 +588,27 @@ def _create(
     return _OpenFile(stage, f, tmp, final, fd, {t.source.file for t in f.tensors})
 
 
-def _finish_files(files: list[_OpenFile], digests: dict[int, dict[str, str | None]]) -> None:
+def _finish_files(
+    files: list[_OpenFile], digests: dict[int, dict[str, str | None]], durable: _Durability
+) -> None:
     """Make finished data files durable, give them their final names, and journal them.
 
     Files finished together (the clones, made before any copying; the files a source shard
-    completes) are fsynced side by side (a journaling filesystem commits them together) and
-    share one directory fsync and one journal write per stage, stages side by side too: a
-    clone costs little else.
+    completes) share one barrier, one directory sync and one journal write per stage. The
+    journal may lag behind the renames (a file found without its entry is redone), never
+    ahead of the bytes: each entry names a file whose bytes were durable before it was renamed.
     """
     if not files:
         return
-    _fsync_all([o.fd for o in files])
     for o in files:
         os.close(o.fd)
         o.fd = -1
+    durable.files([o.tmp for o in files])
+    for o in files:
         os.replace(o.tmp, o.final)
-
-    def journal(stage_dir: Path) -> None:
-        _fsync_dir(stage_dir)
+    stage_dirs = list(dict.fromkeys(o.final.parent for o in files))
+    durable.dirs(stage_dirs, progress=True)
+    for stage_dir in stage_dirs:
         records = [
             {"file": o.plan.name, "digests": {t.name: digests[o.stage.rank][t.name] for t in o.plan.tensors}}
             for o in files
@@ -582,52 +616,159 @@ def _finish_files(files: list[_OpenFile], digests: dict[int, dict[str, str | Non
         ]
         with open(stage_dir / JOURNAL, "a") as j:
             j.write("".join(json.dumps(r) + "\n" for r in records))
-            j.flush()
-            os.fsync(j.fileno())
-
-    stage_dirs = list(dict.fromkeys(o.final.parent for o in files))
-    with ThreadPoolExecutor(max_workers=max(1, len(stage_dirs))) as pool:
-        list(pool.map(journal, stage_dirs))
+    durable.files([d / JOURNAL for d in stage_dirs], progress=True)
 
 
-def _finish_stage(plan: Plan, stage_dir: Path, stage: StagePlan, digests: dict[str, str | None]) -> None:
-    """Copy the non-weight files, then write the manifest and, last, the index."""
-    _copy_side_files(plan, stage_dir)
-    index_bytes = manifest.dumps(manifest.stage_index(stage))
-    stage_manifest = manifest.stage_manifest(plan, stage, digests, index_bytes)
-    # The journal goes before the stage can look complete: a finished stage never holds one
-    # (later runs skip finished stages, so one left behind would never be cleaned up).
-    _remove(stage_dir / JOURNAL)
-    _write_atomic(stage_dir / manifest.STAGE_MANIFEST, manifest.dumps(stage_manifest))
-    _write_atomic(stage_dir / INDEX_NAME, index_bytes)
-    _fsync_dir(stage_dir)
+def _finish_stages(
+    plan: Plan,
+    out: Path,
+    stages: list[StagePlan],
+    digests: dict[int, dict[str, str | None]],
+    durable: _Durability,
+    *,
+    side_files_of_out: bool = False,
+    run_record: bytes | None = None,
+) -> None:
+    """Give each of ``stages`` (data files finished) its non-weight files, manifest and, last,
+    its index; then OUT its own non-weight files and the run record, when asked.
+
+    Everything is written under temporary names first, then made durable and renamed in
+    three steps, each behind a barrier: side files and manifests (and the journals removed:
+    a finished stage never holds one, and later runs skip finished stages); then the indexes,
+    which make the stages complete; then the run record.
+    """
+    dirs = [out / s.dirname for s in stages]
+    first: list[tuple[Path, Path]] = []  # (temporary, final) renamed before any index
+    indexes: list[tuple[Path, Path]] = []
+    for stage, stage_dir in zip(stages, dirs, strict=True):
+        first += _side_file_tmps(plan, stage_dir)
+        index_bytes = manifest.dumps(manifest.stage_index(stage))
+        stage_manifest = manifest.stage_manifest(plan, stage, digests[stage.rank], index_bytes)
+        first.append(_write_tmp(stage_dir / manifest.STAGE_MANIFEST, manifest.dumps(stage_manifest)))
+        indexes.append(_write_tmp(stage_dir / INDEX_NAME, index_bytes))
+    if side_files_of_out:
+        first += _side_file_tmps(plan, out)
+    last = [_write_tmp(out / manifest.RUN_MANIFEST, run_record)] if run_record is not None else []
+    if not first and not last:
+        return
+    # Barrier 1: every byte written so far (and, sharing, the data files' final names).
+    durable.files([tmp for tmp, _ in (*first, *indexes, *last)])
+    for stage_dir in dirs:
+        _remove(stage_dir / JOURNAL)
+    for tmp, final in first:
+        os.replace(tmp, final)
+    durable.dirs([*dirs, out] if side_files_of_out else dirs)  # barrier 2: all of a stage but its index
+    for tmp, final in indexes:
+        os.replace(tmp, final)
+    durable.dirs(dirs)  # barrier 3: the stages are complete before the run record says so
+    if last:
+        os.replace(*last[0])
+        _remove(out / RUN_MARKER)
+        durable.dirs([out])
 
 
-def _copy_side_files(plan: Plan, directory: Path) -> None:
-    """Copy config.json and the source's other non-weight files into ``directory``, atomically."""
+def _side_file_tmps(plan: Plan, directory: Path) -> list[tuple[Path, Path]]:
+    """Copy config.json and the source's other non-weight files into ``directory`` under
+    temporary names; returns (temporary, final) pairs."""
     root = plan.checkpoint.root
-    names = plan.checkpoint.extra_files
-    tmps = [directory / f".{name}{PARTIAL_SUFFIX}" for name in names]
-    for name, tmp in zip(names, tmps, strict=True):
+    pairs = [
+        (directory / f".{name}{PARTIAL_SUFFIX}", directory / name) for name in plan.checkpoint.extra_files
+    ]
+    for (tmp, _), name in zip(pairs, plan.checkpoint.extra_files, strict=True):
         shutil.copyfile(root / name, tmp)
-    fds = [os.open(tmp, os.O_RDONLY) for tmp in tmps]
-    try:
-        _fsync_all(fds)  # side by side: a journaling filesystem commits them together
-    finally:
-        for fd in fds:
-            os.close(fd)
-    for name, tmp in zip(names, tmps, strict=True):
-        os.replace(tmp, directory / name)
+    return pairs
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def _write_tmp(path: Path, data: bytes) -> tuple[Path, Path]:
+    """Write ``data`` under ``path``'s temporary name; returns (temporary, final)."""
     tmp = path.with_name(f".{path.name}{PARTIAL_SUFFIX}")
     with open(tmp, "wb") as f:
         f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    return tmp, path
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp, _ = _write_tmp(path, data)
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     os.replace(tmp, path)
     _fsync_dir(path.parent)
+
+
+class _Durability:
+    """How a run makes what it wrote durable: file by file, or its filesystem at once.
+
+    ``files(paths)`` makes the bytes of ``paths`` durable, ``dirs(paths)`` the entries
+    (renames, removals) of those directories. File by file, each is an fsync, issued side by
+    side (a journaling filesystem commits them together). With ``whole_fs``, each is one
+    ``syncfs`` of OUT's filesystem, which also makes everything written before it durable,
+    names included: one log commit instead of one per file and directory, at the price of
+    also flushing other writers' dirty data on that filesystem. A run that shares blocks
+    uses it (its files are mostly metadata, and it would pay ~100 fsyncs for a split that
+    otherwise takes a fraction of a second); a run that copies fsyncs its own files, whose
+    data is being written back as it goes.
+
+    The order of the steps is what makes a crash safe, and it is the same both ways: no name
+    becomes final before the bytes behind it are durable, and a barrier separates each step
+    from the next.
+    """
+
+    def __init__(self, out: Path, *, whole_fs: bool) -> None:
+        self.out = out
+        self.whole_fs = whole_fs and _syncfs is not None
+
+    def files(self, paths: list[Path], *, progress: bool = False) -> None:
+        """Make the bytes of ``paths`` durable. ``progress``: only so that finished work
+        survives a crash (journaled files), not for the order of later steps; when the
+        filesystem is synced whole, the next barrier covers it."""
+        if not paths or (progress and self.whole_fs):
+            return
+        if self.whole_fs:
+            self._syncfs()
+            return
+        fds = [os.open(p, os.O_RDONLY) for p in paths]
+        try:
+            _fsync_all(fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def dirs(self, paths: list[Path], *, progress: bool = False) -> None:
+        """Make the entries of the directories ``paths`` durable (``progress``: as for files)."""
+        if not paths or (progress and self.whole_fs):
+            return
+        if self.whole_fs:
+            self._syncfs()
+            return
+        fds = [os.open(p, os.O_RDONLY | os.O_DIRECTORY) for p in dict.fromkeys(paths)]
+        try:
+            _fsync_all(fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _syncfs(self) -> None:
+        fd = os.open(self.out, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            if _syncfs(fd) != 0:  # since Linux 5.8 it also reports write-back errors
+                err = ctypes.get_errno()
+                raise OSError(err, os.strerror(err), str(self.out))
+        finally:
+            os.close(fd)
+
+
+def _load_syncfs():
+    """libc's ``syncfs(fd)`` (Linux), or None where there is none."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).syncfs
+    except (OSError, AttributeError):
+        return None
+
+
+_syncfs = _load_syncfs()
 
 
 def _fsync_all(fds: list[int]) -> None:
