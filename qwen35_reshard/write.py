@@ -134,7 +134,7 @@ def write_plan(
     # read-only or full OUT, no permission) leaves OUT as it found it.
     created += [out / name for name in (RUN_MARKER, *(s.dirname for s in todo)) if not (out / name).exists()]
     try:
-        _write_atomic(out / RUN_MARKER, manifest.dumps({"identity": identity}))
+        _write_atomic(out / RUN_MARKER, manifest.dumps({"identity": identity}), sync_dir=False)
         _remove(out / manifest.RUN_MANIFEST)
         to_write: list[tuple[StagePlan, OutputFile]] = []
         for stage in todo:
@@ -150,6 +150,11 @@ def write_plan(
         created = []  # from here on, finished files are kept for the next run to resume
 
         durable = _Durability(out, whole_fs=result.sharing)
+        # The marker must be in place before any data file is; when synced whole, the barrier
+        # before the first data file gets its name covers it.
+        durable.dirs([out], lazy=True)
+        deferred: list[tuple[Path, Path]] = []
+        prepared: list[_Prepared] = []
         result.bytes_copied, result.bytes_shared = _copy_files(
             plan,
             out,
@@ -160,6 +165,9 @@ def write_plan(
             open_source,
             share=result.sharing,
             durable=durable,
+            deferred=deferred,
+            # What needs no digest is written while the workers copy.
+            meanwhile=lambda: prepared.append(_prepare_stages(plan, out, todo, side_files_of_out=True)),
         )
         known = {*result.already_complete, *(s.rank for s in todo)}
         complete = [
@@ -176,8 +184,9 @@ def write_plan(
             todo,
             digests,
             durable,
-            side_files_of_out=True,
+            prepared[0],  # made by _copy_files' meanwhile
             run_record=manifest.dumps(manifest.run_manifest(plan, complete)),
+            data=deferred,
         )
         for stage in todo:
             result.built.append(stage.rank)
@@ -241,7 +250,7 @@ def repair_files(
                 done += [f"{stage.dirname}/{n}" for n in meta]
             else:
                 _remove(stage_dir / JOURNAL)  # a finished stage holds none
-        _finish_stages(plan, out, redo_meta, digests, durable)
+        _finish_stages(plan, out, redo_meta, digests, durable, _prepare_stages(plan, out, redo_meta))
         if run_manifest:
             complete = [s.rank for s in plan.stages if manifest.stage_is_complete(out / s.dirname)]
             _write_atomic(out / manifest.RUN_MANIFEST, manifest.dumps(manifest.run_manifest(plan, complete)))
@@ -456,10 +465,16 @@ def _copy_files(
     *,
     share: bool,
     durable: _Durability,
+    deferred: list[tuple[Path, Path]] | None = None,
+    meanwhile: Callable[[], None] | None = None,
 ) -> tuple[int, int]:
     """Copy (or share) the data of ``to_write``, one worker per source shard; fills ``digests``.
 
     Returns how many of the files' bytes were copied and how many share the source's blocks.
+    When the filesystem is synced whole and ``deferred`` is given, the files finished last are
+    left under their temporary names, closed, their (temporary, final) names added to it: the
+    stages' first barrier makes them durable with everything else. ``meanwhile()`` runs in
+    this thread while the workers copy.
     """
     opened: list[_OpenFile] = []
     segments: dict[str, dict[str, Segment]] = {}
@@ -511,6 +526,8 @@ def _copy_files(
         with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
             futures = {pool.submit(run, file): file for file in sorted(segments)}
             try:
+                if meanwhile is not None:
+                    meanwhile()
                 while futures:
                     done, _ = wait(futures, return_when=FIRST_COMPLETED)
                     for fut in done:
@@ -529,7 +546,12 @@ def _copy_files(
                     copied = (
                         sum(o.plan.size - o.plan.shareable_bytes for o in ready) if durable.whole_fs else 0
                     )
-                    if not futures or not durable.whole_fs or copied >= PROGRESS_BYTES:
+                    if not futures and durable.whole_fs and deferred is not None:
+                        for o in ready:
+                            os.close(o.fd)
+                            o.fd = -1
+                            deferred.append((o.tmp, o.final))
+                    elif not futures or not durable.whole_fs or copied >= PROGRESS_BYTES:
                         _finish_files(ready, digests, durable)
                         ready = []
             except BaseException:
@@ -607,7 +629,7 @@ def _finish_files(
     for o in files:
         os.replace(o.tmp, o.final)
     stage_dirs = list(dict.fromkeys(o.final.parent for o in files))
-    durable.dirs(stage_dirs, progress=True)
+    durable.dirs(stage_dirs, lazy=True)
     for stage_dir in stage_dirs:
         records = [
             {"file": o.plan.name, "digests": {t.name: digests[o.stage.rank][t.name] for t in o.plan.tensors}}
@@ -616,7 +638,35 @@ def _finish_files(
         ]
         with open(stage_dir / JOURNAL, "a") as j:
             j.write("".join(json.dumps(r) + "\n" for r in records))
-    durable.files([d / JOURNAL for d in stage_dirs], progress=True)
+    durable.files([d / JOURNAL for d in stage_dirs], lazy=True)
+
+
+@dataclass
+class _Prepared:
+    """What finishing stages writes before it knows any digest, under temporary names."""
+
+    dirs: list[Path]
+    first: list[tuple[Path, Path]]  # (temporary, final): side files, renamed before any index
+    indexes: list[tuple[Path, Path]]
+    index_bytes: list[bytes]
+    side_files_of_out: bool
+
+
+def _prepare_stages(
+    plan: Plan, out: Path, stages: list[StagePlan], *, side_files_of_out: bool = False
+) -> _Prepared:
+    """Write each of ``stages``' non-weight files and index (and OUT's own non-weight files,
+    when asked) under temporary names."""
+    dirs = [out / s.dirname for s in stages]
+    first: list[tuple[Path, Path]] = []
+    indexes, index_bytes = [], []
+    for stage, stage_dir in zip(stages, dirs, strict=True):
+        first += _side_file_tmps(plan, stage_dir)
+        index_bytes.append(manifest.dumps(manifest.stage_index(stage)))
+        indexes.append(_write_tmp(stage_dir / INDEX_NAME, index_bytes[-1]))
+    if side_files_of_out:
+        first += _side_file_tmps(plan, out)
+    return _Prepared(dirs, first, indexes, index_bytes, side_files_of_out)
 
 
 def _finish_stages(
@@ -625,39 +675,35 @@ def _finish_stages(
     stages: list[StagePlan],
     digests: dict[int, dict[str, str | None]],
     durable: _Durability,
+    prepared: _Prepared,
     *,
-    side_files_of_out: bool = False,
     run_record: bytes | None = None,
+    data: list[tuple[Path, Path]] | None = None,
 ) -> None:
-    """Give each of ``stages`` (data files finished) its non-weight files, manifest and, last,
-    its index; then OUT its own non-weight files and the run record, when asked.
+    """Give each of ``stages`` its non-weight files, manifest and, last, its index (all but
+    the manifests ``prepared``); then the run record, when given. ``data``: (temporary,
+    final) names of data files written but not yet made durable; the rest are finished.
 
     Everything is written under temporary names first, then made durable and renamed in
-    three steps, each behind a barrier: side files and manifests (and the journals removed:
-    a finished stage never holds one, and later runs skip finished stages); then the indexes,
-    which make the stages complete; then the run record.
+    three steps, each behind a barrier: data, side files and manifests (and the journals
+    removed: a finished stage never holds one, and later runs skip finished stages); then the
+    indexes, which make the stages complete; then the run record.
     """
-    dirs = [out / s.dirname for s in stages]
-    first: list[tuple[Path, Path]] = []  # (temporary, final) renamed before any index
-    indexes: list[tuple[Path, Path]] = []
-    for stage, stage_dir in zip(stages, dirs, strict=True):
-        first += _side_file_tmps(plan, stage_dir)
-        index_bytes = manifest.dumps(manifest.stage_index(stage))
+    dirs, indexes = prepared.dirs, prepared.indexes
+    first = [*(data or []), *prepared.first]  # (temporary, final) renamed before any index
+    for stage, stage_dir, index_bytes in zip(stages, dirs, prepared.index_bytes, strict=True):
         stage_manifest = manifest.stage_manifest(plan, stage, digests[stage.rank], index_bytes)
         first.append(_write_tmp(stage_dir / manifest.STAGE_MANIFEST, manifest.dumps(stage_manifest)))
-        indexes.append(_write_tmp(stage_dir / INDEX_NAME, index_bytes))
-    if side_files_of_out:
-        first += _side_file_tmps(plan, out)
     last = [_write_tmp(out / manifest.RUN_MANIFEST, run_record)] if run_record is not None else []
     if not first and not last:
         return
-    # Barrier 1: every byte written so far (and, sharing, the data files' final names).
+    # Barrier 1: every byte written so far (and, synced whole, the data files' final names).
     durable.files([tmp for tmp, _ in (*first, *indexes, *last)])
     for stage_dir in dirs:
         _remove(stage_dir / JOURNAL)
     for tmp, final in first:
         os.replace(tmp, final)
-    durable.dirs([*dirs, out] if side_files_of_out else dirs)  # barrier 2: all of a stage but its index
+    durable.dirs([*dirs, out] if prepared.side_files_of_out else dirs)  # 2: all of a stage but its index
     for tmp, final in indexes:
         os.replace(tmp, final)
     durable.dirs(dirs)  # barrier 3: the stages are complete before the run record says so
@@ -687,7 +733,9 @@ def _write_tmp(path: Path, data: bytes) -> tuple[Path, Path]:
     return tmp, path
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def _write_atomic(path: Path, data: bytes, *, sync_dir: bool = True) -> None:
+    """Replace ``path`` with ``data``, durable (``sync_dir``: its name too, else the caller's
+    next barrier makes it so)."""
     tmp, _ = _write_tmp(path, data)
     fd = os.open(tmp, os.O_RDONLY)
     try:
@@ -695,7 +743,8 @@ def _write_atomic(path: Path, data: bytes) -> None:
     finally:
         os.close(fd)
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    if sync_dir:
+        _fsync_dir(path.parent)
 
 
 class _Durability:
@@ -720,11 +769,11 @@ class _Durability:
         self.out = out
         self.whole_fs = whole_fs and _syncfs is not None
 
-    def files(self, paths: list[Path], *, progress: bool = False) -> None:
-        """Make the bytes of ``paths`` durable. ``progress``: only so that finished work
-        survives a crash (journaled files), not for the order of later steps; when the
-        filesystem is synced whole, the next barrier covers it."""
-        if not paths or (progress and self.whole_fs):
+    def files(self, paths: list[Path], *, lazy: bool = False) -> None:
+        """Make the bytes of ``paths`` durable. ``lazy``: needed only by the next barrier's
+        renames (or only so that finished work survives a crash, a journal): when the
+        filesystem is synced whole, that barrier covers it."""
+        if not paths or (lazy and self.whole_fs):
             return
         if self.whole_fs:
             self._syncfs()
@@ -736,9 +785,9 @@ class _Durability:
             for fd in fds:
                 os.close(fd)
 
-    def dirs(self, paths: list[Path], *, progress: bool = False) -> None:
-        """Make the entries of the directories ``paths`` durable (``progress``: as for files)."""
-        if not paths or (progress and self.whole_fs):
+    def dirs(self, paths: list[Path], *, lazy: bool = False) -> None:
+        """Make the entries of the directories ``paths`` durable (``lazy``: as for files)."""
+        if not paths or (lazy and self.whole_fs):
             return
         if self.whole_fs:
             self._syncfs()
