@@ -51,7 +51,7 @@ def main() -> None:
             t0 = time.perf_counter()
             shapes = {n: t.shape for n, t in ckpt.tensors.items()}
             required = schema.required_tensors(ckpt.config, {n: t.dtype for n, t in ckpt.tensors.items()})
-            schema.check_complete(required.tensors, shapes, str(model))
+            schema.check_complete(required, shapes, str(model))
             check.append(time.perf_counter() - t0)
             gc.collect()
         d, c = statistics.median(dry), statistics.median(check)

@@ -126,7 +126,6 @@ def copy_segments(
     fd = -1 if remote else os.open(src_path, os.O_RDONLY)
     hasher = _Hasher(fd, [s for s in segments if s.nbytes and s.name not in unhashed], digests)
     try:
-        hasher.start()
         if remote:
             src_path.expect(_spans(segments))
             mover: _Mover = _RemoteMover(src_path, chunk_bytes=chunk_bytes)
@@ -146,7 +145,10 @@ def copy_segments(
             hasher.wait_for_room()
             hashed = [p for p in pieces if p[0].name not in unhashed]
             window, view = mover.move(pos, n, pieces, hash_needed=bool(hashed))
-            hasher.submit(window, view, pos, hashed)
+            if window is None and view is None:  # shared or copied in the kernel, unhashed
+                hasher.skip()
+            else:
+                hasher.submit(window, view, pos, hashed)
             on_progress(n)
     except BaseException:
         hasher.cancel()
@@ -409,9 +411,6 @@ class _Hasher:
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="qwen35-reshard-sha256", daemon=True)
 
-    def start(self) -> None:
-        self._thread.start()
-
     def wait_for_room(self) -> None:
         self._room.acquire()
         self.raise_error()
@@ -419,7 +418,16 @@ class _Hasher:
     def submit(
         self, window: mmap.mmap | None, view: memoryview | None, pos: int, pieces: list[_Piece]
     ) -> None:
+        # Started by the first window to hash: a split that shares blocks hashes nothing in
+        # most shards, and a thread start costs milliseconds on a loaded machine.
+        if self._thread.ident is None:
+            self._thread.start()
         self._jobs.put((window, view, pos, pieces))
+
+    def skip(self) -> None:
+        """Give back the room taken for a window with nothing to hash or release: no handoff
+        to the thread (a split that shares blocks moves most windows this way)."""
+        self._room.release()
 
     def cancel(self) -> None:
         """Stop hashing: windows still queued are only released."""

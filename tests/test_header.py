@@ -180,6 +180,50 @@ def test_rejects_duplicate_names_that_the_reference_reader_lets_through(tmp_path
         read_header(path)
 
 
+_U8 = b'{"dtype":"U8","shape":[1],"data_offsets":[%d,%d]}'
+# Headers with one repeated key, each where json would silently keep the last one. Parsing
+# counts colons to skip the exact (slower) duplicate check; none of these may slip through.
+DUPLICATES = {
+    "tensor_name_with_colons": (b'{"a:b":' + _U8 % (0, 1) + b',"a:b":' + _U8 % (1, 2) + b"}", "'a:b'"),
+    "key_of_an_entry": (b'{"a":{"dtype":"U8","dtype":"U8","shape":[2],"data_offsets":[0,2]}}', "'dtype'"),
+    "metadata_key": (b'{"__metadata__":{"format":"pt","format":"pt"},"a":' + _U8 % (0, 2) + b"}", "'format'"),
+    "metadata_value_with_colons": (
+        b'{"__metadata__":{"k":"1:2:3","k":"4:5:6"},"a":' + _U8 % (0, 2) + b"}",
+        "'k'",
+    ),
+    # An escape can make a ':' that raw bytes do not show (\u003a), balancing the count.
+    "escaped_colon_elsewhere": (
+        b'{"__metadata__":{"x":"\\u003a"},"a":' + _U8 % (0, 1) + b',"a":' + _U8 % (1, 2) + b"}",
+        "'a'",
+    ),
+    "escaped_name": (b'{"a\\u003a":' + _U8 % (0, 1) + b',"a\\u003a":' + _U8 % (1, 2) + b"}", "'a:'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DUPLICATES))
+def test_rejects_every_repeated_key(tmp_path, case):
+    body, name = DUPLICATES[case]
+    path = _raw_file(tmp_path / "dup.safetensors", body, b"xy")
+    with pytest.raises(ReshardError, match=f"{name} appears twice"):
+        read_header(path)
+
+
+@pytest.mark.parametrize("empty", ["e:0", "e\u00e9\n"], ids=["colon", "escaped"])
+def test_accepts_colons_escapes_and_any_order(tmp_path, empty):
+    """What parsing must not refuse: colons (counted) or escapes (checked exactly) in names and
+    metadata, tensors listed out of offset order, an empty tensor sharing its begin."""
+    header = {
+        "__metadata__": {"format": "pt", "note": "a:b"},
+        "t:3": _entry("U8", [3], 2, 5),
+        empty: _entry("F32", [0, 3], 2, 2),
+        "s": _entry("BF16", [], 0, 2),
+    }
+    path = _raw_file(tmp_path / "x.safetensors", header, b"abcde")
+    parsed = read_header(path)
+    assert [(t.name, t.begin, t.end) for t in parsed.tensors] == [("s", 0, 2), (empty, 2, 2), ("t:3", 2, 5)]
+    assert parsed.metadata == {"format": "pt", "note": "a:b"}
+
+
 @pytest.mark.parametrize(
     ("body", "needle"),
     [

@@ -343,22 +343,24 @@ def test_refuses_a_damaged_or_incomplete_stage(out, damage):
 
 
 def test_refuses_an_interrupted_run_then_accepts_the_resumed_one(source, tmp_path, monkeypatch):
-    real = write._write_atomic
+    real = os.replace
 
-    def crash(path, data):
-        if path.name == INDEX and path.parent.name == "pp1":
-            raise RuntimeError("simulated crash before pp1's index was written")
-        real(path, data)
+    def crash(src, dst):
+        # Stages get their indexes last, all together, in rank order: stop at pp1's.
+        if Path(dst).name == INDEX and Path(dst).parent.name == "pp1":
+            raise RuntimeError("simulated crash before pp1's index was in place")
+        real(src, dst)
 
-    monkeypatch.setattr(write, "_write_atomic", crash)
+    monkeypatch.setattr(write.os, "replace", crash)
     with pytest.raises(RuntimeError, match="simulated crash"):
         qwen35_reshard.reshard(source, tmp_path / "out", pp=3)
+    monkeypatch.setattr(write.os, "replace", real)
     loader.open_stage(tmp_path / "out", pp_rank=0)
-    for rank, missing in ((1, INDEX), (2, MANIFEST)):
+    for rank in (1, 2):  # pp2 has its manifest, not its index
+        assert (tmp_path / "out" / f"pp{rank}" / MANIFEST).exists()
         with pytest.raises(loader.StageError) as e:
             loader.open_stage(tmp_path / "out", pp_rank=rank)
-        assert f"incomplete (no {missing})" in one_line(e)
-    monkeypatch.setattr(write, "_write_atomic", real)
+        assert f"incomplete (no {INDEX})" in one_line(e)
     qwen35_reshard.reshard(source, tmp_path / "out", pp=3)  # the same command again
     for rank in range(3):
         loader.open_stage(tmp_path / "out", pp_rank=rank)

@@ -526,6 +526,9 @@ def _reshard(args: SimpleNamespace) -> int:
             max_file_bytes=args.max_file_size,
         )
     finally:
+        # What reading and planning made lives until the end: frozen, so that no collection
+        # walks it again (the first one after enable() would take ~0.2 s at 190,000 tensors).
+        gc.freeze()
         gc.enable()
     say(plan_table(plan))
     if choice is not None:

@@ -52,11 +52,15 @@ def classify(name: str) -> Role | None:
         return _layer_role(m.group(1))
     for prefix, kind in _ROLE_PREFIXES:
         if name.startswith(prefix):
-            return Role(kind)
+            return _KIND_ROLES[kind]
     return None
 
 
 @cache
 def _layer_role(layer_id: str) -> Role:
-    # One Role per layer id, shared: classify runs for every tensor (~190,000 in a 397B FP8).
+    # One Role per layer id, shared: classify runs for every tensor (~190,000 in a 397B FP8),
+    # and callers work per distinct role.
     return Role(LAYER, int(layer_id))
+
+
+_KIND_ROLES = {kind: Role(kind) for _, kind in _ROLE_PREFIXES}  # shared, as the layers' are

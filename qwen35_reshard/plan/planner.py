@@ -27,7 +27,8 @@ import json
 from collections import Counter
 from dataclasses import dataclass
 from functools import cached_property
-from itertools import groupby
+from itertools import compress, groupby, repeat
+from operator import attrgetter, itemgetter, sub
 from typing import NamedTuple
 
 from ..errors import ReshardError, param
@@ -54,6 +55,12 @@ MTP_KEPT, MTP_DROPPED, MTP_ABSENT = "kept", "dropped", "absent"
 
 # Builds a named tuple in C, without the Python-level __new__ of its class: once per tensor.
 _tuple_new = tuple.__new__
+# Fields of a SourceTensor and of a (source, replicated) pair, read in C.
+_FILE, _DTYPE, _SHAPE, _OFFSET, _NBYTES = (
+    attrgetter(f) for f in ("file", "dtype", "shape", "offset", "nbytes")
+)
+_FIRST, _SECOND = itemgetter(0), itemgetter(1)
+_SOURCE = itemgetter(0)  # of a PlacedTensor
 # Non-layer roles, in the order reports list them.
 _EXTRA_KINDS = (names.EMBED, names.VISUAL, names.VISUAL_POS_EMBED, names.NORM, names.LM_HEAD, names.MTP)
 
@@ -102,7 +109,7 @@ class OutputFile:
 
     @cached_property
     def data_bytes(self) -> int:
-        return sum(t.source.nbytes for t in self.tensors)
+        return sum(map(_NBYTES, map(_SOURCE, self.tensors)))
 
     @property
     def size(self) -> int:
@@ -212,38 +219,43 @@ def make_plan(
                 f"{param('ranks', r)} is out of range for {param('pp', pp)} (0..{pp - 1})"
             )
 
-    # This loop and the layout run once per tensor (~190,000 for a 397B FP8 checkpoint):
-    # roles are checked in bulk, and each tensor goes straight to its stages' lists.
-    roles = [names.classify(n) for n in ckpt.tensors]
-    _check_roles(list(ckpt.tensors), roles, ckpt.num_layers)
-    required = schema.required_tensors(ckpt.config, {n: t.dtype for n, t in ckpt.tensors.items()})
-    schema.check_complete(required.tensors, {n: t.shape for n, t in ckpt.tensors.items()}, str(ckpt.root))
+    # What follows runs for every tensor (~190,000 for a 397B FP8 checkpoint): it works on
+    # whole columns in C (map, compress, list equality), and per distinct role, not per tensor.
+    tensor_names, sources = list(ckpt.tensors), list(ckpt.tensors.values())
+    roles = list(map(names.classify, tensor_names))
+    role_ids = list(map(id, roles))
+    distinct = dict(zip(role_ids, roles, strict=True))  # one shared Role per layer and per kind
+    _check_roles(tensor_names, roles, list(distinct.values()), ckpt.num_layers)
+    required = schema.required_tensors(
+        ckpt.config, dict(zip(tensor_names, map(_DTYPE, sources), strict=True))
+    )
+    shapes = dict(zip(tensor_names, map(_SHAPE, sources), strict=True))
+    schema.check_complete(required, shapes, str(ckpt.root))
     # After the checks above, so that a config that does not match the weights is told as such.
     check_servable(runtime, schema.layer_types(ckpt.config), sizes, default=partition is None)
-    kinds = {r.kind for r in roles}
+    kinds = {r.kind for r in distinct.values()}
     mtp = MTP_ABSENT if names.MTP not in kinds else MTP_KEPT if keep_mtp else MTP_DROPPED
     place = placement_rules(pp, runtime, ckpt.tied_embeddings, mtp == MTP_KEPT)
 
-    per_stage: list[list[tuple[SourceTensor, bool]]] = [[] for _ in range(pp)]
-    layer_stage = [per_stage[r] for r, (start, end) in enumerate(ranges) for _ in range(start, end)]
-    dropped = []
-    for src, role in zip(ckpt.tensors.values(), roles, strict=True):
-        if role.kind == names.LAYER:
-            layer_stage[role.layer].append((src, False))
-            continue
-        if role.kind == names.MTP and mtp == MTP_DROPPED:
-            dropped.append(src.name)
-            continue
-        owners = place[role.kind]
-        for r in owners:
-            per_stage[r].append((src, len(owners) > 1))
+    # Each tensor's key: its stage for a decoder layer's tensor, else its role's kind.
+    layer_stage = [r for r, (start, end) in enumerate(ranges) for _ in range(start, end)]
+    key_of = {i: layer_stage[r.layer] if r.kind == names.LAYER else r.kind for i, r in distinct.items()}
+    keys = list(map(key_of.__getitem__, role_ids))
+    placed_kinds = kinds - {names.LAYER} - ({names.MTP} if mtp == MTP_DROPPED else set())
+    replicated = dict.fromkeys(range(pp), False) | {k: len(place[k]) > 1 for k in placed_kinds}
+    items = list(zip(sources, map(replicated.get, keys), strict=True))
+    per_stage: list[list[tuple[SourceTensor, bool]]] = [
+        list(compress(items, map({r, *(k for k in placed_kinds if r in place[k])}.__contains__, keys)))
+        for r in range(pp)
+    ]
+    dropped = list(compress(tensor_names, map({names.MTP}.__contains__, keys))) if mtp == MTP_DROPPED else []
     extras = [
         tuple(k for k in _EXTRA_KINDS if k in kinds and r in place[k] and not (k == names.MTP and dropped))
         for r in range(pp)
     ]
 
     file_order = {f: i for i, f in enumerate(ckpt.files)}
-    file_tensors = Counter(src.file for src in ckpt.tensors.values())
+    file_tensors = Counter(map(_FILE, sources))
     stages = tuple(
         StagePlan(
             rank=r,
@@ -274,15 +286,24 @@ def make_plan(
     )
 
 
-def _check_roles(tensor_names: list[str], roles: list[names.Role | None], num_layers: int) -> None:
-    """Every tensor has a role, and the decoder layers are exactly 0..num_layers-1."""
-    if any(r is None for r in roles):
+def _check_roles(
+    tensor_names: list[str],
+    roles: list[names.Role | None],
+    distinct: list[names.Role | None],
+    num_layers: int,
+) -> None:
+    """Every tensor has a role, and the decoder layers are exactly 0..num_layers-1.
+
+    ``distinct`` are the different roles of ``roles`` (checked; the full list is searched
+    only for the name to report).
+    """
+    if None in distinct:
         name = tensor_names[roles.index(None)]
         raise ReshardError(
             f"tensor {name!r}: no placement rule covers it (not a decoder layer, embed_tokens, "
             "norm, lm_head, mtp.* or model.visual.* tensor); refusing to drop or guess"
         )
-    found = {r.layer for r in roles if r.kind == names.LAYER}
+    found = {r.layer for r in distinct if r.kind == names.LAYER}
     if found and max(found) >= num_layers:
         name, role = next(
             (n, r) for n, r in zip(tensor_names, roles, strict=True) if (r.layer or 0) >= num_layers
@@ -310,8 +331,10 @@ def _layout_files(
     """Lay out a stage's tensors (in source order) as CLONE, ALIGNED, then GATHERED files."""
     shared: list[tuple[str, str, list[tuple[SourceTensor, bool]]]] = []
     rest: list[tuple[SourceTensor, bool]] = []
-    for file, group in groupby(placed, key=lambda p: p[0].file):
-        items = list(group)
+    pos = 0
+    for file, group in groupby(map(_FILE, map(_FIRST, placed))):  # runs of one source file, in C
+        end = pos + len(list(group))
+        items, pos = placed[pos:end], end
         if len(items) == file_tensors[file]:
             shared.append((CLONE, file, items))
             continue
@@ -331,7 +354,11 @@ def _layout_files(
                 [(s.name, s.dtype, s.shape, s.nbytes) for s, _ in items], align=SHARE_ALIGN, offset=start
             )
         )
-        placed_tensors = tuple([_tuple_new(PlacedTensor, (s, s.offset - start, rep)) for s, rep in items])
+        srcs = list(map(_FIRST, items))
+        offsets = map(sub, map(_OFFSET, srcs), repeat(start))
+        placed_tensors = tuple(
+            map(_tuple_new, repeat(PlacedTensor), zip(srcs, offsets, map(_SECOND, items), strict=True))
+        )
         files.append(OutputFile(name, header, placed_tensors, layout, file))
     for name, group in zip(names[len(shared) :], gathered, strict=True):
         hdr = encode_header([(s.name, s.dtype, s.shape, s.nbytes) for s, _ in group])

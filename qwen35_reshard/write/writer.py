@@ -13,10 +13,17 @@ manifest records no sha256 for the tensors of CLONE and ALIGNED files (``null``;
 Hugging Face cache blob records the blob's sha256 as the file's); ``verify --source`` proves
 their bytes against the source. Where OUT cannot share, everything is copied and hashed as
 usual, the same bytes land in the same files, and every tensor has its digest.
+
+Durability (see :class:`_Durability`): a run that copies fsyncs each file it finished; a run
+that shares blocks writes mostly metadata and makes a whole batch durable with one
+``syncfs`` of OUT's filesystem instead. Either way the order is the same: a file's bytes are
+durable before its final name is; a stage's data files, journal removal, side files and
+manifest are durable before its index is; every index before the run manifest.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import json
 import os
@@ -55,6 +62,9 @@ from ..units import format_bytes
 
 REFLINK_MODES = ("auto", "always", "never")
 DEFAULT_WORKERS = 2  # source shards copied at once: the library's default and the CLI's
+# Copied bytes a run that syncs its filesystem whole may hold unfinished (lost to a crash).
+PROGRESS_BYTES = 1 << 30
+
 
 class Reporter:
     """Progress callbacks of a write; the default reports nothing. May be called from threads."""
@@ -156,7 +166,7 @@ def write_plan(
     # read-only or full OUT, no permission) leaves OUT as it found it.
     created += [out / name for name in (RUN_MARKER, *(s.dirname for s in todo)) if not (out / name).exists()]
     try:
-        _write_atomic(out / RUN_MARKER, dumps({"identity": identity.to_json()}))
+        _write_atomic(out / RUN_MARKER, dumps({"identity": identity.to_json()}), sync_dir=False)
         _remove(out / RUN_MANIFEST)
         to_write: list[tuple[StagePlan, OutputFile]] = []
         for stage in todo:
@@ -173,21 +183,43 @@ def write_plan(
         _check_free_space(out, needed)
         created = []  # from here on, finished files are kept for the next run to resume
 
+        durable = _Durability(out, whole_fs=result.sharing)
+        # The marker must be in place before any data file is; when synced whole, the barrier
+        # before the first data file gets its name covers it.
+        durable.dirs([out], lazy=True)
+        deferred: list[tuple[Path, Path]] = []
+        prepared: list[_Prepared] = []
         result.bytes_copied, result.bytes_shared = _copy_files(
-            plan, out, to_write, digests, workers, reporter, open_source, share=result.sharing
+            plan,
+            out,
+            to_write,
+            digests,
+            workers,
+            reporter,
+            open_source,
+            share=result.sharing,
+            durable=durable,
+            deferred=deferred,
+            # What needs no digest is written while the workers copy.
+            meanwhile=lambda: prepared.append(_prepare_stages(plan, out, todo, side_files_of_out=True)),
         )
-        for stage in todo:
-            _finish_stage(plan, out / stage.dirname, stage, digests[stage.rank])
-            result.built.append(stage.rank)
-            reporter.stage_done(stage)
+        result.complete = sorted({*state.complete, *(s.rank for s in todo)})
         # OUT itself is the model path of `vllm serve OUT --load-format qwen35-stages`: vLLM reads
         # the config and the tokenizer there (and refuses a split for SGLang in the plugin, with
         # the shim's message), each rank's weights from OUT/pp{rank}.
-        _copy_side_files(plan, out)
-        result.complete = sorted({*state.complete, *result.built})
-        _write_atomic(out / RUN_MANIFEST, dumps(ondisk.run_manifest(plan, result.complete)))
-        _remove(out / RUN_MARKER)
-        _fsync_dir(out)
+        _finish_stages(
+            plan,
+            out,
+            todo,
+            digests,
+            durable,
+            prepared[0],  # made by _copy_files' meanwhile
+            run_record=dumps(ondisk.run_manifest(plan, result.complete)),
+            data=deferred,
+        )
+        for stage in todo:
+            result.built.append(stage.rank)
+            reporter.stage_done(stage)
     except OSError as e:  # a full disk, a file-size limit, ... while writing anything
         raise _write_error(e, out, needed) from e
     finally:
@@ -234,7 +266,8 @@ def repair_files(
             done += [f"{stage.dirname}/{f.name}" for f in data]
         digests: dict[int, dict[str, str | None]] = {s.rank: {} for s in stages}
         # Mended files are copied, not shared: their bytes are read and get their digests.
-        _copy_files(plan, out, to_write, digests, workers, reporter, share=False)
+        durable = _Durability(out, whole_fs=False)
+        _copy_files(plan, out, to_write, digests, workers, reporter, share=False, durable=durable)
         for stage in stages:
             stage_dir = out / stage.dirname
             if stage in redo_meta:
@@ -242,11 +275,11 @@ def repair_files(
                 for f in stage.files:
                     if f.name not in rewritten:
                         digests[stage.rank].update(_file_digests(stage_dir / f.name, f))
-                _finish_stage(plan, stage_dir, stage, digests[stage.rank])
                 meta = (*plan.checkpoint.extra_files, STAGE_MANIFEST, INDEX_NAME)
                 done += [f"{stage.dirname}/{n}" for n in meta]
             else:
                 _remove(stage_dir / JOURNAL)  # a finished stage holds none
+        _finish_stages(plan, out, redo_meta, digests, durable, _prepare_stages(plan, out, redo_meta))
         if rewrite_run_manifest:
             complete = [s.rank for s in plan.stages if stage_is_complete(out / s.dirname)]
             _write_atomic(out / RUN_MANIFEST, dumps(ondisk.run_manifest(plan, complete)))
@@ -496,10 +529,17 @@ def _copy_files(
     open_source: Callable[[str], str | RangeSource] | None = None,
     *,
     share: bool,
+    durable: _Durability,
+    deferred: list[tuple[Path, Path]] | None = None,
+    meanwhile: Callable[[], None] | None = None,
 ) -> tuple[int, int]:
     """Copy (or share) the data of ``to_write``, one worker per source shard; fills ``digests``.
 
     Returns how many of the files' bytes were copied and how many share the source's blocks.
+    When the filesystem is synced whole and ``deferred`` is given, the files finished last are
+    left under their temporary names, closed, their (temporary, final) names added to it: the
+    stages' first barrier makes them durable with everything else. ``meanwhile()`` runs in
+    this thread while the workers copy.
     """
     opened: list[_OpenFile] = []
     segments: dict[str, dict[str, Segment]] = {}
@@ -534,7 +574,7 @@ def _copy_files(
                 seg.dests.append((o.fd, f.data_start + t.out_offset))
         total = sum(seg.nbytes for segs in segments.values() for seg in segs.values())
         reporter.start(total)
-        _finish_files([o for o in opened if not o.pending_sources], digests)
+        _finish_files([o for o in opened if not o.pending_sources], digests, durable)
 
         def run(file: str) -> dict[str, str | None]:
             src = open_source(file) if open_source is not None else str(plan.checkpoint.path(file))
@@ -547,15 +587,17 @@ def _copy_files(
                 on_shared=on_shared,
             )
 
+        ready: list[_OpenFile] = []  # finished, not yet made durable
         with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
             futures = {pool.submit(run, file): file for file in sorted(segments)}
             try:
+                if meanwhile is not None:
+                    meanwhile()
                 while futures:
                     done, _ = wait(futures, return_when=FIRST_COMPLETED)
                     for fut in done:
                         file = futures.pop(fut)
                         found = fut.result()
-                        ready = []
                         for o in opened:
                             if file in o.pending_sources:
                                 digests[o.stage.rank].update(
@@ -564,7 +606,19 @@ def _copy_files(
                                 o.pending_sources.discard(file)
                                 if not o.pending_sources:
                                     ready.append(o)
-                        _finish_files(ready, digests)
+                    # A barrier of the whole filesystem costs the same for one file or many:
+                    # then files are finished once enough copied bytes would be lost to a crash.
+                    copied = (
+                        sum(o.plan.size - o.plan.shareable_bytes for o in ready) if durable.whole_fs else 0
+                    )
+                    if not futures and durable.whole_fs and deferred is not None:
+                        for o in ready:
+                            os.close(o.fd)
+                            o.fd = -1
+                            deferred.append((o.tmp, o.final))
+                    elif not futures or not durable.whole_fs or copied >= PROGRESS_BYTES:
+                        _finish_files(ready, digests, durable)
+                        ready = []
             except BaseException:
                 stop.set()
                 for fut in futures:
@@ -621,24 +675,27 @@ def _create(
     return _OpenFile(stage, f, tmp, final, fd, {t.source.file for t in f.tensors})
 
 
-def _finish_files(files: list[_OpenFile], digests: dict[int, dict[str, str | None]]) -> None:
+def _finish_files(
+    files: list[_OpenFile], digests: dict[int, dict[str, str | None]], durable: _Durability
+) -> None:
     """Make finished data files durable, give them their final names, and journal them.
 
     Files finished together (the clones, made before any copying; the files a source shard
-    completes) are fsynced side by side (a journaling filesystem commits them together) and
-    share one directory fsync and one journal write per stage, stages side by side too: a
-    clone costs little else.
+    completes) share one barrier, one directory sync and one journal write per stage. The
+    journal may lag behind the renames (a file found without its entry is redone), never
+    ahead of the bytes: each entry names a file whose bytes were durable before it was renamed.
     """
     if not files:
         return
-    _fsync_all([o.fd for o in files])
     for o in files:
         os.close(o.fd)
         o.fd = -1
+    durable.files([o.tmp for o in files])
+    for o in files:
         os.replace(o.tmp, o.final)
-
-    def journal(stage_dir: Path) -> None:
-        _fsync_dir(stage_dir)
+    stage_dirs = list(dict.fromkeys(o.final.parent for o in files))
+    durable.dirs(stage_dirs, lazy=True)
+    for stage_dir in stage_dirs:
         records = [
             {"file": o.plan.name, "digests": {t.name: digests[o.stage.rank][t.name] for t in o.plan.tensors}}
             for o in files
@@ -646,52 +703,186 @@ def _finish_files(files: list[_OpenFile], digests: dict[int, dict[str, str | Non
         ]
         with open(stage_dir / JOURNAL, "a") as j:
             j.write("".join(json.dumps(r) + "\n" for r in records))
-            j.flush()
-            os.fsync(j.fileno())
-
-    stage_dirs = list(dict.fromkeys(o.final.parent for o in files))
-    with ThreadPoolExecutor(max_workers=max(1, len(stage_dirs))) as pool:
-        list(pool.map(journal, stage_dirs))
+    durable.files([d / JOURNAL for d in stage_dirs], lazy=True)
 
 
-def _finish_stage(plan: Plan, stage_dir: Path, stage: StagePlan, digests: dict[str, str | None]) -> None:
-    """Copy the non-weight files, then write the manifest and, last, the index."""
-    _copy_side_files(plan, stage_dir)
-    index_bytes = dumps(stage_index(stage))
-    manifest = stage_manifest(plan, stage, digests, index_bytes)
-    # The journal goes before the stage can look complete: a finished stage never holds one
-    # (later runs skip finished stages, so one left behind would never be cleaned up).
-    _remove(stage_dir / JOURNAL)
-    _write_atomic(stage_dir / STAGE_MANIFEST, dumps(manifest))
-    _write_atomic(stage_dir / INDEX_NAME, index_bytes)
-    _fsync_dir(stage_dir)
+@dataclass
+class _Prepared:
+    """What finishing stages writes before it knows any digest, under temporary names."""
+
+    dirs: list[Path]
+    first: list[tuple[Path, Path]]  # (temporary, final): side files, renamed before any index
+    indexes: list[tuple[Path, Path]]
+    index_bytes: list[bytes]
+    side_files_of_out: bool
 
 
-def _copy_side_files(plan: Plan, directory: Path) -> None:
-    """Copy config.json and the source's other non-weight files into ``directory``, atomically."""
+def _prepare_stages(
+    plan: Plan, out: Path, stages: list[StagePlan], *, side_files_of_out: bool = False
+) -> _Prepared:
+    """Write each of ``stages``' non-weight files and index (and OUT's own non-weight files,
+    when asked) under temporary names."""
+    dirs = [out / s.dirname for s in stages]
+    first: list[tuple[Path, Path]] = []
+    indexes, index_bytes = [], []
+    for stage, stage_dir in zip(stages, dirs, strict=True):
+        first += _side_file_tmps(plan, stage_dir)
+        index_bytes.append(dumps(stage_index(stage)))
+        indexes.append(_write_tmp(stage_dir / INDEX_NAME, index_bytes[-1]))
+    if side_files_of_out:
+        first += _side_file_tmps(plan, out)
+    return _Prepared(dirs, first, indexes, index_bytes, side_files_of_out)
+
+
+def _finish_stages(
+    plan: Plan,
+    out: Path,
+    stages: list[StagePlan],
+    digests: dict[int, dict[str, str | None]],
+    durable: _Durability,
+    prepared: _Prepared,
+    *,
+    run_record: bytes | None = None,
+    data: list[tuple[Path, Path]] | None = None,
+) -> None:
+    """Give each of ``stages`` its non-weight files, manifest and, last, its index (all but
+    the manifests ``prepared``); then the run record, when given. ``data``: (temporary,
+    final) names of data files written but not yet made durable; the rest are finished.
+
+    Everything is written under temporary names first, then made durable and renamed in
+    three steps, each behind a barrier: data, side files and manifests (and the journals
+    removed: a finished stage never holds one, and later runs skip finished stages); then the
+    indexes, which make the stages complete; then the run record.
+    """
+    dirs, indexes = prepared.dirs, prepared.indexes
+    first = [*(data or []), *prepared.first]  # (temporary, final) renamed before any index
+    for stage, stage_dir, index_bytes in zip(stages, dirs, prepared.index_bytes, strict=True):
+        m = stage_manifest(plan, stage, digests[stage.rank], index_bytes)
+        first.append(_write_tmp(stage_dir / STAGE_MANIFEST, dumps(m)))
+    last = [_write_tmp(out / RUN_MANIFEST, run_record)] if run_record is not None else []
+    if not first and not last:
+        return
+    # Barrier 1: every byte written so far (and, synced whole, the data files' final names).
+    durable.files([tmp for tmp, _ in (*first, *indexes, *last)])
+    for stage_dir in dirs:
+        _remove(stage_dir / JOURNAL)
+    for tmp, final in first:
+        os.replace(tmp, final)
+    durable.dirs([*dirs, out] if prepared.side_files_of_out else dirs)  # 2: all of a stage but its index
+    for tmp, final in indexes:
+        os.replace(tmp, final)
+    durable.dirs(dirs)  # barrier 3: the stages are complete before the run record says so
+    if last:
+        os.replace(*last[0])
+        _remove(out / RUN_MARKER)
+        durable.dirs([out])
+
+
+def _side_file_tmps(plan: Plan, directory: Path) -> list[tuple[Path, Path]]:
+    """Copy config.json and the source's other non-weight files into ``directory`` under
+    temporary names; returns (temporary, final) pairs."""
     root = plan.checkpoint.root
-    names = plan.checkpoint.extra_files
-    tmps = [directory / f".{name}{PARTIAL_SUFFIX}" for name in names]
-    for name, tmp in zip(names, tmps, strict=True):
+    pairs = [
+        (directory / f".{name}{PARTIAL_SUFFIX}", directory / name) for name in plan.checkpoint.extra_files
+    ]
+    for (tmp, _), name in zip(pairs, plan.checkpoint.extra_files, strict=True):
         shutil.copyfile(root / name, tmp)
-    fds = [os.open(tmp, os.O_RDONLY) for tmp in tmps]
-    try:
-        _fsync_all(fds)  # side by side: a journaling filesystem commits them together
-    finally:
-        for fd in fds:
-            os.close(fd)
-    for name, tmp in zip(names, tmps, strict=True):
-        os.replace(tmp, directory / name)
+    return pairs
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def _write_tmp(path: Path, data: bytes) -> tuple[Path, Path]:
+    """Write ``data`` under ``path``'s temporary name; returns (temporary, final)."""
     tmp = path.with_name(f".{path.name}{PARTIAL_SUFFIX}")
     with open(tmp, "wb") as f:
         f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    return tmp, path
+
+
+def _write_atomic(path: Path, data: bytes, *, sync_dir: bool = True) -> None:
+    """Replace ``path`` with ``data``, durable (``sync_dir``: its name too, else the caller's
+    next barrier makes it so)."""
+    tmp, _ = _write_tmp(path, data)
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    if sync_dir:
+        _fsync_dir(path.parent)
+
+
+class _Durability:
+    """How a run makes what it wrote durable: file by file, or its filesystem at once.
+
+    ``files(paths)`` makes the bytes of ``paths`` durable, ``dirs(paths)`` the entries
+    (renames, removals) of those directories. File by file, each is an fsync, issued side by
+    side (a journaling filesystem commits them together). With ``whole_fs``, each is one
+    ``syncfs`` of OUT's filesystem, which also makes everything written before it durable,
+    names included: one log commit instead of one per file and directory, at the price of
+    also flushing other writers' dirty data on that filesystem. A run that shares blocks
+    uses it (its files are mostly metadata, and it would pay ~100 fsyncs for a split that
+    otherwise takes a fraction of a second); a run that copies fsyncs its own files, whose
+    data is being written back as it goes.
+
+    The order of the steps is what makes a crash safe, and it is the same both ways: no name
+    becomes final before the bytes behind it are durable, and a barrier separates each step
+    from the next.
+    """
+
+    def __init__(self, out: Path, *, whole_fs: bool) -> None:
+        self.out = out
+        self.whole_fs = whole_fs and _syncfs is not None
+
+    def files(self, paths: list[Path], *, lazy: bool = False) -> None:
+        """Make the bytes of ``paths`` durable. ``lazy``: needed only by the next barrier's
+        renames (or only so that finished work survives a crash, a journal): when the
+        filesystem is synced whole, that barrier covers it."""
+        if not paths or (lazy and self.whole_fs):
+            return
+        if self.whole_fs:
+            self._syncfs()
+            return
+        fds = [os.open(p, os.O_RDONLY) for p in paths]
+        try:
+            _fsync_all(fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def dirs(self, paths: list[Path], *, lazy: bool = False) -> None:
+        """Make the entries of the directories ``paths`` durable (``lazy``: as for files)."""
+        if not paths or (lazy and self.whole_fs):
+            return
+        if self.whole_fs:
+            self._syncfs()
+            return
+        fds = [os.open(p, os.O_RDONLY | os.O_DIRECTORY) for p in dict.fromkeys(paths)]
+        try:
+            _fsync_all(fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _syncfs(self) -> None:
+        fd = os.open(self.out, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            if _syncfs(fd) != 0:  # since Linux 5.8 it also reports write-back errors
+                err = ctypes.get_errno()
+                raise OSError(err, os.strerror(err), str(self.out))
+        finally:
+            os.close(fd)
+
+
+def _load_syncfs():
+    """libc's ``syncfs(fd)`` (Linux), or None where there is none."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).syncfs
+    except (OSError, AttributeError):
+        return None
+
+
+_syncfs = _load_syncfs()
 
 
 def _fsync_all(fds: list[int]) -> None:
