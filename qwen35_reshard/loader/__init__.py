@@ -173,8 +173,8 @@ class Stage:
             from safetensors import SafetensorError, safe_open
         except ModuleNotFoundError as e:
             raise StageError(
-                f"iter_weights needs {e.name}, which is not installed: pip install "
-                f"'qwen35-reshard[loader]' (or {e.name} itself)"
+                f"iter_weights needs {e.name}, which is not installed: pip install {e.name} (torch from "
+                "https://download.pytorch.org/whl/cpu for the CPU build; see the README's Install)"
             ) from e
 
         if sys.byteorder != "little":
