@@ -276,12 +276,17 @@ def read_json(path: Path) -> dict | None:
         raw = path.read_bytes()
     except FileNotFoundError:
         return None
+    return parse_json_object(raw, str(path))
+
+
+def parse_json_object(raw: bytes, where: str) -> dict:
+    """The JSON object in ``raw`` (the file ``where``); ReshardError if it is not one."""
     try:
         obj = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ReshardError(f"{path}: not valid JSON; the file is damaged") from e
+        raise ReshardError(f"{where}: not valid JSON ({e}); the file is damaged") from e
     if not isinstance(obj, dict):
-        raise ReshardError(f"{path}: expected a JSON object")
+        raise ReshardError(f"{where}: expected a JSON object")
     return obj
 
 

@@ -24,18 +24,26 @@ from ..verify import Finding, VerifyReport
 from ..write.writer import OutState, Reporter, WriteResult
 
 
-def plan_table(plan: Plan) -> Table:
-    """One row per stage: layers, tensors, size, output files, source shards read, extra roles
-    and whether this run builds it; within 80 columns up to pp=16 (numbers never wrap)."""
-    ckpt = plan.checkpoint
-    table = Table(
-        title=f"{ckpt.display}: {plural(ckpt.num_layers, 'layer')}, {plural(len(ckpt.tensors), 'tensor')}, "
-        f"{plural(len(ckpt.files), 'shard')} -> pp={plan.pp} ({plan.runtime})",
+def _table(title: str) -> Table:
+    """The tables' one style: a rule under the heads, no outer border, one space between
+    columns (every column counts at 80 characters)."""
+    return Table(
+        title=title,
         title_justify="left",
         box=box.SIMPLE_HEAD,
         show_edge=False,
         padding=(0, 1, 0, 0),
         pad_edge=False,
+    )
+
+
+def plan_table(plan: Plan) -> Table:
+    """One row per stage: layers, tensors, size, output files, source shards read, extra roles
+    and whether this run builds it; within 80 columns up to pp=16 (numbers never wrap)."""
+    ckpt = plan.checkpoint
+    table = _table(
+        f"{ckpt.display}: {plural(ckpt.num_layers, 'layer')}, {plural(len(ckpt.tensors), 'tensor')}, "
+        f"{plural(len(ckpt.files), 'shard')} -> pp={plan.pp} ({plan.runtime})"
     )
     # "shards": source shards the stage reads, of all; "also": its roles besides decoder layers.
     for col in ("stage", "layers", "tensors", "size", "files", "shards", "also", "build"):
@@ -266,14 +274,9 @@ def balance_table(choice: Choice, runtime: str) -> Table:
     """The balanced split per stage (resident GB by part; capacity columns in capacity mode),
     the bottleneck stage marked; narrow enough for an 80-column terminal up to pp=16."""
     capacity = choice.serving is not None
-    table = Table(
-        title=f"--partition balanced ({runtime}, by {'capacity' if capacity else 'weights'}): "
-        f"{_csv(choice.partition)}",
-        title_justify="left",
-        box=box.SIMPLE_HEAD,
-        show_edge=False,
-        padding=(0, 1, 0, 0),
-        pad_edge=False,
+    table = _table(
+        f"--partition balanced ({runtime}, by {'capacity' if capacity else 'weights'}): "
+        f"{_csv(choice.partition)}"
     )
     # head: lm_head and the final norm. GB: the whole stage's weights (over its tp GPUs).
     cols = ["stage", "layers", "full/\nlin", "layers\nGB", "embed\nGB", "head\nGB", "mtp\nGB"]

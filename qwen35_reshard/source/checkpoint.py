@@ -9,7 +9,6 @@ model directory (or, for a Hugging Face cache snapshot, out of the repo's ``blob
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 from collections.abc import Callable
@@ -21,7 +20,7 @@ from typing import NamedTuple
 
 from ..errors import ReshardError, param
 from ..model import schema
-from ..ondisk import CONFIG_NAME, INDEX_NAME, PICKLE_SUFFIXES, SINGLE_FILE_NAME
+from ..ondisk import CONFIG_NAME, INDEX_NAME, PICKLE_SUFFIXES, SINGLE_FILE_NAME, parse_json_object
 from .header import Header, read_header
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -152,7 +151,7 @@ def assemble_checkpoint(
     """
     num_layers = _num_layers(config, f"{display}/{CONFIG_NAME}")
     weight_map = (
-        _weight_map(_load_json(index_bytes, f"{display}/{INDEX_NAME}"), f"{display}/{INDEX_NAME}")
+        _weight_map(parse_json_object(index_bytes, f"{display}/{INDEX_NAME}"), f"{display}/{INDEX_NAME}")
         if index_bytes is not None
         else None
     )
@@ -232,7 +231,7 @@ def _add_tensors(
 
 def load_config(raw: bytes, where: str) -> dict:
     """config.json's bytes as a dict, checked to name a positive number of layers."""
-    config = _load_json(raw, where)
+    config = parse_json_object(raw, where)
     _num_layers(config, where)
     return config
 
@@ -266,16 +265,6 @@ def _weight_map(index: object, where: str) -> dict[str, str]:
                 "loads; convert the checkpoint to safetensors first"
             )
     return wm
-
-
-def _load_json(raw: bytes, where: str) -> dict:
-    try:
-        obj = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ReshardError(f"{where}: not valid JSON ({e})") from e
-    if not isinstance(obj, dict):
-        raise ReshardError(f"{where}: expected a JSON object")
-    return obj
 
 
 def _allowed_roots(root: Path) -> tuple[Path, ...]:
