@@ -118,7 +118,7 @@ def read_header(path: str | os.PathLike[str], *, display: str | None = None) -> 
                 )
             raw = f.read(n)
     except OSError as e:
-        raise ReshardError(f"{where}: cannot read ({e.strerror})") from None
+        raise ReshardError(f"{where}: cannot read ({e.strerror})") from e
     return parse_header(raw, file_size=file_size, where=where)
 
 
@@ -132,10 +132,10 @@ def parse_header(raw: bytes, *, file_size: int, where: str) -> Header:
         if not _no_key_dropped(raw, obj):
             # json keeps the last of repeated keys silently: parse again, naming the first one.
             obj = json.loads(text, object_pairs_hook=_no_duplicate_keys(where))
-    except UnicodeDecodeError:
-        raise ReshardError(f"{where}: header is not valid UTF-8") from None
+    except UnicodeDecodeError as e:
+        raise ReshardError(f"{where}: header is not valid UTF-8") from e
     except json.JSONDecodeError as e:
-        raise ReshardError(f"{where}: header is not valid JSON ({e.msg} at byte {e.pos})") from None
+        raise ReshardError(f"{where}: header is not valid JSON ({e.msg} at byte {e.pos})") from e
     if not isinstance(obj, dict):
         raise ReshardError(f"{where}: header is not a JSON object")
     metadata = obj.pop(METADATA_KEY, None) or {}
