@@ -158,13 +158,6 @@ def describe_differences(old: RunIdentity, new: RunIdentity) -> str:
     return ", ".join(f"{k} {show(a)} -> {show(b)}" for k, a, b in differ) or "no setting differs"
 
 
-def read_run_identity(path: Path) -> RunIdentity | None:
-    """The identity recorded in the run marker or run manifest at ``path`` (None: missing or
-    not recording one)."""
-    record = read_json(path)
-    return RunIdentity.from_json(record.get("identity")) if record is not None else None
-
-
 def source_identity(ckpt: Checkpoint) -> dict:
     """What identifies the source: its path (or Hub repo id and commit) for people, digests and
     sizes for the tool. A Hub source records no endpoint and no token."""
@@ -299,7 +292,7 @@ def stage_is_complete(stage_dir: Path, identity: RunIdentity | None = None) -> b
     try:
         manifest = read_json(stage_dir / STAGE_MANIFEST)
         index_bytes = (stage_dir / INDEX_NAME).read_bytes()
-    except (FileNotFoundError, ReshardError):
+    except (OSError, ReshardError):  # missing, not a directory, unreadable, damaged
         return False
     if manifest is None or manifest.get("format") != STAGE_FORMAT:
         return False

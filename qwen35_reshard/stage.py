@@ -171,7 +171,11 @@ def read_run_record(run_dir: Path, display: str) -> tuple[str, RunIdentity] | Fi
         identity = RunIdentity.from_json(obj.get("identity")) if isinstance(obj, dict) else None
         if identity is None:
             what = "no valid identity" if isinstance(obj, dict) else "not a valid JSON object"
-            return Finding(CORRUPT, f"{display}/{name} is damaged ({what}); {RERUN}", name)
+            why = (
+                f"{display}/{name} is damaged ({what}): the directory no longer records which split "
+                f"it holds; delete {display} (or choose another directory) and split again"
+            )
+            return Finding(CORRUPT, why, name)
         return name, identity
     return None
 

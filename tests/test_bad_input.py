@@ -342,8 +342,14 @@ def test_vllm_split_with_a_stage_without_full_attention(capsys, make_checkpoint,
         out.mkdir()
     target = [] if command == ["plan"] else [out]
     cases = [
-        (["--pp", "3"], ["runtime vllm", "partition 3,3,2", "stage 0 (layers 0-2)", "at most pp 2"]),
-        (["--pp", "2", "--partition", "1,7"], ["runtime vllm", "partition 1,7", "stage 0 (layer 0)"]),
+        (
+            ["--pp", "3"],
+            ["--runtime vllm", "--pp 3 (partition 3,3,2)", "stage 0 (layers 0-2)", "at most --pp 2"],
+        ),
+        (
+            ["--pp", "2", "--partition", "1,7"],
+            ["--runtime vllm", "--partition 1,7", "stage 0 (layer 0)", "--partition balanced picks"],
+        ),
     ]
     for args, needles in cases:
         code, stdout, stderr = run_cli(capsys, *command, *args, "--runtime", "vllm", model, *target)

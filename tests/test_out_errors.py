@@ -48,9 +48,13 @@ def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
 def test_out_under_a_file(make_checkpoint, tmp_path):
     (tmp_path / "afile").write_text("x")
     out = tmp_path / "afile" / "deeper" / "out"
-    line = one_error_line(run(command(make_checkpoint(), out)))
-    assert str(tmp_path / "afile" / "deeper") in line and "Not a directory" in line
+    model = make_checkpoint()
+    line = one_error_line(run(command(model, out)))
+    assert f"OUT {out} cannot be created: {tmp_path / 'afile'} is not a directory" in line
     assert tree(tmp_path) == ["afile"]
+    # The preview refuses the same way.
+    plan = run([sys.executable, "-m", "qwen35_reshard", "plan", "--pp", "2", str(model), str(out)])
+    assert plan.returncode == 2 and one_error_line(plan) == line
 
 
 def test_out_name_too_long(make_checkpoint, tmp_path):
@@ -105,3 +109,15 @@ def test_out_without_write_permission(make_checkpoint):
             assert tree(locked) == []
     finally:
         shutil.rmtree(base)
+
+
+def test_a_stage_directory_replaced_by_a_file(make_checkpoint, tmp_path):
+    """OUT/pp1 is a plain file now: the preview and the run answer in one line each, no traceback."""
+    model, out = make_checkpoint(), tmp_path / "out"
+    assert run(command(model, out)).returncode == 0
+    shutil.rmtree(out / "pp1")
+    (out / "pp1").write_text("not a stage")
+    plan = run([sys.executable, "-m", "qwen35_reshard", "plan", "--pp", "2", str(model), str(out)])
+    assert plan.returncode == 0 and "Traceback" not in plan.stderr, plan.stderr
+    line = one_error_line(run(command(model, out)))
+    assert str(out / "pp1") in line

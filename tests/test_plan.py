@@ -150,12 +150,12 @@ def test_vllm_refuses_a_default_split_with_a_stage_without_full_attention(checkp
         make_plan(checkpoints["fused"], pp=3, runtime="vllm", ranks=ranks)
     message = _one_line(e)
     for needle in (
-        "runtime vllm",
-        "default split for pp 3 (partition 3,3,2)",
+        "runtime='vllm' cannot serve",
+        "default split for pp=3 (partition 3,3,2)",
         "stage 0 (layers 0-2) has only linear-attention layers",
         "measured on vLLM 0.32.0's CPU build",
         "Workers disagree on supported KV cache layouts",
-        "the model has 2 full-attention layers: use at most pp 2",
+        "the model has 2 full-attention layers: use at most pp=2",
     ):
         assert needle in message, message
     assert "--" not in message  # library terms: the command line maps them to its flags
@@ -165,8 +165,8 @@ def test_vllm_refuses_an_explicit_partition_with_a_stage_without_full_attention(
     with pytest.raises(ReshardError) as e:
         make_plan(checkpoints["fused"], pp=2, runtime="vllm", partition=[1, 7])
     message = _one_line(e)
-    assert message.startswith("runtime vllm cannot serve partition 1,7: stage 0 (layer 0) has only ")
-    assert "partition balanced" in message and "fewer stages" in message
+    assert message.startswith("runtime='vllm' cannot serve partition='1,7': stage 0 (layer 0) has only ")
+    assert "partition='balanced'" in message and "fewer stages" in message
 
 
 def test_sglang_accepts_the_splits_vllm_refuses(checkpoints):

@@ -337,3 +337,20 @@ def test_reflink_always_is_refused_on_ext4_even_with_nothing_to_share(filesystem
         qwen35_reshard.reshard(model, model.parent / "out-tiny-always", pp=4, reflink="always")
     _, result = qwen35_reshard.reshard(model, model.parent / "out-tiny-never", pp=4, reflink="never")
     assert not result.sharing and result.bytes_shared == 0
+
+
+def test_a_refused_run_leaves_a_finished_split_as_it_was(filesystems, tiny):
+    """Refusing to start (here: sharing required where it is impossible) removes nothing: not
+    the run record of the stages already built, not a split that --overwrite would replace."""
+    model = tiny.build_checkpoint(filesystems("ext4") / "tiny-refused")
+    out = model.parent / "out-refused"
+    qwen35_reshard.reshard(model, out, pp=2, ranks=[0])
+    before = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    with pytest.raises(qwen35_reshard.ReshardError, match="cannot share blocks"):
+        qwen35_reshard.reshard(model, out, pp=2, ranks=[1], reflink="always")
+    with pytest.raises(qwen35_reshard.ReshardError, match="cannot share blocks"):
+        qwen35_reshard.reshard(model, out, pp=4, overwrite=True, reflink="always")
+    assert {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == before
+    # And OUT is still this split's: the next run builds the missing stage.
+    _, result = qwen35_reshard.reshard(model, out, pp=2, ranks=[1])
+    assert result.built == [1] and result.complete == [0, 1]

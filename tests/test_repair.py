@@ -125,6 +125,18 @@ def test_lost_metadata_or_stage_is_rebuilt(model, clean, out, lost):
 def test_repair_needs_the_source(out):
     r = cli("verify", out, "--repair")
     assert r.returncode == 2 and "--source" in r.stderr.splitlines()[-1]
+    # A repair reads a local checkpoint: a Hub repo id is refused with one line.
+    r = cli("verify", out, "--source", "org/name", "--repair")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "org/name is not a directory" in r.stderr and "--source" in r.stderr
+
+
+def test_verify_names_its_own_flag_for_a_bad_source(out, tmp_path):
+    """The library says model_dir; verify has no MODEL argument: its error says --source."""
+    (tmp_path / "empty").mkdir()
+    r = cli("verify", out, "--source", tmp_path / "empty")
+    assert r.returncode == 2 and r.stderr.startswith("error: ") and r.stderr.count("\n") == 1, r.stderr
+    assert "--source must be a Hugging Face model directory" in r.stderr and "MODEL" not in r.stderr
 
 
 def test_one_stage_directory_is_repaired_on_its_own(model, clean, out):

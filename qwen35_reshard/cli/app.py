@@ -46,16 +46,17 @@ FLAGS = {
     "runtime": "--runtime",
     "partition": "--partition",
     "ranks": "--rank",
-    "keep_mtp": "--no-mtp",
-    "max_file_bytes": "--max-file-size",
     "overwrite": "--overwrite",
-    "workers": "--workers",
     "reflink": "--reflink",
     "model_dir": "MODEL",
     "model": "MODEL",
     "revision": "--revision",
     "out_dir": "OUT",
 }
+
+
+# verify names the checkpoint with --source.
+VERIFY_FLAGS = {**FLAGS, "model": "--source", "model_dir": "--source"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -111,7 +112,12 @@ def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def _run_guarded(command: Callable[[SimpleNamespace], int], args: SimpleNamespace, interrupted: str) -> None:
+def _run_guarded(
+    command: Callable[[SimpleNamespace], int],
+    args: SimpleNamespace,
+    interrupted: str,
+    flags: dict[str, str] = FLAGS,
+) -> None:
     """Run ``command``; errors become one line and an exit code, ``interrupted`` is what an
     interrupt (Ctrl-C, SIGINT, SIGTERM) says.
 
@@ -124,7 +130,7 @@ def _run_guarded(command: Callable[[SimpleNamespace], int], args: SimpleNamespac
     except ReshardError as e:
         if args.debug:
             raise
-        _fail(args.json, f"error: {e.render(FLAGS)}")
+        _fail(args.json, f"error: {e.render(flags)}")
         code = e.exit_code
     except KeyboardInterrupt:
         _fail(args.json, f"interrupted: {interrupted}")
@@ -428,6 +434,7 @@ def verify(
         "files rewritten so far are complete; run the same command again to finish the repair"
         if repair
         else "nothing was written",
+        VERIFY_FLAGS,
     )
 
 
@@ -634,6 +641,11 @@ def _verify(args: SimpleNamespace) -> int:
     if args.repair:
         if args.source is None:
             raise ReshardError("--repair rewrites files from the checkpoint: pass --source MODEL")
+        if not Path(args.source).is_dir():
+            raise ReshardError(
+                f"--repair rewrites files from a local checkpoint, and {args.source} is not a directory: "
+                "download the checkpoint (or the shards verify names) and pass its directory as --source"
+            )
         from ..write.repair import repair
 
         result = repair(args.out, Path(args.source))

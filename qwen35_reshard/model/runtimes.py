@@ -123,16 +123,24 @@ def check_servable(
     if problem is None:
         return
     pp, sizes = len(partition), ",".join(map(str, partition))
-    split = f"its default split for pp {pp} (partition {sizes})" if default else f"partition {sizes}"
+    split = (
+        f"its default split for {param('pp', pp)} (partition {sizes})"
+        if default
+        else f"{param('partition', sizes)}"
+    )
     # The only rule is vLLM's one full-attention layer per stage, so they bound the stage count.
     full = list(layer_types).count(FULL_ATTENTION)
     if full >= pp:
-        remedy = "give every stage one (partition balanced picks the lightest such split) or use fewer stages"
+        remedy = (
+            f"give every stage one ({param('partition', 'balanced')} picks the lightest such split) "
+            "or use fewer stages"
+        )
     elif full:
-        remedy = f"the model has {full} full-attention layer{'s' * (full != 1)}: use at most pp {full}"
+        layers = f"{full} full-attention layer{'s' * (full != 1)}"
+        remedy = f"the model has {layers}: use at most {param('pp', full)}"
     else:
         remedy = "the model has no full-attention layer, so no split of it can be served"
-    raise ReshardError(f"runtime {runtime} cannot serve {split}: {problem}; {remedy}")
+    raise ReshardError(f"{param('runtime', runtime)} cannot serve {split}: {problem}; {remedy}")
 
 
 def launch_env(runtime: str, partition: list[int]) -> str:

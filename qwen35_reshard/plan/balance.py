@@ -39,9 +39,6 @@ from ..source.checkpoint import Checkpoint
 from .capacity import Capacity, Serving, serving_costs
 from .planner import MTP_ABSENT, MTP_DROPPED, MTP_KEPT
 
-# The non-layer parts a stage may hold, in display order.
-PARTS = (names.EMBED, names.LM_HEAD, names.NORM, names.MTP, names.VISUAL)
-
 # A function of one stage: (rank, first layer, end layer exclusive).
 StageFn = Callable[[int, int, int], int]
 StageTest = Callable[[int, int, int], bool]

@@ -15,10 +15,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ReshardError
-from ..ondisk import RUN_MANIFEST, RUN_MARKER, RunIdentity, source_identity
+from ..ondisk import (
+    INDEX_NAME,
+    RUN_MANIFEST,
+    RUN_MARKER,
+    STAGE_MANIFEST,
+    RunIdentity,
+    source_identity,
+    stage_dir_rank,
+)
 from ..plan.planner import MTP_DROPPED, Plan, make_plan
 from ..source.checkpoint import Checkpoint, read_checkpoint
-from ..stage import Finding, read_manifest, read_run_record, stage_dir_rank
+from ..stage import Finding, read_manifest, read_run_record
 from ..verify import VerifyReport, verify
 from .writer import DEFAULT_WORKERS, repair_files
 
@@ -65,7 +73,8 @@ def _recorded_identity(out: Path, stage_dir: Path | None) -> RunIdentity:
     record = read_run_record(out, str(out)) if stage_dir is None else None
     if isinstance(record, tuple):
         return record[1]
-    candidates = [stage_dir] if stage_dir is not None else sorted(out.glob("pp*"))
+    candidates = [stage_dir] if stage_dir is not None else sorted(out.iterdir())
+    candidates = [p for p in candidates if stage_dir_rank(p) is not None]
     for path in candidates:
         m = read_manifest(path, str(path))
         if not isinstance(m, Finding) and m.identity is not None:
@@ -97,7 +106,7 @@ def _damaged(report: VerifyReport, plan: Plan) -> tuple[dict[int, set[str]], boo
     """
     files: dict[int, set[str]] = {}
     run_manifest = False
-    side = {*plan.checkpoint.extra_files, "model.safetensors.index.json", "reshard-stage.json"}
+    side = {*plan.checkpoint.extra_files, INDEX_NAME, STAGE_MANIFEST}
     for f in report.findings:
         if f.stage is None:
             run_manifest |= f.file == RUN_MANIFEST

@@ -28,6 +28,7 @@ import errno
 import json
 import os
 import shutil
+import stat
 import threading
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
@@ -51,12 +52,12 @@ from ..ondisk import (
     RunIdentity,
     describe_differences,
     dumps,
-    read_run_identity,
     stage_index,
     stage_is_complete,
     stage_manifest,
 )
 from ..plan.planner import OutputFile, Plan, StagePlan
+from ..stage import Finding, read_run_record
 from ..transfer import RangeSource, Segment, copy_segments
 from ..units import format_bytes
 
@@ -148,8 +149,8 @@ def write_plan(
     out = Path(out_dir)
     identity = RunIdentity.of_plan(plan)
     try:
-        state = assess_out(plan, out, overwrite=overwrite, open_source=open_source)
-        created = _prepare_out(plan, out, state)
+        state = assess_out(plan, out, overwrite=overwrite)
+        created = _make_out(out)
     except OSError as e:  # OUT cannot be created or read: nothing was written
         raise _write_error(e, out, 0) from e
 
@@ -160,28 +161,31 @@ def write_plan(
         _remove(out / RUN_MARKER)  # left if a run was killed between its last two steps
         return result
 
+    to_write = [(s, f) for s in todo for f in s.files if f.name not in state.kept.get(s.rank, {})]
     digests: dict[int, dict[str, str | None]] = {}
     needed = 0
     # What this run adds before its first data file, so that a run that cannot start (a
-    # read-only or full OUT, no permission) leaves OUT as it found it.
+    # read-only or full OUT, no permission, no sharing where it is required) leaves OUT as it
+    # found it: every check comes before anything is removed, the old run record last of all.
     created += [out / name for name in (RUN_MARKER, *(s.dirname for s in todo)) if not (out / name).exists()]
     try:
-        _write_atomic(out / RUN_MARKER, dumps({"identity": identity.to_json()}), sync_dir=False)
-        _remove(out / RUN_MANIFEST)
-        to_write: list[tuple[StagePlan, OutputFile]] = []
-        for stage in todo:
-            kept = state.kept.get(stage.rank, {})
-            _resume_stage(out / stage.dirname, stage, kept)
-            digests[stage.rank] = {t: d for file in kept.values() for t, d in file.items()}
-            result.files_kept += len(kept)
-            to_write += [(stage, f) for f in stage.files if f.name not in kept]
         # Sharing needs the source on this machine: not for a source read from the Hub.
         result.sharing = open_source is None and _can_share(plan, out, to_write, reflink)
         shared = sum(f.shareable_bytes for _, f in to_write) if result.sharing else 0
         side_copies = len(todo) + 1  # each stage's, and OUT's own
         needed = sum(f.size for _, f in to_write) - shared + side_copies * _side_file_bytes(plan)
-        _check_free_space(out, needed)
+        replaced = state.action == "replace"
+        _check_free_space(out, needed, freed=_split_bytes(out) if replaced else 0)
+        if replaced:
+            _clear_split(out)
+        _write_atomic(out / RUN_MARKER, dumps({"identity": identity.to_json()}), sync_dir=False)
+        for stage in todo:
+            kept = state.kept.get(stage.rank, {})
+            _resume_stage(out / stage.dirname, stage, kept)
+            digests[stage.rank] = {t: d for file in kept.values() for t, d in file.items()}
+            result.files_kept += len(kept)
         created = []  # from here on, finished files are kept for the next run to resume
+        _remove(out / RUN_MANIFEST)
 
         durable = _Durability(out, whole_fs=result.sharing)
         # The marker must be in place before any data file is; when synced whole, the barrier
@@ -325,13 +329,7 @@ def _can_share(plan: Plan, out: Path, to_write: list[tuple[StagePlan, OutputFile
     return ok and bool(shareable)
 
 
-def assess_out(
-    plan: Plan,
-    out_dir: str | os.PathLike[str],
-    *,
-    overwrite: bool = False,
-    open_source: Callable[[str], str | RangeSource] | None = None,
-) -> OutState:
+def assess_out(plan: Plan, out_dir: str | os.PathLike[str], *, overwrite: bool = False) -> OutState:
     """What writing ``plan`` into ``out_dir`` would do there, without writing anything.
 
     The one decision both a real run (:func:`write_plan`) and a preview (``plan``, ``--dry-run``)
@@ -340,8 +338,22 @@ def assess_out(
     """
     out = Path(out_dir)
     check_out_dir(plan.checkpoint.root, out)
+    try:
+        return _assess_out(plan, out, overwrite)
+    except OSError as e:  # e.g. OUT or a stage directory unreadable: as the real run says it
+        raise _write_error(e, out, 0) from e
+
+
+def _assess_out(plan: Plan, out: Path, overwrite: bool) -> OutState:
     if out.exists() and not out.is_dir():
         raise ReshardError(f"{param('out_dir')} {out} exists and is not a directory")
+    if not out.exists():
+        parent = next(p for p in out.absolute().parents if p.exists())
+        if not parent.is_dir():
+            raise ReshardError(
+                f"{param('out_dir')} {out} cannot be created: {parent} is not a directory; choose "
+                "another path"
+            )
     # A run killed while writing its marker or run manifest leaves only their temporary files:
     # ours, never worth keeping, and they must not make OUT look foreign to the next run.
     ours = {f".{name}{PARTIAL_SUFFIX}" for name in (RUN_MARKER, RUN_MANIFEST)}
@@ -349,12 +361,15 @@ def assess_out(
     if not entries:
         return OutState("new")
     identity = RunIdentity.of_plan(plan)
-    recorded = read_run_identity(out / RUN_MARKER) or read_run_identity(out / RUN_MANIFEST)
+    record = read_run_record(out, str(out))
+    if isinstance(record, Finding):
+        raise ReshardError(record.message)
+    recorded = record[1] if record is not None else None
     if recorded != identity:
         foreign = [
             p.name
             for p in entries
-            if not STAGE_DIR.fullmatch(p.name)
+            if not (STAGE_DIR.fullmatch(p.name) and p.is_dir())
             and p.name not in (RUN_MARKER, RUN_MANIFEST, *plan.checkpoint.extra_files)
         ]
         if foreign or recorded is None:
@@ -374,36 +389,50 @@ def assess_out(
     if all(s.rank in complete for s in plan.selected) and (out / RUN_MANIFEST).exists():
         return OutState("complete", complete)
     kept = {
-        s.rank: _keepable(plan, out / s.dirname, s, open_source)
+        s.rank: _keepable(plan, out / s.dirname, s)
         for s in plan.selected
         if s.rank not in complete and (out / s.dirname).is_dir()
     }
     return OutState("resume", complete, {rank: files for rank, files in kept.items() if files})
 
 
-def _prepare_out(plan: Plan, out: Path, state: OutState) -> list[Path]:
-    """Create OUT if needed and clear what ``state`` says this run replaces.
+def _make_out(out: Path) -> list[Path]:
+    """Create OUT if needed, without the temporary run files a killed run may have left.
 
     Returns the directories created (OUT and any missing parents, outermost first).
     """
     created = _make_dirs(out)
     for name in (RUN_MARKER, RUN_MANIFEST):
         _remove(out / f".{name}{PARTIAL_SUFFIX}")
-    if state.action != "replace":
-        return created
+    return created
+
+
+def _stage_dirs(out: Path) -> list[Path]:
+    """The stage directories in OUT (``ppN``; real directories, not links to elsewhere)."""
+    return [
+        p for p in sorted(out.iterdir()) if STAGE_DIR.fullmatch(p.name) and p.is_dir() and not p.is_symlink()
+    ]
+
+
+def _split_bytes(out: Path) -> int:
+    """Disk bytes of the split in OUT that a replacing run deletes (its stage directories)."""
+    sizes = (f.lstat() for d in _stage_dirs(out) for f in d.iterdir())
+    return sum(st.st_blocks * 512 for st in sizes if stat.S_ISREG(st.st_mode))
+
+
+def _clear_split(out: Path) -> None:
+    """Delete the split with other settings that OUT holds (``assess_out`` said "replace")."""
     entries = sorted(out.iterdir())
     # What makes a directory look complete goes first, so that a run killed while deleting
     # leaves no run manifest and no stage index beside half-deleted data.
     _remove(out / RUN_MANIFEST)
-    for p in entries:
-        if STAGE_DIR.fullmatch(p.name) and p.is_dir() and not p.is_symlink():
-            _remove(p / INDEX_NAME)
+    for p in _stage_dirs(out):
+        _remove(p / INDEX_NAME)
     for p in entries:
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p)
         elif p.name != RUN_MANIFEST:
             p.unlink()
-    return created
 
 
 def _make_dirs(path: Path) -> list[Path]:
@@ -433,9 +462,7 @@ def _undo(created: list[Path]) -> None:
             pass  # not empty (another writer?) or already gone: leave it
 
 
-def _keepable(
-    plan: Plan, stage_dir: Path, stage: StagePlan, open_source: Callable[[str], str | RangeSource] | None
-) -> dict[str, dict[str, str | None]]:
+def _keepable(plan: Plan, stage_dir: Path, stage: StagePlan) -> dict[str, dict[str, str | None]]:
     """The data files of an unfinished stage that an earlier run finished (journaled, and they
     fit the plan), with their tensors' digests. Reads only."""
     journal = _read_journal(stage_dir / JOURNAL)
@@ -445,7 +472,7 @@ def _keepable(
         if entry is None or set(entry) != {t.name for t in f.tensors}:
             continue
         # A CLONE's header is its source's own: from the Hub it is not read just to compare.
-        header = b"" if f.layout == CLONE and open_source is not None else _header(plan, f)
+        header = b"" if f.layout == CLONE and plan.checkpoint.hub is not None else _header(plan, f)
         if _matches(stage_dir / f.name, f, header):
             kept[f.name] = entry
     return kept
@@ -510,8 +537,9 @@ def _side_file_bytes(plan: Plan) -> int:
     return sum(os.path.getsize(root / name) for name in plan.checkpoint.extra_files)
 
 
-def _check_free_space(out: Path, needed: int) -> None:
-    free = shutil.disk_usage(out).free
+def _check_free_space(out: Path, needed: int, *, freed: int = 0) -> None:
+    """Refuse a run that needs more than OUT's free space (plus ``freed``: what it deletes first)."""
+    free = shutil.disk_usage(out).free + freed
     if needed > free:
         raise ReshardError(
             f"{param('out_dir')} {out} has {format_bytes(free)} free but this run writes "
@@ -921,7 +949,7 @@ def _remove_partials(out: Path, stages: list[StagePlan]) -> None:
     for d in (out, *(out / s.dirname for s in stages)):
         try:
             entries = list(d.iterdir())
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # never made, or not ours to clean
             continue
         for p in entries:
             if p.name.startswith(".") and p.name.endswith(PARTIAL_SUFFIX):
