@@ -78,9 +78,14 @@ def save_checkpoint(out: Path, kind: str, layout: str, tied: bool, mtp: bool) ->
     model.save_pretrained(out, max_shard_size="100KB", save_original_format=layout == "per_expert")
     config = json.loads((out / "config.json").read_text())
     text = config.get("text_config", config)
-    # Qwen3.5 releases carry both; SGLang derives its layer types from the first and would
-    # build Qwen3-VL's deepstack mergers without the second.
-    text["full_attention_interval"] = 4
+    # Qwen3.5 releases carry both; SGLang derives its layer types from the first (so it must
+    # agree with the layer_types transformers saved) and would build Qwen3-VL's deepstack
+    # mergers without the second.
+    types = text["layer_types"]
+    interval = types.index("full_attention") + 1
+    pattern = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(len(types))]
+    assert types == pattern, types
+    text["full_attention_interval"] = interval
     if "vision_config" in config:
         config["vision_config"]["deepstack_visual_indexes"] = []
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
