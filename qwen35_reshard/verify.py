@@ -49,6 +49,7 @@ from .ondisk import (
     is_uint,
     source_identity,
     stage_dir_rank,
+    stage_dirname,
 )
 from .plan.planner import MTP_DROPPED, Plan, make_plan
 from .source.checkpoint import Checkpoint
@@ -242,11 +243,12 @@ def _check_run_dir(root: Path, display: str, report: VerifyReport) -> list[_Stag
     pp = identity.pp if identity else None
     complete = _recorded_complete(run)
     for rank in sorted(complete - set(dirs)):
+        name = stage_dirname(rank)
         report.findings.append(
             Finding(
                 MISSING,
-                f"{display}/pp{rank} is missing but {RUN_MANIFEST} records it as complete",
-                stage=f"pp{rank}",
+                f"{display}/{name} is missing but {RUN_MANIFEST} records it as complete",
+                stage=name,
             )
         )
     stages = []
@@ -255,14 +257,14 @@ def _check_run_dir(root: Path, display: str, report: VerifyReport) -> list[_Stag
             report.findings.append(
                 Finding(
                     EXTRA,
-                    f"{display}/pp{rank} is not a stage of this pp={pp} split; it is left over from "
-                    "another split: delete it",
-                    stage=f"pp{rank}",
+                    f"{display}/{path.name} is not a stage of this pp={pp} split; it is left over "
+                    "from another split: delete it",
+                    stage=path.name,
                 )
             )
             continue
         run_record = (record_name, identity) if identity is not None else None
-        stages.append(_new_stage(path, f"{display}/pp{rank}", report, run_record))
+        stages.append(_new_stage(path, f"{display}/{path.name}", report, run_record))
     if pp is not None:
         report.not_built = [r for r in range(pp) if r not in dirs and r not in complete]
     return stages

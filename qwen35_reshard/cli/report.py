@@ -17,6 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..model import names
+from ..ondisk import stage_dirname
 from ..plan.balance import Choice, StageLoad
 from ..plan.planner import Plan, StagePlan
 from ..units import format_bytes, plural
@@ -159,7 +160,7 @@ def shares_line(plan: Plan) -> str:
 
 def out_line(plan: Plan, out: Path, state: OutState) -> str:
     """What a real run of ``plan`` would do in ``out``, as :func:`assess_out` decided."""
-    todo = [f"pp{s.rank}" for s in plan.selected if s.rank not in state.complete]
+    todo = [s.dirname for s in plan.selected if s.rank not in state.complete]
     if state.action == "new":
         return f"{out}: new or empty: a real run writes {', '.join(todo)}"
     if state.action == "complete":
@@ -169,7 +170,7 @@ def out_line(plan: Plan, out: Path, state: OutState) -> str:
             f"{out} holds a split made with other settings ({state.differences}): a real run with "
             f"--overwrite replaces it and writes {', '.join(todo)}"
         )
-    done = [f"pp{s.rank}" for s in plan.selected if s.rank in state.complete]
+    done = [s.dirname for s in plan.selected if s.rank in state.complete]
     kept = [f"the complete {', '.join(done)}"] if done else []
     if state.files_kept:
         kept.append(f"{plural(state.files_kept, 'finished data file')} of {', '.join(todo)}")
@@ -289,7 +290,7 @@ def balance_table(choice: Choice, runtime: str) -> Table:
     for s in choice.stages:
         parts = s.parts
         row = [
-            f"pp{s.rank}" + ("*" if s.rank == worst else ""),
+            stage_dirname(s.rank) + ("*" if s.rank == worst else ""),
             f"{s.start}-{s.end - 1}",
             f"{s.full_layers}/{s.linear_layers}",
             _gb(s.layer_bytes),

@@ -43,7 +43,7 @@ from ..model.runtimes import (
     layer_ranges,
     placement_rules,
 )
-from ..ondisk import ALIGNED, CLONE, GATHERED, SHARE_ALIGN
+from ..ondisk import ALIGNED, CLONE, GATHERED, SHARE_ALIGN, stage_dirname
 from ..source.checkpoint import Checkpoint, SourceTensor
 from ..source.header import DTYPE_SIZES, encode_header
 
@@ -159,7 +159,7 @@ class StagePlan:
 
     @property
     def dirname(self) -> str:
-        return f"pp{self.rank}"
+        return stage_dirname(self.rank)
 
 
 @dataclass(frozen=True)
