@@ -46,7 +46,7 @@ import mmap
 import os
 import queue
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -54,8 +54,15 @@ from . import reflink
 from .errors import ReshardError
 
 CHUNK_BYTES = 8 * 1024 * 1024
+# Windows of runs that are only shared, never read, in chunks: they take no memory, and a
+# window is the unit of progress and of stopping (a copy, if sharing is refused, of 1 GiB).
+LONG_WINDOW_CHUNKS = 128
 # One window being copied, one being hashed, and slack for the two to drift.
 RING_BUFFERS = 4
+# Shorter runs (of small tensors: norms, biases, scales) are written from the mapping that
+# hashes them: a kernel copy call costs more than it saves there, and on a filesystem that
+# shares blocks (XFS, Btrfs) it first tries to share the range, flushing dirty pages to do so.
+KERNEL_COPY_MIN_BYTES = 1024 * 1024
 # Output runs of at least this size are handed to writeback as soon as they are written and
 # dropped from the page cache DROP_LAG runs later; smaller ones (runs of tiny tensors) are
 # left to the kernel, to keep the number of calls down. DROP_BEHIND = False keeps all pages.
@@ -139,7 +146,7 @@ def copy_segments(
                 share_fds=share_fds,
                 on_shared=on_shared,
             )
-        for pos, n, pieces in _chunks(segments, chunk_bytes):
+        for pos, n, pieces in _chunks(segments, chunk_bytes, long_windows=unhashed):
             if should_stop():
                 raise KeyboardInterrupt
             hasher.wait_for_room()
@@ -174,23 +181,29 @@ def _spans(segments: list[Segment]) -> list[tuple[int, int]]:
     return [(a, b) for a, b in spans]
 
 
-def _chunks(segments: list[Segment], chunk_bytes: int) -> Iterator[tuple[int, int, list[_Piece]]]:
+def _chunks(
+    segments: list[Segment], chunk_bytes: int, *, long_windows: Container[str] = ()
+) -> Iterator[tuple[int, int, list[_Piece]]]:
     """Cut runs of source-adjacent, non-empty segments into windows of at most ``chunk_bytes``.
 
     Yields ``(position, length, pieces)``; gaps between runs (tensors this run does not
     need) are skipped, never read. Windows end at multiples of ``chunk_bytes`` of the source
-    offset, so that they cut runs at the same place whatever the run's start.
+    offset, so that they cut runs at the same place whatever the run's start. Runs of segments
+    named in ``long_windows`` (shared, never read) are cut every ``LONG_WINDOW_CHUNKS`` chunks
+    instead: one sharing call where there would be hundreds.
     """
     segs = [s for s in segments if s.nbytes]
+    long = [s.name in long_windows for s in segs]
     i = 0
     while i < len(segs):
         j = i + 1
-        while j < len(segs) and segs[j].offset == segs[j - 1].offset + segs[j - 1].nbytes:
+        while j < len(segs) and long[j] == long[i] and segs[j].offset == _end(segs[j - 1]):
             j += 1
         span = segs[i:j]
         k, pos, end = 0, span[0].offset, span[-1].offset + span[-1].nbytes
+        window = chunk_bytes * LONG_WINDOW_CHUNKS if long[i] else chunk_bytes
         while pos < end:
-            chunk_end = min((pos // chunk_bytes + 1) * chunk_bytes, end)
+            chunk_end = min((pos // window + 1) * window, end)
             pieces: list[_Piece] = []
             while k < len(span) and span[k].offset < chunk_end:
                 seg = span[k]
@@ -202,6 +215,10 @@ def _chunks(segments: list[Segment], chunk_bytes: int) -> Iterator[tuple[int, in
             yield pos, chunk_end - pos, pieces
             pos = chunk_end
         i = j
+
+
+def _end(s: Segment) -> int:
+    return s.offset + s.nbytes
 
 
 def _runs(pieces: list[_Piece]) -> list[_Run]:
@@ -269,10 +286,11 @@ class _Mover:
         try:
             base = pos - pos % mmap.ALLOCATIONGRANULARITY
             for out_fd, src, size, dst in runs:
-                done = self._copy_in_kernel(out_fd, src, size, dst) if self.kernel_copy else 0
-                if done < size:  # no kernel copy between these files: write from the mapping
+                kernel = self.kernel_copy and size >= KERNEL_COPY_MIN_BYTES
+                done = self._copy_in_kernel(out_fd, src, size, dst) if kernel else 0
+                if done < size:  # short, or no kernel copy between these files: from the mapping
                     with memoryview(window) as view:
-                        _pwrite_all(out_fd, view[src + done - base : src + size - base], dst + done)
+                        pwrite_all(out_fd, view[src + done - base : src + size - base], dst + done)
                 self._behind(out_fd, dst, size)
         except BaseException:
             _close(window)
@@ -296,10 +314,12 @@ class _Mover:
                 left.append(run)
                 continue
             self.on_shared(b - a)
+            # The ragged head and tail, less than a block each, by pread and pwrite: the kernel
+            # copy would first try to share them, which flushes the file's dirty pages.
             if a > src:
-                left.append((out_fd, src, a - src, dst))
+                pwrite_all(out_fd, self._pread(src, a - src), dst)
             if src + size > b:
-                left.append((out_fd, b, src + size - b, dst + b - src))
+                pwrite_all(out_fd, self._pread(b, src + size - b), dst + b - src)
         return left
 
     def _kernel_copies(self, runs: list[_Run]) -> list[_Run]:
@@ -350,12 +370,18 @@ class _Mover:
         if got != n:
             self._truncated(pos + got, pos + n)
         if DROP_BEHIND:
-            _drop(self.fd, pos, n)  # the bytes are in the buffer now
+            drop_pages(self.fd, pos, n)  # the bytes are in the buffer now
         return view
+
+    def _pread(self, pos: int, n: int) -> memoryview:
+        data = os.pread(self.fd, n, pos)
+        if len(data) != n:
+            self._truncated(pos + len(data), pos + n)
+        return memoryview(data)
 
     def _write_from(self, view: memoryview, base: int, runs: list[_Run]) -> None:
         for out_fd, src, size, dst in runs:
-            _pwrite_all(out_fd, view[src - base : src - base + size], dst)
+            pwrite_all(out_fd, view[src - base : src - base + size], dst)
             self._behind(out_fd, dst, size)
 
     def _behind(self, out_fd: int, dst: int, size: int) -> None:
@@ -363,11 +389,11 @@ class _Mover:
         by now normally on disk (pages not yet clean are left for the fsync)."""
         if size < WRITE_BEHIND_BYTES:
             return
-        _drop(out_fd, dst, size)  # on dirty pages: starts their writeback, drops nothing
+        drop_pages(out_fd, dst, size)  # on dirty pages: starts their writeback, drops nothing
         if DROP_BEHIND:
             self.written.append((out_fd, dst, size))
             if len(self.written) > DROP_LAG:
-                _drop(*self.written.popleft())
+                drop_pages(*self.written.popleft())
 
     def _truncated(self, at: int, wanted: int) -> None:
         raise ReshardError(
@@ -460,7 +486,7 @@ class _Hasher:
                 if window is not None:
                     _close(window)
                     if DROP_BEHIND:  # copied and hashed: the source window is done with
-                        _drop(self._src_fd, pos, pieces[-1][2] - pos)
+                        drop_pages(self._src_fd, pos, pieces[-1][2] - pos)
                 self._room.release()
 
     def _hash(self, view: memoryview, base: int, pieces: list[_Piece]) -> None:
@@ -478,14 +504,15 @@ def _close(window: mmap.mmap) -> None:
         pass  # a traceback still holds a view of it: unmapped when that is garbage-collected
 
 
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """Write all of ``data`` at ``offset`` of ``fd`` (pwrite may write less than asked)."""
     while data:
         n = os.pwrite(fd, data, offset)
         data = data[n:]
         offset += n
 
 
-def _drop(fd: int, offset: int, size: int) -> None:
+def drop_pages(fd: int, offset: int, size: int) -> None:
     """POSIX_FADV_DONTNEED on a range: on Linux it starts asynchronous writeback of the range's
     dirty pages and drops its clean ones from the page cache. Advice only: errors are ignored."""
     if hasattr(os, "posix_fadvise"):

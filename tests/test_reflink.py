@@ -13,6 +13,7 @@ du) show what the split really cost.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -22,9 +23,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_crash_resume import command, journaled, kill_when
+from test_crash_resume import command, kill_when
 
 import qwen35_reshard
+from qwen35_reshard import transfer
+from qwen35_reshard.transfer import Segment
 from qwen35_reshard.verify import verify
 
 # linux/fiemap.h
@@ -228,25 +231,31 @@ def cloning(out: Path) -> bool:
     return partial and not any(out.glob("pp*/.reshard-journal.jsonl"))
 
 
-@pytest.mark.parametrize("moment", [cloning, journaled], ids=["while-cloning", "after-the-clones"])
+def indexing(out: Path) -> bool:
+    """The clones are made and the stages' side files and indexes are being written (under
+    temporary names) while the rest is copied."""
+    return any(out.glob("pp*/.model.safetensors.index.json.partial"))
+
+
+@pytest.mark.parametrize("moment", [cloning, indexing], ids=["while-cloning", "while-indexing"])
 def test_interrupted_split_resumes(checkpoints, tmp_path, moment):
-    """SIGKILL while the clones are made, or once they are finished and the rest is copied."""
+    """SIGKILL while the clones are made, or once they are and the rest is copied.
+
+    A run that shares blocks keeps nothing it wrote before its first barrier (its clones cost
+    nothing to make again, and what it copies is journaled every PROGRESS_BYTES): the next run
+    starts over, and its output is exact and shared all the same."""
     model = checkpoints("btrfs", shard_bytes=1_500_000)
     out = model.parent / f"out-killed-{moment.__name__}"
     checkpoint = sum(p.stat().st_size for p in model.glob("*.safetensors"))
     before = used_bytes(out.parent)
     kill_when(model, out, tmp_path / "logs", lambda: moment(out))
     assert not (out / "reshard.json").exists()
+    assert not list(out.glob("pp*/model-*.safetensors"))  # no data file got its final name
     done = subprocess.run(command(model, out), capture_output=True, text=True, timeout=300)
     try:
         assert done.returncode == 0, done.stderr
         result = json.loads(done.stdout)["result"]
-        # Killed while cloning: the clones are made again. Killed after them: kept (those of
-        # the stages whose journal was written before the kill).
-        if moment is cloning:
-            assert result["files_kept"] == 0 and result["bytes_shared"] > 0
-        else:
-            assert result["files_kept"] > 0
+        assert result["files_kept"] == 0 and result["bytes_shared"] > 0
         assert not list(out.rglob("*.partial"))
         assert verify(out, source=model).ok
         check_identical_to_source(model, out)
@@ -354,3 +363,41 @@ def test_a_refused_run_leaves_a_finished_split_as_it_was(filesystems, tiny):
     # And OUT is still this split's: the next run builds the missing stage.
     _, result = qwen35_reshard.reshard(model, out, pp=2, ranks=[1])
     assert result.built == [1] and result.complete == [0, 1]
+
+
+@pytest.mark.parametrize("kind", ["xfs", "btrfs"])
+def test_a_shared_run_is_shared_in_one_call_and_only_its_edges_copied(filesystems, monkeypatch, kind):
+    """Tensors going only to a sharing output, back to back over many chunks, are shared by one
+    FICLONERANGE for the run (not one per chunk-sized window), their ragged head and tail
+    copied; a tensor beside them that also goes to a plain output is copied and hashed."""
+    root = filesystems(kind)
+    src, shared, plain = root / "run-src.bin", root / "run-shared.bin", root / "run-plain.bin"
+    data = os.urandom(40 << 20)
+    src.write_bytes(data)
+    calls = []
+    clone_range = transfer.reflink.clone_range
+    monkeypatch.setattr(transfer.reflink, "clone_range", lambda *a: calls.append(a) or clone_range(*a))
+    chunk = 1 << 20
+    sizes = [3 << 20, 7 << 20, (5 << 20) + 12345, 2 << 20]  # the last one also goes to ``plain``
+    offsets = [1000 + sum(sizes[:i]) for i in range(len(sizes))]
+    shift = 64 * 4096  # the output keeps the source offset modulo the block size
+    out_fd = os.open(shared, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    plain_fd = os.open(plain, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.ftruncate(out_fd, shift + offsets[-1] + sizes[-1])
+        places = enumerate(zip(offsets, sizes, strict=True))
+        segments = [Segment(f"t{i}", o, n, [(out_fd, shift + o)]) for i, (o, n) in places]
+        segments[-1].dests.append((plain_fd, 0))
+        digests = transfer.copy_segments(str(src), segments, chunk_bytes=chunk, share_fds=frozenset({out_fd}))
+    finally:
+        os.close(out_fd)
+        os.close(plain_fd)
+    run = sum(sizes[:-1])
+    assert run > 10 * chunk and len([c for c in calls if c[1] < offsets[3]]) == 1  # (src_fd, src_offset, ...)
+    last = data[offsets[3] : offsets[3] + sizes[3]]
+    assert digests == {"t0": None, "t1": None, "t2": None, "t3": hashlib.sha256(last).hexdigest()}
+    out = shared.read_bytes()
+    for o, n in zip(offsets, sizes, strict=True):
+        assert out[shift + o : shift + o + n] == data[o : o + n]
+    assert plain.read_bytes() == last
+    assert shared_bytes(shared) >= run - 2 * 4096

@@ -24,6 +24,7 @@ from safetensors import safe_open
 
 import qwen35_reshard
 from qwen35_reshard import ReshardError
+from qwen35_reshard.write import writer
 
 CLI = Path(sys.executable).with_name("qwen35-reshard")
 INDEX = "model.safetensors.index.json"
@@ -329,6 +330,19 @@ def test_only_indexed_weights_and_top_level_side_files_are_carried(ref, make_che
     qwen35_reshard.reshard(model, out, pp=2)
     check_split(ref, model, out, pp=2)
     assert tree(out) == tree(clean)
+
+
+def test_large_side_files_are_streamed_not_read_whole(ref, make_checkpoint, tmp_path, monkeypatch):
+    """Every side file above the in-memory limit (here: all of them) is copied by sendfile, with
+    the same bytes in OUT and in every stage."""
+    model = make_checkpoint(layout="fused")
+    monkeypatch.setattr(writer, "SIDE_FILE_IN_MEMORY", 0)
+    calls, sendfile = [], os.sendfile
+    monkeypatch.setattr(os, "sendfile", lambda *a: calls.append(a) or sendfile(*a))
+    out = tmp_path / "out"
+    qwen35_reshard.reshard(model, out, pp=2)
+    check_split(ref, model, out, pp=2)
+    assert len(calls) >= 3 * len(ref.read_source(model).side_files)  # OUT's and each stage's
 
 
 def test_cli_max_file_size_cuts_stage_files(ref, make_checkpoint, tmp_path):

@@ -49,6 +49,7 @@ from ..ondisk import (
     RUN_MARKER,
     STAGE_DIR,
     STAGE_MANIFEST,
+    ManifestDraft,
     RunIdentity,
     describe_differences,
     dumps,
@@ -58,13 +59,15 @@ from ..ondisk import (
 )
 from ..plan.planner import OutputFile, Plan, StagePlan
 from ..stage import Finding, read_run_record
-from ..transfer import RangeSource, Segment, copy_segments
+from ..transfer import RangeSource, Segment, copy_segments, drop_pages, pwrite_all
 from ..units import format_bytes
 
 REFLINK_MODES = ("auto", "always", "never")
 DEFAULT_WORKERS = 2  # source shards copied at once: the library's default and the CLI's
 # Copied bytes a run that syncs its filesystem whole may hold unfinished (lost to a crash).
 PROGRESS_BYTES = 1 << 30
+# Non-weight files (config, tokenizer) up to this size are read once for all their copies.
+SIDE_FILE_IN_MEMORY = 64 << 20
 
 
 class Reporter:
@@ -602,7 +605,12 @@ def _copy_files(
                 seg.dests.append((o.fd, f.data_start + t.out_offset))
         total = sum(seg.nbytes for segs in segments.values() for seg in segs.values())
         reporter.start(total)
-        _finish_files([o for o in opened if not o.pending_sources], digests, durable)
+        # Clones are finished with the next files that are: redoing one costs nothing, so it
+        # is not worth a barrier of its own. Synced file by file, they are finished now.
+        ready: list[_OpenFile] = [o for o in opened if not o.pending_sources]  # not yet durable
+        if not durable.whole_fs:
+            _finish_files(ready, digests, durable)
+            ready = []
 
         def run(file: str) -> dict[str, str | None]:
             src = open_source(file) if open_source is not None else str(plan.checkpoint.path(file))
@@ -615,7 +623,6 @@ def _copy_files(
                 on_shared=on_shared,
             )
 
-        ready: list[_OpenFile] = []  # finished, not yet made durable
         with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
             futures = {pool.submit(run, file): file for file in sorted(segments)}
             try:
@@ -634,17 +641,14 @@ def _copy_files(
                                 o.pending_sources.discard(file)
                                 if not o.pending_sources:
                                     ready.append(o)
+                                    # Written back from now on, not all at the next barrier.
+                                    drop_pages(o.fd, 0, 0)
                     # A barrier of the whole filesystem costs the same for one file or many:
                     # then files are finished once enough copied bytes would be lost to a crash.
                     copied = (
                         sum(o.plan.size - o.plan.shareable_bytes for o in ready) if durable.whole_fs else 0
                     )
-                    if not futures and durable.whole_fs and deferred is not None:
-                        for o in ready:
-                            os.close(o.fd)
-                            o.fd = -1
-                            deferred.append((o.tmp, o.final))
-                    elif not futures or not durable.whole_fs or copied >= PROGRESS_BYTES:
+                    if futures and (not durable.whole_fs or copied >= PROGRESS_BYTES):
                         _finish_files(ready, digests, durable)
                         ready = []
             except BaseException:
@@ -652,6 +656,14 @@ def _copy_files(
                 for fut in futures:
                     fut.cancel()
                 raise
+        if durable.whole_fs and deferred is not None:
+            # Left for the stages' first barrier, which makes them durable with everything else.
+            for o in ready:
+                os.close(o.fd)
+                o.fd = -1
+                deferred.append((o.tmp, o.final))
+        else:
+            _finish_files(ready, digests, durable)
         return sum(f.size for _, f in to_write) - shared[0], shared[0]
     finally:
         for o in opened:
@@ -741,7 +753,7 @@ class _Prepared:
     dirs: list[Path]
     first: list[tuple[Path, Path]]  # (temporary, final): side files, renamed before any index
     indexes: list[tuple[Path, Path]]
-    index_bytes: list[bytes]
+    manifests: list[ManifestDraft]
     side_files_of_out: bool
 
 
@@ -749,17 +761,18 @@ def _prepare_stages(
     plan: Plan, out: Path, stages: list[StagePlan], *, side_files_of_out: bool = False
 ) -> _Prepared:
     """Write each of ``stages``' non-weight files and index (and OUT's own non-weight files,
-    when asked) under temporary names."""
+    when asked) under temporary names, and make their manifests but for the digests."""
     dirs = [out / s.dirname for s in stages]
     first: list[tuple[Path, Path]] = []
-    indexes, index_bytes = [], []
+    indexes, manifests = [], []
+    side_dirs = [*dirs, out] if side_files_of_out else dirs
+    for name in plan.checkpoint.extra_files:
+        first += _copy_side_file(plan.checkpoint.path(name), [d / name for d in side_dirs])
     for stage, stage_dir in zip(stages, dirs, strict=True):
-        first += _side_file_tmps(plan, stage_dir)
-        index_bytes.append(dumps(stage_index(stage)))
-        indexes.append(_write_tmp(stage_dir / INDEX_NAME, index_bytes[-1]))
-    if side_files_of_out:
-        first += _side_file_tmps(plan, out)
-    return _Prepared(dirs, first, indexes, index_bytes, side_files_of_out)
+        index_bytes = dumps(stage_index(stage))
+        indexes.append(_write_tmp(stage_dir / INDEX_NAME, index_bytes))
+        manifests.append(stage_manifest(plan, stage, index_bytes))
+    return _Prepared(dirs, first, indexes, manifests, side_files_of_out)
 
 
 def _finish_stages(
@@ -777,16 +790,18 @@ def _finish_stages(
     the manifests ``prepared``); then the run record, when given. ``data``: (temporary,
     final) names of data files written but not yet made durable; the rest are finished.
 
-    Everything is written under temporary names first, then made durable and renamed in
-    three steps, each behind a barrier: data, side files and manifests (and the journals
-    removed: a finished stage never holds one, and later runs skip finished stages); then the
-    indexes, which make the stages complete; then the run record.
+    Everything is written under temporary names first, then made durable and renamed in two
+    steps, each behind a barrier: data, side files and manifests (and the journals removed: a
+    finished stage never holds one, and later runs skip finished stages); then the indexes,
+    which make the stages complete, and the run record. A last barrier makes those durable.
+    The run record shares its step with the indexes: nothing trusts it alone (the next run
+    and ``verify`` check every stage it records as complete), so a crash that kept it and lost
+    an index costs a stage redone, not a wrong answer.
     """
     dirs, indexes = prepared.dirs, prepared.indexes
     first = [*(data or []), *prepared.first]  # (temporary, final) renamed before any index
-    for stage, stage_dir, index_bytes in zip(stages, dirs, prepared.index_bytes, strict=True):
-        m = stage_manifest(plan, stage, digests[stage.rank], index_bytes)
-        first.append(_write_tmp(stage_dir / STAGE_MANIFEST, dumps(m)))
+    for stage, stage_dir, draft in zip(stages, dirs, prepared.manifests, strict=True):
+        first.append(_write_tmp(stage_dir / STAGE_MANIFEST, draft.encode(digests[stage.rank])))
     last = [_write_tmp(out / RUN_MANIFEST, run_record)] if run_record is not None else []
     if not first and not last:
         return
@@ -799,22 +814,33 @@ def _finish_stages(
     durable.dirs([*dirs, out] if prepared.side_files_of_out else dirs)  # 2: all of a stage but its index
     for tmp, final in indexes:
         os.replace(tmp, final)
-    durable.dirs(dirs)  # barrier 3: the stages are complete before the run record says so
     if last:
         os.replace(*last[0])
         _remove(out / RUN_MARKER)
-        durable.dirs([out])
+    durable.dirs([*dirs, out] if last else dirs)  # barrier 3: the stages complete, the run recorded
 
 
-def _side_file_tmps(plan: Plan, directory: Path) -> list[tuple[Path, Path]]:
-    """Copy config.json and the source's other non-weight files into ``directory`` under
-    temporary names; returns (temporary, final) pairs."""
-    root = plan.checkpoint.root
-    pairs = [
-        (directory / f".{name}{PARTIAL_SUFFIX}", directory / name) for name in plan.checkpoint.extra_files
-    ]
-    for (tmp, _), name in zip(pairs, plan.checkpoint.extra_files, strict=True):
-        shutil.copyfile(root / name, tmp)
+def _copy_side_file(src: Path, finals: list[Path]) -> list[tuple[Path, Path]]:
+    """Copy the non-weight file ``src`` to the temporary names of ``finals``; returns
+    (temporary, final) pairs. Read once, written by descriptor: every stage gets a copy."""
+    pairs = [(final.with_name(f".{final.name}{PARTIAL_SUFFIX}"), final) for final in finals]
+    with open(src, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        data = f.read() if size <= SIDE_FILE_IN_MEMORY else None
+        for tmp, _ in pairs:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                if data is not None:
+                    pwrite_all(fd, memoryview(data), 0)
+                else:  # a large one streams, in the kernel
+                    copied = 0
+                    while copied < size:
+                        n = os.sendfile(fd, f.fileno(), copied, size - copied)
+                        if n == 0:
+                            raise OSError(errno.EIO, f"{src} shrank while it was copied", str(src))
+                        copied += n
+            finally:
+                os.close(fd)
     return pairs
 
 
