@@ -9,18 +9,21 @@ beside the copying instead of after it. Two ways to move a window, chosen per so
   copies each run of bytes file to file inside the kernel, the way ``cp`` does; the hashing
   thread then reads the same bytes through a read-only ``mmap`` of the window, straight from
   the page cache the copy has just filled. No copy of the data passes through Python
-  buffers, and storage is read once. Where ``copy_file_range`` is refused (another
-  filesystem, an old kernel), the window is written with ``pwrite`` from the mapping.
+  buffers, and storage is read once. Runs under ``KERNEL_COPY_MIN_BYTES``, and every run
+  where ``copy_file_range`` is refused (another filesystem, an old kernel), are written with
+  ``pwrite`` from the mapping.
 - buffer (hashing only, as ``verify`` does, or where ``mmap`` is refused): ``os.preadv``
   into a small ring of reused buffers, ``pwrite`` from them, hashing in the second thread.
 
 Sharing (``share_fds``): output files laid out for block sharing (see ``plan``) get the
 block-aligned part of each run by ``FICLONERANGE`` (``reflink``): the output shares the
 source's blocks, and nothing is read or written for them. Only the ragged head and tail of a
-run (less than a block each) are copied. A tensor whose every destination is such a file is
-not hashed at all: hashing would read the bytes that sharing avoids reading. Its digest is
-None. Windows are cut at multiples of ``chunk_bytes`` of the source offset (a multiple of the
-plan's alignment), so every window but a run's first starts on a block boundary.
+run (less than a block each) are copied, by ``pread`` and ``pwrite``. A tensor whose every
+destination is such a file is not hashed at all: hashing would read the bytes that sharing
+avoids reading. Its digest is None. Windows are cut at multiples of ``chunk_bytes`` of the
+source offset (a multiple of the plan's alignment), so every window but a run's first starts
+on a block boundary; runs of such tensors alone, never read, are cut
+``LONG_WINDOW_CHUNKS`` times less often.
 
 ``copy_file_range``, ``preadv``, ``pwrite`` and ``hashlib`` release the GIL. At most
 ``RING_BUFFERS`` windows are in flight per source shard, so memory stays bounded whatever the
