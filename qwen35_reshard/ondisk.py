@@ -177,7 +177,9 @@ def source_identity(ckpt: Checkpoint) -> dict:
 
 def stage_index(stage: StagePlan) -> dict:
     """The stage's model.safetensors.index.json: exactly its tensors and its own files."""
-    weight_map = {t.name: f.name for f in stage.files for t in f.tensors}
+    weight_map: dict[str, str] = {}
+    for f in stage.files:
+        weight_map.update(zip(f.tensor_names, repeat(f.name)))
     return {
         "metadata": {"total_size": stage.data_bytes},
         "weight_map": dict(sorted(weight_map.items())),
@@ -253,8 +255,12 @@ def _dumps(obj: object, indent: str, depth: int) -> str:
     if depth == 1 and all(map(str.__instancecheck__, obj)):
         # One entry per tensor at this depth (an index's weight_map): encoded in C passes (map)
         # rather than a Python call per entry.
-        values = map("".join, map(_encode, obj.values(), repeat(0)))
-        entries = ",\n".join(map(f"{inner}{{}}: {{}}".format, map(_key, obj), values))
+        values = obj.values()
+        if all(map(str.__instancecheck__, values)):
+            encoded = map(_key, values)
+        else:
+            encoded = map("".join, map(_encode, values, repeat(0)))
+        entries = ",\n".join(map(f"{inner}{{}}: {{}}".format, map(_key, obj), encoded))
     else:
         entries = ",\n".join(f"{inner}{_compact(k)}: {_dumps(v, inner, depth - 1)}" for k, v in obj.items())
     return f"{{\n{entries}\n{indent}}}"
@@ -265,53 +271,59 @@ class ManifestDraft:
     those of ``dumps`` of the manifest with a "tensors" entry per tensor, sorted by name.
 
     One entry per tensor (~190,000 for a 397B FP8 checkpoint): the entries are encoded column
-    by column (``map`` over json's C string encoder and ``str.format``) rather than as a dict
-    each, and while the run's workers copy; the digests go in once they are known.
+    by column, and joined from their pieces in C (``map`` over json's string encoder, ``zip``
+    and one ``str.join``), rather than as a dict each; the digests go in once they are known.
     """
 
     def __init__(self, head: dict, files: tuple[OutputFile, ...]) -> None:
         placed = list(chain.from_iterable(f.tensors for f in files))
-        sources = list(map(_SOURCE_OF, placed))
-        names = list(map(_NAME_OF, sources))
-        order = sorted(range(len(names)), key=names.__getitem__)
         file_keys = list(chain.from_iterable(repeat(_key(f.name), len(f.tensors)) for f in files))
-        sources = list(map(sources.__getitem__, order))
+        names = list(chain.from_iterable(f.tensor_names for f in files))
+        order = sorted(range(len(names)), key=names.__getitem__)
+        sources = list(map(_SOURCE_OF, map(placed.__getitem__, order)))
         self._names = list(map(names.__getitem__, order))
-        shapes = list(map(_SHAPE_OF, sources))
-        dtypes = list(map(_DTYPE_OF, sources))
+        shapes, dtypes = list(map(_SHAPE_OF, sources)), list(map(_DTYPE_OF, sources))
         source_files = list(map(_FILE_OF, sources))
         # Few distinct shapes, dtypes and files: each encoded once (str of a list of ints is its JSON).
         shape_json = {shape: str(list(shape)) for shape in set(shapes)}
         key_json = {name: _key(name) for name in {*dtypes, *source_files}}
-        self._before = list(
-            map(
-                _ENTRY_BEFORE_DIGEST.format,
-                map(_key, self._names),
-                map(file_keys.__getitem__, order),
-                map(key_json.__getitem__, dtypes),
-                map(shape_json.__getitem__, shapes),
-                map(_NBYTES_OF, sources),
-            )
-        )
-        replicated = map(_JSON_BOOL.__getitem__, map(_REPLICATED_OF, map(placed.__getitem__, order)))
-        files_json = map(key_json.__getitem__, source_files)
-        self._after = list(map(_ENTRY_AFTER_DIGEST.format, files_json, replicated))
+        self._before = [  # the values before the digest, in _ENTRY's order
+            list(map(_key, self._names)),
+            list(map(file_keys.__getitem__, order)),
+            list(map(key_json.__getitem__, dtypes)),
+            list(map(shape_json.__getitem__, shapes)),
+            list(map(str, map(_NBYTES_OF, sources))),
+        ]
+        replicated = map(_REPLICATED_OF, map(placed.__getitem__, order))
+        self._after = [
+            list(map(key_json.__getitem__, source_files)),
+            list(map(_JSON_BOOL.__getitem__, replicated)),
+        ]
         self._head = _dumps(head, "", 2)[: -len("\n}")]  # "tensors" goes last
 
     def encode(self, digests: dict[str, str | None]) -> bytes:
         """The manifest's bytes, with ``digests[name]`` (None: shared) for every tensor."""
-        values = map(digests.__getitem__, self._names)
-        entries = ",\n".join(map("{}{}{}".format, self._before, map(_compact, values), self._after))
-        tensors = f"{{\n{entries}\n  }}" if entries else "{}"
+        found = [_NULL if d is None else _key(d) for d in map(digests.__getitem__, self._names)]
+        columns = [*self._before, found, *self._after]
+        # Each entry is _ENTRY[0], its first value, _ENTRY[1], ..., its last value, _ENTRY[-1].
+        texts = [c for part, column in zip(_ENTRY, columns, strict=False) for c in (repeat(part), column)]
+        pieces = chain.from_iterable(zip(*texts, repeat(_ENTRY[-1]), strict=False))  # repeat() never ends
+        tensors = f"{{\n{''.join(pieces)[: -len(_ENTRY_END)]}\n  }}" if self._names else "{}"
         return f"{self._head},\n  {_key('tensors')}: {tensors}\n}}\n".encode()
 
 
-# One "tensors" entry of a stage manifest as dumps writes it, cut around its sha256.
-_ENTRY_BEFORE_DIGEST = '    {}: {{"file": {}, "dtype": {}, "shape": {}, "nbytes": {}, "sha256": '
-_ENTRY_AFTER_DIGEST = ', "source_file": {}, "replicated": {}}}'
+# One "tensors" entry of a stage manifest as dumps writes it (and the separator after it):
+# the text around its eight values (name, file, dtype, shape, nbytes, sha256, source_file,
+# replicated).
+_ENTRY_END = ",\n"
+_ENTRY = (
+    "    ", ': {"file": ', ', "dtype": ', ', "shape": ', ', "nbytes": ', ', "sha256": ',
+    ', "source_file": ', ', "replicated": ', "}" + _ENTRY_END,
+)  # fmt: skip
+_NULL = "null"
 _JSON_BOOL = {True: "true", False: "false"}
 _SOURCE_OF = itemgetter(0)  # of a PlacedTensor; then of its SourceTensor:
-_NAME_OF, _FILE_OF, _DTYPE_OF, _SHAPE_OF, _NBYTES_OF = (itemgetter(i) for i in (0, 1, 2, 3, 5))
+_FILE_OF, _DTYPE_OF, _SHAPE_OF, _NBYTES_OF = (itemgetter(i) for i in (1, 2, 3, 5))
 _REPLICATED_OF = itemgetter(2)
 
 

@@ -56,8 +56,8 @@ MTP_KEPT, MTP_DROPPED, MTP_ABSENT = "kept", "dropped", "absent"
 # Builds a named tuple in C, without the Python-level __new__ of its class: once per tensor.
 _tuple_new = tuple.__new__
 # Fields of a SourceTensor and of a (source, replicated) pair, read in C.
-_FILE, _DTYPE, _SHAPE, _OFFSET, _NBYTES = (
-    attrgetter(f) for f in ("file", "dtype", "shape", "offset", "nbytes")
+_NAME, _FILE, _DTYPE, _SHAPE, _OFFSET, _NBYTES = (
+    attrgetter(f) for f in ("name", "file", "dtype", "shape", "offset", "nbytes")
 )
 _FIRST, _SECOND = itemgetter(0), itemgetter(1)
 _SOURCE = itemgetter(0)  # of a PlacedTensor
@@ -110,6 +110,11 @@ class OutputFile:
     @cached_property
     def data_bytes(self) -> int:
         return sum(map(_NBYTES, map(_SOURCE, self.tensors)))
+
+    @property
+    def tensor_names(self) -> list[str]:
+        """Its tensors' names, in data order (read in C: a file may hold ~50,000)."""
+        return list(map(_NAME, map(_SOURCE, self.tensors)))
 
     @property
     def size(self) -> int:

@@ -590,7 +590,7 @@ def _copy_files(
             if share and f.layout == CLONE and _clone(plan, f, tmp):
                 o = _OpenFile(stage, f, tmp, stage_dir / f.name, os.open(tmp, os.O_RDONLY), set())
                 opened.append(o)
-                digests[stage.rank].update(dict.fromkeys(t.name for t in f.tensors))
+                digests[stage.rank].update(dict.fromkeys(f.tensor_names))
                 on_shared(f.size)
                 continue
             sharing = share and f.layout in (CLONE, ALIGNED)
