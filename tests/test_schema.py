@@ -26,7 +26,7 @@ from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGenerati
 from qwen35_reshard import loader, make_plan, read_checkpoint
 from qwen35_reshard.errors import ReshardError
 from qwen35_reshard.model import schema
-from qwen35_reshard.source.header import read_header
+from qwen35_reshard.source.header import TensorEntry, read_header
 from qwen35_reshard.verify import verify
 
 INDEX = "model.safetensors.index.json"
@@ -35,18 +35,19 @@ INDEX = "model.safetensors.index.json"
 # --------------------------------------------------------------------------- helpers
 
 
-def headers(model: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """name -> (dtype, shape) of every tensor in the model directory's safetensors files."""
+def headers(model: Path) -> dict[str, TensorEntry]:
+    """name -> header entry (dtype, shape, ...) of every tensor in the model directory's
+    safetensors files."""
     out = {}
     for path in sorted(model.glob("*.safetensors")):
         for t in read_header(path, display=str(path)).tensors:
-            out[t.name] = (t.dtype, t.shape)
+            out[t.name] = t
     return out
 
 
-def derive(model: Path, present: dict[str, tuple[str, tuple[int, ...]]]) -> schema.Schema:
+def derive(model: Path, present: dict[str, TensorEntry]) -> schema.Schema:
     config = json.loads((model / "config.json").read_bytes())
-    return schema.required_tensors(config, {n: d for n, (d, _) in present.items()})
+    return schema.required_tensors(config, present)
 
 
 def drop_tensor(model: Path, name: str) -> None:
@@ -126,7 +127,7 @@ def test_transformers_saves_hold_exactly_the_schema(saves, which):
     model = saves[which]
     present = headers(model)
     derived = derive(model, present)
-    assert derived.tensors == {n: shape for n, (_, shape) in present.items()}
+    assert derived.tensors == {n: t.shape for n, t in present.items()}
     assert derived.vision == which.startswith("multimodal") and not derived.mtp
     assert ("lm_head.weight" in derived.tensors) == (not which.startswith("text-tied"))
     prefix = "model.language_model." if which.startswith("multimodal") else "model."
@@ -141,9 +142,7 @@ def test_removing_any_single_tensor_of_a_transformers_save_is_caught(saves, whic
     present = headers(saves[which])
     for name in present:
         rest = {n: v for n, v in present.items() if n != name}
-        missing, wrong = schema.compare(
-            derive(saves[which], rest).tensors, {n: s for n, (_, s) in rest.items()}
-        )
+        missing, wrong = schema.compare(derive(saves[which], rest).tensors, rest)
         assert name in missing and not wrong, name
 
 
@@ -270,7 +269,7 @@ def test_a_shape_contradicting_the_config_is_refused(make_checkpoint, kwargs, ch
 def test_complete_synthetic_checkpoints_hold_exactly_the_schema(make_checkpoint, kwargs):
     model = make_checkpoint(**kwargs)
     present = headers(model)
-    assert derive(model, present).tensors == {n: s for n, (_, s) in present.items()}
+    assert derive(model, present).tensors == {n: t.shape for n, t in present.items()}
 
 
 def test_an_unlisted_safetensors_file_is_ignored_with_a_warning(make_checkpoint, tmp_path):
