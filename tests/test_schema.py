@@ -346,3 +346,15 @@ def test_an_fp8_scale_of_another_block_shape_is_refused(make_checkpoint):
     # in_proj_qkv [256, 64]: [2, 1] blocks of 128, [8, 2] of 32.
     assert f"'{LM}layers.0.linear_attn.in_proj_qkv.weight_scale_inv' has shape [2, 1]" in msg
     assert "config.json implies [8, 2]" in msg and "others with a wrong shape" in msg
+
+
+def test_a_missing_tensor_of_any_shape_is_missing():
+    """A required tensor whose shape the config cannot tell (an FP8 scale without
+    weight_block_size) is still required: absent, it is reported, not taken as any shape."""
+    present = {"a.weight": TensorEntry("a.weight", "F8_E4M3", (4, 4), 0, 16)}
+    assert schema.compare({"a.weight": (4, 4), "a.weight_scale_inv": None}, present) == (
+        ["a.weight_scale_inv"],
+        [],
+    )
+    assert schema.compare({"a.weight": None}, present) == ([], [])
+    assert schema.compare({"a.weight": (4, 8)}, present) == ([], [("a.weight", (4, 8), (4, 4))])
