@@ -209,12 +209,17 @@ def assemble_checkpoint(
 def _add_tensors(
     tensors: dict[str, SourceTensor], file: str, header: Header, weight_map: dict[str, str] | None
 ) -> bool:
-    """Add the tensors of ``file`` to ``tensors`` when none is there already and the index
-    lists each in ``file``; False (nothing added) otherwise. In bulk, in C."""
+    """Add the tensors of ``file`` to ``tensors`` when the index lists each in ``file`` (or,
+    without an index, none is there already); False (nothing added) otherwise. In bulk, in C.
+
+    With an index, a tensor listed in ``file`` cannot be in another shard added before: the
+    index lists each tensor in one file.
+    """
     names, dtypes, shapes, begins, ends = header.columns
-    if not tensors.keys().isdisjoint(names):
-        return False
-    if weight_map is not None and names and set(map(weight_map.get, names)) != {file}:
+    if weight_map is None:
+        if not tensors.keys().isdisjoint(names):
+            return False
+    elif names and set(map(weight_map.get, names)) != {file}:
         return False
     columns = zip(
         names,
