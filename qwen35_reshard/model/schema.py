@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from functools import cache, cached_property
 from itertools import repeat
 from operator import add, attrgetter
+from typing import NamedTuple
 
 from ..errors import ReshardError
 from ..ondisk import CONFIG_NAME
@@ -250,6 +251,13 @@ def required_tensors(
         raise ReshardError(f"{CONFIG_NAME}: {e}; is this a Qwen3.5 MoE config?") from e
 
 
+class _ExpertColumns(NamedTuple):
+    weights: list[str]
+    weight_shapes: list[tuple[int, ...] | None]
+    with_scales: list[str]  # each weight, then its scale
+    with_scales_shapes: list[tuple[int, ...] | None]
+
+
 class _Walk:
     """One pass over the tables for one config and one checkpoint's tensors."""
 
@@ -347,26 +355,33 @@ class _Walk:
             return
         # Every expert's gate, up and down weight in one go (~3 x 512 per layer of a 397B FP8):
         # when none is missing and their dtypes are all FP8 (each needs its scale) or none is,
-        # the names are made by one comprehension and the lookups run in C.
-        rows = self.resolved(EXPERT)
-        count = self.sizes["experts"]
-        weights = [f"{prefix}{j}.{rel}.weight" for j in range(count) for rel, *_ in rows]
+        # the names are the block's prefix on the walk's expert columns, all made in C.
+        columns = self.expert_columns
+        weights = list(map(add, repeat(prefix), columns.weights))
         found = list(map(self.tensors.get, weights))
         fp8 = set(map(FP8_DTYPES.__contains__, map(_DTYPE, found))) if None not in found else None
-        shapes = [shape for _, _, shape, _, _ in rows] * count
         if fp8 == {True}:
-            names = [""] * (2 * len(weights))
-            names[0::2], names[1::2] = weights, map(add, weights, repeat(SCALE_SUFFIX))
-            both = [None] * len(names)
-            both[0::2], both[1::2] = shapes, [scale for _, _, _, _, scale in rows] * count
-            self.names += names
-            self.shapes += both
+            self.names += map(add, repeat(prefix), columns.with_scales)
+            self.shapes += columns.with_scales_shapes
         elif fp8 == {False}:
             self.names += weights
-            self.shapes += shapes
+            self.shapes += columns.weight_shapes
         else:  # mixed, or missing weights: one by one, as every other module
-            for j in range(count):
+            for j in range(self.sizes["experts"]):
                 self.add(EXPERT, f"{prefix}{j}.")
+
+    @cached_property
+    def expert_columns(self) -> _ExpertColumns:
+        """Every routed expert's weights, relative to the block, in order; and with their scales."""
+        rows = self.resolved(EXPERT)
+        count = self.sizes["experts"]
+        weights = [f"{j}.{rel}.weight" for j in range(count) for rel, *_ in rows]
+        shapes = [shape for _, _, shape, _, _ in rows] * count
+        with_scales: list[str] = [""] * (2 * len(weights))
+        with_scales[0::2], with_scales[1::2] = weights, map(add, weights, repeat(SCALE_SUFFIX))
+        both: list[tuple[int, ...] | None] = [None] * len(with_scales)
+        both[0::2], both[1::2] = shapes, [scale for _, _, _, _, scale in rows] * count
+        return _ExpertColumns(weights, shapes, with_scales, both)
 
     def resolved(self, table: Mapping[str, object]) -> list[tuple]:
         """``table`` with its sizes looked up once: (name, kind, shape, bias shape, scale shape)."""
