@@ -164,21 +164,25 @@ def _no_key_dropped(raw: bytes, obj: object) -> bool:
     character of a string, and the parsed strings are the raw ones. So the colons of ``obj``
     (one per key of every object, plus those inside its strings) number exactly those of
     ``raw`` unless a repeated key was dropped, taking its own ':' with it. This counts a part
-    of them (the keys of the top object and of its values, the colons in the top keys and in
-    ``__metadata__``): reaching the count of ``raw`` proves that nothing was dropped, and
-    falling short, rare, sends the caller to the exact check.
+    of them (the keys of the top object and of its values; then, only if short, the colons in
+    the top keys and in ``__metadata__``): reaching the count of ``raw`` proves that nothing
+    was dropped, and falling short, rare, sends the caller to the exact check.
     """
     if type(obj) is not dict or b"\\" in raw:
         return False
     values = obj.values()
     if not set(map(type, values)) <= {dict}:
         return False
-    counted = len(obj) + sum(map(len, values)) + "".join(obj).count(":")
+    colons = raw.count(b":")
+    counted = len(obj) + sum(map(len, values))
+    if counted == colons:  # the common case: no colon in any string
+        return True
+    counted += "".join(obj).count(":")
     metadata = obj.get(METADATA_KEY)
     if metadata:
         strings = [v for v in metadata.values() if type(v) is str]
         counted += "".join(metadata).count(":") + "".join(strings).count(":")
-    return counted == raw.count(b":")
+    return counted == colons
 
 
 def _no_duplicate_keys(where: str):
