@@ -63,10 +63,9 @@ def classify_all(tensor_names: list[str]) -> tuple[list[str], dict[str, Role | N
     ``classify`` name by name makes a call per tensor (~190,000 in a 397B FP8); this is one
     regex pass, and callers work per key (a few hundred), not per tensor.
     """
-    joined = "\n".join(tensor_names)
-    if tensor_names and joined.count("\n") == len(tensor_names) - 1:
-        keys = _KEY_AFTER_NEWLINE.findall("\n" + joined)
-    else:  # a name holds "\n" (or there are none): one by one
+    # One match per "\n": as many as names unless a name holds one (then one by one).
+    keys = _KEY_AFTER_NEWLINE.findall("\n" + "\n".join(tensor_names)) if tensor_names else []
+    if len(keys) != len(tensor_names):
         keys = [_KEY_AFTER_NEWLINE.match("\n" + n).group(1) or "" for n in tensor_names]
     return keys, {key: _key_role(key) for key in set(keys)}
 

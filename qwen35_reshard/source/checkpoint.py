@@ -150,12 +150,11 @@ def assemble_checkpoint(
     the index does not list.
     """
     num_layers = _num_layers(config, f"{display}/{CONFIG_NAME}")
-    weight_map = (
-        _weight_map(parse_json_object(index_bytes, f"{display}/{INDEX_NAME}"), f"{display}/{INDEX_NAME}")
-        if index_bytes is not None
-        else None
-    )
-    files = sorted(set(weight_map.values())) if weight_map is not None else [SINGLE_FILE_NAME]
+    weight_map: dict[str, str] | None = None
+    files = [SINGLE_FILE_NAME]
+    if index_bytes is not None:
+        where = f"{display}/{INDEX_NAME}"
+        weight_map, files = _weight_map(parse_json_object(index_bytes, where), where)
     headers = read_headers(files)
     tensors: dict[str, SourceTensor] = {}
     file_sizes: dict[str, int] = {}
@@ -251,7 +250,8 @@ def _num_layers(config: dict, where: str) -> int:
     return n
 
 
-def _weight_map(index: object, where: str) -> dict[str, str]:
+def _weight_map(index: object, where: str) -> tuple[dict[str, str], list[str]]:
+    """The index's weight_map, checked, and the files it names, sorted."""
     wm = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(wm, dict) or not wm:
         raise ReshardError(f"{where}: no non-empty weight_map object")
@@ -260,7 +260,7 @@ def _weight_map(index: object, where: str) -> dict[str, str]:
     except TypeError:  # an unhashable value: not a file name, named below
         files = None
     if files is not None and all(isinstance(f, str) and not f.endswith(PICKLE_SUFFIXES) for f in files):
-        return wm
+        return wm, sorted(files)
     for name, file in wm.items():
         if not isinstance(file, str):
             raise ReshardError(f"{where}: weight_map entry {name!r} is not a file name")
@@ -269,7 +269,7 @@ def _weight_map(index: object, where: str) -> dict[str, str]:
                 f"{where}: tensor {name!r} is in pickled file {file!r}, which this tool never "
                 "loads; convert the checkpoint to safetensors first"
             )
-    return wm
+    return wm, sorted(set(wm.values()))
 
 
 def _allowed_roots(root: Path) -> tuple[Path, ...]:
