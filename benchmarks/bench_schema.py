@@ -26,11 +26,8 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 import tiny_checkpoint  # noqa: E402
 
-from qwen35_reshard import (  # noqa: E402
-    make_plan,
-    read_checkpoint,
-    schema,  # noqa: E402
-)
+from qwen35_reshard import make_plan, read_checkpoint  # noqa: E402
+from qwen35_reshard.model import schema  # noqa: E402
 
 
 def main() -> None:
