@@ -293,8 +293,9 @@ def _check_roles(
     ``keys`` and ``roles`` are what ``names.classify_all`` says of ``tensor_names`` (checked
     per key; the tensors are searched only for the name to report).
     """
-    if roles.get("", names.Role(names.LAYER)) is None:
-        name = tensor_names[keys.index("")]
+    unplaced = [k for k, r in roles.items() if r is None]
+    if unplaced:
+        name = tensor_names[keys.index(unplaced[0])]
         raise ReshardError(
             f"tensor {name!r}: no placement rule covers it (not a decoder layer, embed_tokens, "
             "norm, lm_head, mtp.* or model.visual.* tensor); refusing to drop or guess"
