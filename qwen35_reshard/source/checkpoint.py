@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from itertools import repeat
 from operator import add, sub
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, NoReturn
 
 from ..errors import ReshardError, param
 from ..model import schema
@@ -156,30 +156,14 @@ def assemble_checkpoint(
         where = f"{display}/{INDEX_NAME}"
         weight_map, files = _weight_map(parse_json_object(index_bytes, where), where)
     headers = read_headers(files)
-    tensors: dict[str, SourceTensor] = {}
-    file_sizes: dict[str, int] = {}
-    for file in files:
-        header = headers[file]
-        file_sizes[file] = header.file_size
-        if _add_tensors(tensors, file, header, weight_map):
-            continue
-        # Something is wrong with this shard: find the first tensor at fault, for the message.
-        for t in header.tensors:
-            if t.name in tensors:
-                raise ReshardError(
-                    f"tensor {t.name!r} appears in both {tensors[t.name].file} and {file}; "
-                    "the checkpoint is inconsistent"
-                )
-            if weight_map is not None and weight_map.get(t.name) != file:
-                listed = weight_map.get(t.name)
-                where = f"lists it in {listed}" if listed else "does not list it"
-                raise ReshardError(
-                    f"{display}/{file}: holds tensor {t.name!r} but {INDEX_NAME} {where}; "
-                    "the index and the shards do not match"
-                )
-            tensors[t.name] = SourceTensor(
-                t.name, file, t.dtype, t.shape, header.data_start + t.begin, t.nbytes
-            )
+    if weight_map is not None:
+        for i, file in enumerate(files):
+            names = headers[file].columns.names
+            if names and set(map(weight_map.get, names)) != {file}:  # in bulk, in C
+                _name_mismatch(display, files[:i], file, headers, weight_map)
+    # Each tensor is in one shard: the index lists it in one file (without an index, there is
+    # one shard), so all of them make one dict, in (file, offset) order.
+    tensors = dict(zip(*_source_columns(files, headers), strict=True))
     if weight_map is not None and len(tensors) != len(weight_map):  # all in it: is it all?
         missing = [n for n in weight_map if n not in tensors]
         if missing:
@@ -197,7 +181,7 @@ def assemble_checkpoint(
         num_layers=num_layers,
         tied_embeddings=schema.tied_embeddings(config),
         files=tuple(files),
-        file_sizes=file_sizes,
+        file_sizes={file: headers[file].file_size for file in files},
         tensors=tensors,
         extra_files=extra,
         unlisted=unlisted,
@@ -205,32 +189,46 @@ def assemble_checkpoint(
     )
 
 
-def _add_tensors(
-    tensors: dict[str, SourceTensor], file: str, header: Header, weight_map: dict[str, str] | None
-) -> bool:
-    """Add the tensors of ``file`` to ``tensors`` when the index lists each in ``file`` (or,
-    without an index, none is there already); False (nothing added) otherwise. In bulk, in C.
+def _name_mismatch(
+    display: str, earlier: list[str], file: str, headers: dict[str, Header], weight_map: dict[str, str]
+) -> NoReturn:
+    """Name the first tensor of ``file`` that another shard (of ``earlier``) holds too or that
+    the index does not list in ``file``, which the bulk check found."""
+    seen = {name: f for f in earlier for name in headers[f].columns.names}
+    for t in headers[file].tensors:
+        if t.name in seen:
+            raise ReshardError(
+                f"tensor {t.name!r} appears in both {seen[t.name]} and {file}; the checkpoint is inconsistent"
+            )
+        listed = weight_map.get(t.name)
+        if listed != file:
+            where = f"lists it in {listed}" if listed else "does not list it"
+            raise ReshardError(
+                f"{display}/{file}: holds tensor {t.name!r} but {INDEX_NAME} {where}; "
+                "the index and the shards do not match"
+            )
+    raise AssertionError(f"{file}: the bulk check found a tensor at fault, the exact one none")
 
-    With an index, a tensor listed in ``file`` cannot be in another shard added before: the
-    index lists each tensor in one file.
-    """
-    names, dtypes, shapes, begins, ends = header.columns
-    if weight_map is None:
-        if not tensors.keys().isdisjoint(names):
-            return False
-    elif names and set(map(weight_map.get, names)) != {file}:
-        return False
-    columns = zip(
-        names,
-        repeat(file),
-        dtypes,
-        shapes,
-        map(add, repeat(header.data_start), begins),
-        map(sub, ends, begins),
-        strict=False,  # repeat() is endless
-    )
-    tensors.update(zip(names, map(_tuple_new, repeat(SourceTensor), columns), strict=True))
-    return True
+
+def _source_columns(files: list[str], headers: dict[str, Header]) -> tuple[list[str], list[SourceTensor]]:
+    """Every tensor's name and SourceTensor, shard by shard in offset order; in bulk, in C."""
+    names: list[str] = []
+    sources: list[SourceTensor] = []
+    for file in files:
+        header = headers[file]
+        file_names, dtypes, shapes, begins, ends = header.columns
+        names += file_names
+        columns = zip(
+            file_names,
+            repeat(file),
+            dtypes,
+            shapes,
+            map(add, repeat(header.data_start), begins),
+            map(sub, ends, begins),
+            strict=False,  # repeat() is endless
+        )
+        sources += map(_tuple_new, repeat(SourceTensor), columns)
+    return names, sources
 
 
 def load_config(raw: bytes, where: str) -> dict:
