@@ -142,8 +142,13 @@ def test_removing_any_single_tensor_of_a_transformers_save_is_caught(saves, whic
     present = headers(saves[which])
     for name in present:
         rest = {n: v for n, v in present.items() if n != name}
-        missing, wrong = schema.compare(derive(saves[which], rest).tensors, rest)
+        derived = derive(saves[which], rest)
+        missing, wrong = schema.compare(derived.tensors, rest)
         assert name in missing and not wrong, name
+        # check_complete takes what the walk found under each name instead of looking again
+        assert derived.found == [rest.get(n) for n in derived.names], name
+        with pytest.raises(ReshardError, match=f"lacks tensor {re.escape(repr(name))}"):
+            schema.check_complete(derived, rest, "model")
 
 
 @pytest.mark.parametrize(

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache, cached_property
 from itertools import repeat
 from operator import add, attrgetter
@@ -194,6 +194,10 @@ class Schema:
     mtp: bool
     vision: bool
     unchecked: str | None
+    # What the walk found under each name in the tensors it was given (None: absent), and
+    # those tensors: check_complete against the same ones looks nothing up again.
+    found: list[object] = field(default_factory=list, repr=False, compare=False)
+    looked_up_in: Mapping[str, object] | None = field(default=None, repr=False, compare=False)
 
     @cached_property
     def tensors(self) -> dict[str, tuple[int, ...] | None]:
@@ -246,7 +250,7 @@ def required_tensors(
     try:
         walk = _Walk(config, tensors, layers=layers, mtp=mtp, vision=vision)
         walk.model()
-        return Schema(walk.names, walk.shapes, walk.mtp, walk.vision, walk.unchecked)
+        return Schema(walk.names, walk.shapes, walk.mtp, walk.vision, walk.unchecked, walk.found, tensors)
     except ValueError as e:
         raise ReshardError(f"{CONFIG_NAME}: {e}; is this a Qwen3.5 MoE config?") from e
 
@@ -296,6 +300,7 @@ class _Walk:
         # Every required tensor, in model order, column by column (~190,000 for a 397B FP8).
         self.names: list[str] = []
         self.shapes: list[tuple[int, ...] | None] = []
+        self.found: list[object] = []  # the tensor under each name, or None
 
     def model(self) -> None:
         """Walk the whole model."""
@@ -319,37 +324,43 @@ class _Walk:
 
     def add(self, table: Mapping[str, object], prefix: str) -> None:
         """Add the tensors of module ``table`` under ``prefix``. Runs for every expert: kept lean."""
-        names, shapes, tensors = self.names.append, self.shapes.append, self.tensors
+        names, shapes, found, get = self.names.append, self.shapes.append, self.found.append, self.tensors.get
         for rel, kind, shape, bias, scale in self.resolved(table):
             name = prefix + rel
             if kind is Param:
                 names(name)
                 shapes(shape)
+                found(get(name))
             elif kind is Linear:
                 if self.unchecked:
                     continue
                 weight = name + ".weight"
+                t = get(weight)
                 names(weight)
                 shapes(shape)
+                found(t)
                 if bias is not None:
                     names(name + ".bias")
                     shapes(bias)
-                t = tensors.get(weight)
+                    found(get(name + ".bias"))
                 if (t.dtype in FP8_DTYPES) if t is not None else self.missing_is_fp8(name):
                     names(weight + SCALE_SUFFIX)
                     shapes(scale)
+                    found(get(weight + SCALE_SUFFIX))
             else:
                 self.experts(name + ".")
 
     def experts(self, prefix: str) -> None:
         if prefix + "gate_up_proj" in self.tensors or prefix + "down_proj" in self.tensors:
             for rel, _, shape, _, scale in self.resolved(FUSED_EXPERTS):
+                t = self.tensors.get(prefix + rel)
                 self.names.append(prefix + rel)
                 self.shapes.append(shape)
-                t = self.tensors.get(prefix + rel)
+                self.found.append(t)
                 if t is not None and t.dtype in FP8_DTYPES:
                     self.names.append(prefix + rel + SCALE_SUFFIX)
                     self.shapes.append(scale)
+                    self.found.append(self.tensors.get(prefix + rel + SCALE_SUFFIX))
             return
         if self.unchecked:  # EXPERT holds Linear modules only
             return
@@ -361,11 +372,16 @@ class _Walk:
         found = list(map(self.tensors.get, weights))
         fp8 = set(map(FP8_DTYPES.__contains__, map(_DTYPE, found))) if None not in found else None
         if fp8 == {True}:
-            self.names += map(add, repeat(prefix), columns.with_scales)
+            names = list(map(add, repeat(prefix), columns.with_scales))
+            both: list[object] = [None] * len(names)
+            both[0::2], both[1::2] = found, map(self.tensors.get, names[1::2])
+            self.names += names
             self.shapes += columns.with_scales_shapes
+            self.found += both
         elif fp8 == {False}:
             self.names += weights
             self.shapes += columns.weight_shapes
+            self.found += found
         else:  # mixed, or missing weights: one by one, as every other module
             for j in range(self.sizes["experts"]):
                 self.add(EXPERT, f"{prefix}{j}.")
@@ -504,9 +520,14 @@ def compare(
 
 
 def _compare(
-    names: list[str], wants: list[tuple[int, ...] | None], tensors: Mapping[str, object]
+    names: list[str],
+    wants: list[tuple[int, ...] | None],
+    tensors: Mapping[str, object],
+    found: list[object] | None = None,
 ) -> tuple[list[str], list[tuple[str, tuple[int, ...], tuple[int, ...]]]]:
-    found = list(map(tensors.get, names))
+    """``found``: the tensor under each name, when already looked up in ``tensors``."""
+    if found is None:
+        found = list(map(tensors.get, names))
     if None not in found:  # the common case, checked in C: every tensor, as tuples of the same ints
         shapes = list(map(_SHAPE, found))
         if None in wants:  # a shape the config cannot tell: whatever is found
@@ -528,7 +549,8 @@ def check_complete(required: Schema, tensors: Mapping[str, object], where: str) 
 
     ``where`` names the checkpoint (or stage) in the message.
     """
-    missing, wrong = _compare(required.names, required.shapes, tensors)
+    found = required.found if required.looked_up_in is tensors else None
+    missing, wrong = _compare(required.names, required.shapes, tensors, found)
     if missing:
         raise ReshardError(
             f"{where}: lacks tensor {missing[0]!r}, which {CONFIG_NAME} requires ({others(len(missing) - 1)} "
