@@ -26,11 +26,8 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 import tiny_checkpoint  # noqa: E402
 
-from qwen35_reshard import (  # noqa: E402
-    make_plan,
-    read_checkpoint,
-    schema,  # noqa: E402
-)
+from qwen35_reshard import make_plan, read_checkpoint  # noqa: E402
+from qwen35_reshard.model import schema  # noqa: E402
 
 
 def main() -> None:
@@ -49,9 +46,8 @@ def main() -> None:
             make_plan(ckpt, pp=4)
             dry.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            shapes = {n: t.shape for n, t in ckpt.tensors.items()}
-            required = schema.required_tensors(ckpt.config, {n: t.dtype for n, t in ckpt.tensors.items()})
-            schema.check_complete(required, shapes, str(model))
+            required = schema.required_tensors(ckpt.config, ckpt.tensors)
+            schema.check_complete(required, ckpt.tensors, str(model))
             check.append(time.perf_counter() - t0)
             gc.collect()
         d, c = statistics.median(dry), statistics.median(check)

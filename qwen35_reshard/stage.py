@@ -272,17 +272,16 @@ def _schema_problems(root: Path, display: str, m: StageManifest) -> list[Finding
         return []  # reported by _config_problems: config.json must be the source's
     if not isinstance(config, dict):
         return []
-    dtypes = {n: t.dtype for n, t in m.tensors.items()}
     kept = m.mtp == "kept"
     try:
         required = schema.required_tensors(
-            config, dtypes, layers=range(m.start_layer, m.end_layer), mtp=kept
+            config, m.tensors, layers=range(m.start_layer, m.end_layer), mtp=kept
         ).tensors
     except ReshardError as e:
         return [Finding(DIFFERENT, f"{display}/{e}", CONFIG_NAME)]
     owners = placement_rules(m.pp, m.runtime, schema.tied_embeddings(config), kept)
     need = {n: s for n, s in required.items() if _holds(m, owners, n)}
-    missing, wrong = schema.compare(need, {n: t.shape for n, t in m.tensors.items()})
+    missing, wrong = schema.compare(need, m.tensors)
     problems = []
     if missing:
         why = (

@@ -292,7 +292,17 @@ def test_duplicate_tensor_name_across_shards(capsys, model, out):
     h2, d2 = read_shard(model / second)
     h2[name] = {**info, "data_offsets": [len(d2), len(d2) + e - b]}
     write_shard(model / second, h2, d2 + d1[b:e])
-    assert_clean_failure(*run_cli(capsys, "--pp", "2", model, out), out, repr(name))
+    assert_clean_failure(
+        *run_cli(capsys, "--pp", "2", model, out), out, f"{name!r} appears in both {first} and {second}"
+    )
+
+
+def test_tensor_that_the_index_lists_in_another_shard(capsys, model, out):
+    first, second = shards(model)[:2]
+    victim = next(n for n, f in json.loads((model / INDEX).read_bytes())["weight_map"].items() if f == second)
+    edit_json(model / INDEX, lambda index: index["weight_map"].update({victim: first}))
+    result = run_cli(capsys, "--pp", "2", model, out)
+    assert_clean_failure(*result, out, f"{second}: holds tensor {victim!r}", f"lists it in {first}")
 
 
 def test_tensor_in_a_shard_that_the_index_does_not_list(capsys, model, out):

@@ -79,3 +79,16 @@ def test_known_roles(name, kind, layer):
 )
 def test_unknown_names_get_no_role(name):
     assert classify(name) is None
+
+
+def test_classify_all_agrees_with_classify(tiny):
+    """The one-pass classifier gives every name the role classify gives it, names holding a
+    newline (which the pass joins on) and unknown ones included, in order."""
+    _, tensors = tiny.describe_model(layers=12, layout="per_expert_fp8")
+    odd = ["", "model.layers.3", "model.layers.01.x", "lm_head.weight\nmodel.layers.2.x", "mtp.\n"]
+    for batch in ([t.name for t in tensors], [t.name for t in tensors] + odd, odd, []):
+        keys, roles = names.classify_all(batch)
+        assert len(keys) == len(batch)
+        assert [roles[k] for k in keys] == [classify(n) for n in batch]
+    keys, roles = names.classify_all(["model.layers.7.mlp.gate.weight", "model.visual.pos_embed.weight"])
+    assert [roles[k] for k in keys] == [names.Role(names.LAYER, 7), names.Role(names.VISUAL_POS_EMBED)]

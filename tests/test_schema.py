@@ -26,7 +26,7 @@ from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGenerati
 from qwen35_reshard import loader, make_plan, read_checkpoint
 from qwen35_reshard.errors import ReshardError
 from qwen35_reshard.model import schema
-from qwen35_reshard.source.header import read_header
+from qwen35_reshard.source.header import TensorEntry, read_header
 from qwen35_reshard.verify import verify
 
 INDEX = "model.safetensors.index.json"
@@ -35,18 +35,19 @@ INDEX = "model.safetensors.index.json"
 # --------------------------------------------------------------------------- helpers
 
 
-def headers(model: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """name -> (dtype, shape) of every tensor in the model directory's safetensors files."""
+def headers(model: Path) -> dict[str, TensorEntry]:
+    """name -> header entry (dtype, shape, ...) of every tensor in the model directory's
+    safetensors files."""
     out = {}
     for path in sorted(model.glob("*.safetensors")):
         for t in read_header(path, display=str(path)).tensors:
-            out[t.name] = (t.dtype, t.shape)
+            out[t.name] = t
     return out
 
 
-def derive(model: Path, present: dict[str, tuple[str, tuple[int, ...]]]) -> schema.Schema:
+def derive(model: Path, present: dict[str, TensorEntry]) -> schema.Schema:
     config = json.loads((model / "config.json").read_bytes())
-    return schema.required_tensors(config, {n: d for n, (d, _) in present.items()})
+    return schema.required_tensors(config, present)
 
 
 def drop_tensor(model: Path, name: str) -> None:
@@ -126,7 +127,7 @@ def test_transformers_saves_hold_exactly_the_schema(saves, which):
     model = saves[which]
     present = headers(model)
     derived = derive(model, present)
-    assert derived.tensors == {n: shape for n, (_, shape) in present.items()}
+    assert derived.tensors == {n: t.shape for n, t in present.items()}
     assert derived.vision == which.startswith("multimodal") and not derived.mtp
     assert ("lm_head.weight" in derived.tensors) == (not which.startswith("text-tied"))
     prefix = "model.language_model." if which.startswith("multimodal") else "model."
@@ -141,10 +142,13 @@ def test_removing_any_single_tensor_of_a_transformers_save_is_caught(saves, whic
     present = headers(saves[which])
     for name in present:
         rest = {n: v for n, v in present.items() if n != name}
-        missing, wrong = schema.compare(
-            derive(saves[which], rest).tensors, {n: s for n, (_, s) in rest.items()}
-        )
+        derived = derive(saves[which], rest)
+        missing, wrong = schema.compare(derived.tensors, rest)
         assert name in missing and not wrong, name
+        # check_complete takes what the walk found under each name instead of looking again
+        assert derived.found == [rest.get(n) for n in derived.names], name
+        with pytest.raises(ReshardError, match=f"lacks tensor {re.escape(repr(name))}"):
+            schema.check_complete(derived, rest, "model")
 
 
 @pytest.mark.parametrize(
@@ -270,7 +274,7 @@ def test_a_shape_contradicting_the_config_is_refused(make_checkpoint, kwargs, ch
 def test_complete_synthetic_checkpoints_hold_exactly_the_schema(make_checkpoint, kwargs):
     model = make_checkpoint(**kwargs)
     present = headers(model)
-    assert derive(model, present).tensors == {n: s for n, (_, s) in present.items()}
+    assert derive(model, present).tensors == {n: t.shape for n, t in present.items()}
 
 
 def test_an_unlisted_safetensors_file_is_ignored_with_a_warning(make_checkpoint, tmp_path):
@@ -347,3 +351,15 @@ def test_an_fp8_scale_of_another_block_shape_is_refused(make_checkpoint):
     # in_proj_qkv [256, 64]: [2, 1] blocks of 128, [8, 2] of 32.
     assert f"'{LM}layers.0.linear_attn.in_proj_qkv.weight_scale_inv' has shape [2, 1]" in msg
     assert "config.json implies [8, 2]" in msg and "others with a wrong shape" in msg
+
+
+def test_a_missing_tensor_of_any_shape_is_missing():
+    """A required tensor whose shape the config cannot tell (an FP8 scale without
+    weight_block_size) is still required: absent, it is reported, not taken as any shape."""
+    present = {"a.weight": TensorEntry("a.weight", "F8_E4M3", (4, 4), 0, 16)}
+    assert schema.compare({"a.weight": (4, 4), "a.weight_scale_inv": None}, present) == (
+        ["a.weight_scale_inv"],
+        [],
+    )
+    assert schema.compare({"a.weight": None}, present) == ([], [])
+    assert schema.compare({"a.weight": (4, 8)}, present) == ([], [("a.weight", (4, 8), (4, 4))])

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 
@@ -59,15 +59,46 @@ FLAGS = {
 VERIFY_FLAGS = {**FLAGS, "model": "--source", "model_dir": "--source"}
 
 
+# What a run made (its plan, which holds the checkpoint) when this process is the command
+# itself: kept to the end, where os._exit hands the memory back at once instead of freeing
+# the ~190,000 tensors' objects of a 397B FP8 checkpoint one by one (0.1 s).
+_kept: list[object] | None = None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line ``argv`` (default: ``sys.argv[1:]``); return the exit code."""
+    """Run the command line ``argv`` (default: ``sys.argv[1:]``); return the exit code.
+
+    Without ``argv`` this process is the command itself (the console script, ``python -m``):
+    it ends here, its output flushed, without the interpreter's teardown.
+    """
+    global _kept
+    program = argv is None
     argv = _with_command(list(sys.argv[1:] if argv is None else argv))
     command = typer.main.get_command(app)
+    _kept = [] if program else None
     try:
-        return command.main(args=argv, prog_name=PROG, standalone_mode=False) or 0
+        code = command.main(args=argv, prog_name=PROG, standalone_mode=False) or 0
     except ClickException as e:  # click's usage errors: one line, no usage block
         _fail("--json" in argv, _usage_message(e))
-        return e.exit_code
+        code = e.exit_code
+    if program:
+        _exit(code)
+    return code
+
+
+def _exit(code: int) -> NoReturn:
+    """End the process with ``code`` once its output is out, skipping the interpreter's teardown."""
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:  # the reader of our output went away: as _run_guarded says it
+        code = code or 1
+    except (OSError, ValueError):  # closed or unwritable: nothing more to say there
+        pass
+    try:
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+    os._exit(code)
 
 
 _GROUP_OPTIONS = ("--help", "-h", "--version", "--install-completion", "--show-completion")
@@ -532,6 +563,8 @@ def _reshard(args: SimpleNamespace) -> int:
             keep_mtp=not args.no_mtp,
             max_file_bytes=args.max_file_size,
         )
+        if _kept is not None:
+            _kept.append(plan)
     finally:
         # What reading and planning made lives until the end: frozen, so that no collection
         # walks it again (the first one after enable() would take ~0.2 s at 190,000 tensors).

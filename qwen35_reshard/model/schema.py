@@ -25,10 +25,11 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache, cached_property
 from itertools import repeat
-from operator import add
+from operator import add, attrgetter
+from typing import NamedTuple
 
 from ..errors import ReshardError
 from ..ondisk import CONFIG_NAME
@@ -170,6 +171,9 @@ VISION_SIZES = {
     "v_positions": ("num_position_embeddings", 2304),
 }
 FP8_DTYPES = frozenset({"F8_E4M3", "F8_E5M2"})
+# A checkpoint's tensors reach the schema as name -> anything with these attributes (a
+# source tensor, a stage manifest's entry): no name -> dtype mapping is built per tensor.
+_DTYPE, _SHAPE = attrgetter("dtype"), attrgetter("shape")
 SCALE_SUFFIX = "_scale_inv"  # weight -> weight_scale_inv, gate_up_proj -> gate_up_proj_scale_inv
 
 
@@ -190,6 +194,10 @@ class Schema:
     mtp: bool
     vision: bool
     unchecked: str | None
+    # What the walk found under each name in the tensors it was given (None: absent), and
+    # those tensors: check_complete against the same ones looks nothing up again.
+    found: list[object] = field(default_factory=list, repr=False, compare=False)
+    looked_up_in: Mapping[str, object] | None = field(default=None, repr=False, compare=False)
 
     @cached_property
     def tensors(self) -> dict[str, tuple[int, ...] | None]:
@@ -225,41 +233,49 @@ def layer_types(config: Mapping) -> list[str]:
 
 def required_tensors(
     config: Mapping,
-    dtypes: Mapping[str, str],
+    tensors: Mapping[str, object],
     *,
     layers: range | None = None,
     mtp: bool | None = None,
     vision: bool | None = None,
 ) -> Schema:
-    """The schema of the checkpoint with ``config`` whose headers give ``dtypes`` (name -> dtype).
+    """The schema of the checkpoint with ``config`` whose headers list ``tensors`` (name ->
+    anything with a ``dtype``, such as a source tensor).
 
     ``layers`` limits the decoder layers walked (a stage's range; the other parts are always
-    listed); ``mtp`` and ``vision`` say whether those parts ship when ``dtypes`` cannot tell
+    listed); ``mtp`` and ``vision`` say whether those parts ship when ``tensors`` cannot tell
     (a stage holds only some of the checkpoint); by default their presence decides.
     Raises ReshardError for a config whose sizes are not those of a Qwen3.5 MoE model.
     """
     try:
-        walk = _Walk(config, dtypes, layers=layers, mtp=mtp, vision=vision)
+        walk = _Walk(config, tensors, layers=layers, mtp=mtp, vision=vision)
         walk.model()
-        return Schema(walk.names, walk.shapes, walk.mtp, walk.vision, walk.unchecked)
+        return Schema(walk.names, walk.shapes, walk.mtp, walk.vision, walk.unchecked, walk.found, tensors)
     except ValueError as e:
         raise ReshardError(f"{CONFIG_NAME}: {e}; is this a Qwen3.5 MoE config?") from e
 
 
+class _ExpertColumns(NamedTuple):
+    weights: list[str]
+    weight_shapes: list[tuple[int, ...] | None]
+    with_scales: list[str]  # each weight, then its scale
+    with_scales_shapes: list[tuple[int, ...] | None]
+
+
 class _Walk:
-    """One pass over the tables for one config and one checkpoint's dtypes."""
+    """One pass over the tables for one config and one checkpoint's tensors."""
 
     def __init__(
         self,
         config: Mapping,
-        dtypes: Mapping[str, str],
+        tensors: Mapping[str, object],
         *,
         layers: range | None,
         mtp: bool | None,
         vision: bool | None,
     ):
         text = text_config(config)
-        self.dtypes = dtypes
+        self.tensors = tensors
         self.sizes = _sizes(text, TEXT_SIZES)
         s = self.sizes
         s["value_dim"] = s["linear_value_heads"] * s["linear_value_head_dim"]
@@ -270,20 +286,21 @@ class _Walk:
         self.tied = tied_embeddings(config)
         vcfg = config.get("vision_config")
         if vision is None:
-            vision = _ships(dtypes, "model.visual.", "patch_embed.proj.weight")
+            vision = _ships(tensors, "model.visual.", "patch_embed.proj.weight")
         self.vision = isinstance(vcfg, dict) and vision
         if self.vision:
             v = _sizes(vcfg, VISION_SIZES)
             v["v_merged"] = v["v_hidden"] * v["v_merge"] ** 2
             self.sizes.update(v)
             self.vision_depth = _size(vcfg, "depth", 27)
-        self.mtp = _ships(dtypes, "mtp.", "fc.weight") if mtp is None else mtp
+        self.mtp = _ships(tensors, "mtp.", "fc.weight") if mtp is None else mtp
         self.mtp_layers = _size(text, "mtp_num_hidden_layers", 1)
         self.block, self.unchecked, self.not_converted = _quantization(config)
         self.cache: dict[int, list[tuple]] = {}
         # Every required tensor, in model order, column by column (~190,000 for a 397B FP8).
         self.names: list[str] = []
         self.shapes: list[tuple[int, ...] | None] = []
+        self.found: list[object] = []  # the tensor under each name, or None
 
     def model(self) -> None:
         """Walk the whole model."""
@@ -307,60 +324,80 @@ class _Walk:
 
     def add(self, table: Mapping[str, object], prefix: str) -> None:
         """Add the tensors of module ``table`` under ``prefix``. Runs for every expert: kept lean."""
-        names, shapes, dtypes = self.names.append, self.shapes.append, self.dtypes
+        names, shapes, found, get = self.names.append, self.shapes.append, self.found.append, self.tensors.get
         for rel, kind, shape, bias, scale in self.resolved(table):
             name = prefix + rel
             if kind is Param:
                 names(name)
                 shapes(shape)
+                found(get(name))
             elif kind is Linear:
                 if self.unchecked:
                     continue
                 weight = name + ".weight"
+                t = get(weight)
                 names(weight)
                 shapes(shape)
+                found(t)
                 if bias is not None:
                     names(name + ".bias")
                     shapes(bias)
-                dtype = dtypes.get(weight)
-                if dtype in FP8_DTYPES or (dtype is None and self.missing_is_fp8(name)):
+                    found(get(name + ".bias"))
+                if (t.dtype in FP8_DTYPES) if t is not None else self.missing_is_fp8(name):
                     names(weight + SCALE_SUFFIX)
                     shapes(scale)
+                    found(get(weight + SCALE_SUFFIX))
             else:
                 self.experts(name + ".")
 
     def experts(self, prefix: str) -> None:
-        if prefix + "gate_up_proj" in self.dtypes or prefix + "down_proj" in self.dtypes:
+        if prefix + "gate_up_proj" in self.tensors or prefix + "down_proj" in self.tensors:
             for rel, _, shape, _, scale in self.resolved(FUSED_EXPERTS):
+                t = self.tensors.get(prefix + rel)
                 self.names.append(prefix + rel)
                 self.shapes.append(shape)
-                if self.dtypes.get(prefix + rel) in FP8_DTYPES:
+                self.found.append(t)
+                if t is not None and t.dtype in FP8_DTYPES:
                     self.names.append(prefix + rel + SCALE_SUFFIX)
                     self.shapes.append(scale)
+                    self.found.append(self.tensors.get(prefix + rel + SCALE_SUFFIX))
             return
         if self.unchecked:  # EXPERT holds Linear modules only
             return
         # Every expert's gate, up and down weight in one go (~3 x 512 per layer of a 397B FP8):
-        # when their dtypes are all FP8 (each needs its scale) or none is (and none is missing),
-        # the names are made by one comprehension and the lookups run in C.
+        # when none is missing and their dtypes are all FP8 (each needs its scale) or none is,
+        # the names are the block's prefix on the walk's expert columns, all made in C.
+        columns = self.expert_columns
+        weights = list(map(add, repeat(prefix), columns.weights))
+        found = list(map(self.tensors.get, weights))
+        fp8 = set(map(FP8_DTYPES.__contains__, map(_DTYPE, found))) if None not in found else None
+        if fp8 == {True}:
+            names = list(map(add, repeat(prefix), columns.with_scales))
+            both: list[object] = [None] * len(names)
+            both[0::2], both[1::2] = found, map(self.tensors.get, names[1::2])
+            self.names += names
+            self.shapes += columns.with_scales_shapes
+            self.found += both
+        elif fp8 == {False}:
+            self.names += weights
+            self.shapes += columns.weight_shapes
+            self.found += found
+        else:  # mixed, or missing weights: one by one, as every other module
+            for j in range(self.sizes["experts"]):
+                self.add(EXPERT, f"{prefix}{j}.")
+
+    @cached_property
+    def expert_columns(self) -> _ExpertColumns:
+        """Every routed expert's weights, relative to the block, in order; and with their scales."""
         rows = self.resolved(EXPERT)
         count = self.sizes["experts"]
-        weights = [f"{prefix}{j}.{rel}.weight" for j in range(count) for rel, *_ in rows]
-        fp8 = set(map(FP8_DTYPES.__contains__, map(self.dtypes.get, weights)))
+        weights = [f"{j}.{rel}.weight" for j in range(count) for rel, *_ in rows]
         shapes = [shape for _, _, shape, _, _ in rows] * count
-        if fp8 == {True}:
-            names = [""] * (2 * len(weights))
-            names[0::2], names[1::2] = weights, map(add, weights, repeat(SCALE_SUFFIX))
-            both = [None] * len(names)
-            both[0::2], both[1::2] = shapes, [scale for _, _, _, _, scale in rows] * count
-            self.names += names
-            self.shapes += both
-        elif fp8 == {False} and all(map(self.dtypes.__contains__, weights)):
-            self.names += weights
-            self.shapes += shapes
-        else:  # mixed, or missing weights: one by one, as every other module
-            for j in range(count):
-                self.add(EXPERT, f"{prefix}{j}.")
+        with_scales: list[str] = [""] * (2 * len(weights))
+        with_scales[0::2], with_scales[1::2] = weights, map(add, weights, repeat(SCALE_SUFFIX))
+        both: list[tuple[int, ...] | None] = [None] * len(with_scales)
+        both[0::2], both[1::2] = shapes, [scale for _, _, _, _, scale in rows] * count
+        return _ExpertColumns(weights, shapes, with_scales, both)
 
     def resolved(self, table: Mapping[str, object]) -> list[tuple]:
         """``table`` with its sizes looked up once: (name, kind, shape, bias shape, scale shape)."""
@@ -428,7 +465,7 @@ def _layer_types(text: Mapping) -> list[str]:
     return types
 
 
-def _ships(names: Mapping[str, str], prefix: str, probe: str) -> bool:
+def _ships(names: Mapping[str, object], prefix: str, probe: str) -> bool:
     """Whether any tensor under ``prefix`` is present (``probe`` first: no scan when it is)."""
     return prefix + probe in names or any(n.startswith(prefix) for n in names)
 
@@ -475,36 +512,45 @@ def _not_converted_matcher(patterns: list[str]) -> Callable[[str], bool]:
 
 
 def compare(
-    required: Mapping[str, tuple[int, ...] | None], shapes: Mapping[str, tuple[int, ...]]
+    required: Mapping[str, tuple[int, ...] | None], tensors: Mapping[str, object]
 ) -> tuple[list[str], list[tuple[str, tuple[int, ...], tuple[int, ...]]]]:
-    """What of ``required`` is not in ``shapes`` (name -> shape), in model order, and which
-    present tensors have another shape: ``(missing, [(name, expected, found), ...])``."""
-    return _compare(list(required), list(required.values()), shapes)
+    """What of ``required`` is not in ``tensors`` (name -> anything with a ``shape``), in model
+    order, and which present tensors have another shape: ``(missing, [(name, expected, found), ...])``."""
+    return _compare(list(required), list(required.values()), tensors)
 
 
 def _compare(
-    names: list[str], wants: list[tuple[int, ...] | None], shapes: Mapping[str, tuple[int, ...]]
+    names: list[str],
+    wants: list[tuple[int, ...] | None],
+    tensors: Mapping[str, object],
+    found: list[object] | None = None,
 ) -> tuple[list[str], list[tuple[str, tuple[int, ...], tuple[int, ...]]]]:
-    found = list(map(shapes.get, names))
-    if None in wants:  # a shape the config cannot tell: whatever is found
-        wants = [f if w is None else w for w, f in zip(wants, found, strict=True)]
-    if found == wants:  # the common case, checked in C: every tensor, as tuples of the same ints
-        return [], []
-    missing = [n for n in names if n not in shapes]
+    """``found``: the tensor under each name, when already looked up in ``tensors``."""
+    if found is None:
+        found = list(map(tensors.get, names))
+    if None not in found:  # the common case, checked in C: every tensor, as tuples of the same ints
+        shapes = list(map(_SHAPE, found))
+        if None in wants:  # a shape the config cannot tell: whatever is found
+            wants = [s if w is None else w for w, s in zip(wants, shapes, strict=True)]
+        if shapes == wants:
+            return [], []
+    missing = [n for n, t in zip(names, found, strict=True) if t is None]
     wrong = [
-        (n, want, shapes[n])
-        for n, want in zip(names, wants, strict=True)
-        if want is not None and n in shapes and tuple(shapes[n]) != want
+        (n, want, t.shape)
+        for n, want, t in zip(names, wants, found, strict=True)
+        if want is not None and t is not None and tuple(t.shape) != want
     ]
     return missing, wrong
 
 
-def check_complete(required: Schema, shapes: Mapping[str, tuple[int, ...]], where: str) -> None:
-    """Refuse, in one line, tensors ``required`` that ``shapes`` lacks or has in another shape.
+def check_complete(required: Schema, tensors: Mapping[str, object], where: str) -> None:
+    """Refuse, in one line, tensors ``required`` that ``tensors`` (name -> anything with a
+    ``shape``) lacks or has in another shape.
 
     ``where`` names the checkpoint (or stage) in the message.
     """
-    missing, wrong = _compare(required.names, required.shapes, shapes)
+    found = required.found if required.looked_up_in is tensors else None
+    missing, wrong = _compare(required.names, required.shapes, tensors, found)
     if missing:
         raise ReshardError(
             f"{where}: lacks tensor {missing[0]!r}, which {CONFIG_NAME} requires ({others(len(missing) - 1)} "

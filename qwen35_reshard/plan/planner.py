@@ -27,8 +27,8 @@ import json
 from collections import Counter
 from dataclasses import dataclass
 from functools import cached_property
-from itertools import compress, groupby, repeat
-from operator import attrgetter, itemgetter, sub
+from itertools import chain, compress, groupby, repeat
+from operator import itemgetter, sub
 from typing import NamedTuple
 
 from ..errors import ReshardError, param
@@ -55,9 +55,10 @@ MTP_KEPT, MTP_DROPPED, MTP_ABSENT = "kept", "dropped", "absent"
 
 # Builds a named tuple in C, without the Python-level __new__ of its class: once per tensor.
 _tuple_new = tuple.__new__
-# Fields of a SourceTensor and of a (source, replicated) pair, read in C.
-_NAME, _FILE, _DTYPE, _SHAPE, _OFFSET, _NBYTES = (
-    attrgetter(f) for f in ("name", "file", "dtype", "shape", "offset", "nbytes")
+# Fields of a SourceTensor and of a (source, replicated) pair, read in C (by index: faster
+# than by name on a named tuple).
+_NAME, _FILE, _OFFSET, _NBYTES = (
+    itemgetter(SourceTensor._fields.index(f)) for f in ("name", "file", "offset", "nbytes")
 )
 _FIRST, _SECOND = itemgetter(0), itemgetter(1)
 _SOURCE = itemgetter(0)  # of a PlacedTensor
@@ -144,7 +145,7 @@ class StagePlan:
 
     @property
     def tensors(self) -> list[PlacedTensor]:
-        return [t for f in self.files for t in f.tensors]
+        return list(chain.from_iterable(f.tensors for f in self.files))
 
     @property
     def data_bytes(self) -> int:
@@ -160,7 +161,7 @@ class StagePlan:
 
     @property
     def source_files(self) -> list[str]:
-        return sorted({t.source.file for t in self.tensors})
+        return sorted(set(map(_FILE, map(_SOURCE, self.tensors))))
 
     @property
     def dirname(self) -> str:
@@ -225,35 +226,35 @@ def make_plan(
             )
 
     # What follows runs for every tensor (~190,000 for a 397B FP8 checkpoint): it works on
-    # whole columns in C (map, compress, list equality), and per distinct role, not per tensor.
+    # whole columns in C (map, compress, list equality), and per role key (the name prefix
+    # that decides a role: a few hundred), not per tensor.
     tensor_names, sources = list(ckpt.tensors), list(ckpt.tensors.values())
-    roles = list(map(names.classify, tensor_names))
-    role_ids = list(map(id, roles))
-    distinct = dict(zip(role_ids, roles, strict=True))  # one shared Role per layer and per kind
-    _check_roles(tensor_names, roles, list(distinct.values()), ckpt.num_layers)
-    required = schema.required_tensors(
-        ckpt.config, dict(zip(tensor_names, map(_DTYPE, sources), strict=True))
-    )
-    shapes = dict(zip(tensor_names, map(_SHAPE, sources), strict=True))
-    schema.check_complete(required, shapes, str(ckpt.root))
+    keys, roles = names.classify_all(tensor_names)
+    _check_roles(tensor_names, keys, roles, ckpt.num_layers)
+    required = schema.required_tensors(ckpt.config, ckpt.tensors)
+    schema.check_complete(required, ckpt.tensors, str(ckpt.root))
     # After the checks above, so that a config that does not match the weights is told as such.
     check_servable(runtime, schema.layer_types(ckpt.config), sizes, default=partition is None)
-    kinds = {r.kind for r in distinct.values()}
+    kinds = {r.kind for r in roles.values()}
     mtp = MTP_ABSENT if names.MTP not in kinds else MTP_KEPT if keep_mtp else MTP_DROPPED
     place = placement_rules(pp, runtime, ckpt.tied_embeddings, mtp == MTP_KEPT)
 
-    # Each tensor's key: its stage for a decoder layer's tensor, else its role's kind.
+    # Where each key's tensors go: its stage for a decoder layer's, else its role's kind.
     layer_stage = [r for r, (start, end) in enumerate(ranges) for _ in range(start, end)]
-    key_of = {i: layer_stage[r.layer] if r.kind == names.LAYER else r.kind for i, r in distinct.items()}
-    keys = list(map(key_of.__getitem__, role_ids))
+    goes = {k: layer_stage[r.layer] if r.kind == names.LAYER else r.kind for k, r in roles.items()}
     placed_kinds = kinds - {names.LAYER} - ({names.MTP} if mtp == MTP_DROPPED else set())
     replicated = dict.fromkeys(range(pp), False) | {k: len(place[k]) > 1 for k in placed_kinds}
-    items = list(zip(sources, map(replicated.get, keys), strict=True))
-    per_stage: list[list[tuple[SourceTensor, bool]]] = [
-        list(compress(items, map({r, *(k for k in placed_kinds if r in place[k])}.__contains__, keys)))
-        for r in range(pp)
-    ]
-    dropped = list(compress(tensor_names, map({names.MTP}.__contains__, keys))) if mtp == MTP_DROPPED else []
+    reps = list(map({k: replicated.get(g) for k, g in goes.items()}.__getitem__, keys))
+    per_stage: list[tuple[list[SourceTensor], list[bool]]] = []
+    for r in range(pp):
+        here = {r, *(k for k in placed_kinds if r in place[k])}
+        mask = list(map({k for k, g in goes.items() if g in here}.__contains__, keys))
+        per_stage.append((list(compress(sources, mask)), list(compress(reps, mask))))
+    dropped = (
+        list(compress(tensor_names, map({k for k, g in goes.items() if g == names.MTP}.__contains__, keys)))
+        if mtp == MTP_DROPPED
+        else []
+    )
     extras = [
         tuple(k for k in _EXTRA_KINDS if k in kinds and r in place[k] and not (k == names.MTP and dropped))
         for r in range(pp)
@@ -268,7 +269,7 @@ def make_plan(
             end_layer=ranges[r][1],
             extras=extras[r],
             files=_layout_files(
-                per_stage[r],
+                *per_stage[r],
                 file_order,
                 file_tensors,
                 max_file_bytes=max_file_bytes,
@@ -292,26 +293,26 @@ def make_plan(
 
 
 def _check_roles(
-    tensor_names: list[str],
-    roles: list[names.Role | None],
-    distinct: list[names.Role | None],
-    num_layers: int,
+    tensor_names: list[str], keys: list[str], roles: dict[str, names.Role | None], num_layers: int
 ) -> None:
     """Every tensor has a role, and the decoder layers are exactly 0..num_layers-1.
 
-    ``distinct`` are the different roles of ``roles`` (checked; the full list is searched
-    only for the name to report).
+    ``keys`` and ``roles`` are what ``names.classify_all`` says of ``tensor_names`` (checked
+    per key; the tensors are searched only for the name to report).
     """
-    if None in distinct:
-        name = tensor_names[roles.index(None)]
+    unplaced = [k for k, r in roles.items() if r is None]
+    if unplaced:
+        name = tensor_names[keys.index(unplaced[0])]
         raise ReshardError(
             f"tensor {name!r}: no placement rule covers it (not a decoder layer, embed_tokens, "
             "norm, lm_head, mtp.* or model.visual.* tensor); refusing to drop or guess"
         )
-    found = {r.layer for r in distinct if r.kind == names.LAYER}
+    found = {r.layer for r in roles.values() if r.kind == names.LAYER}
     if found and max(found) >= num_layers:
         name, role = next(
-            (n, r) for n, r in zip(tensor_names, roles, strict=True) if (r.layer or 0) >= num_layers
+            (n, roles[k])
+            for n, k in zip(tensor_names, keys, strict=True)
+            if (roles[k].layer or 0) >= num_layers
         )
         raise ReshardError(
             f"tensor {name!r}: layer {role.layer} is not below num_hidden_layers={num_layers} "
@@ -326,44 +327,48 @@ def _check_roles(
 
 
 def _layout_files(
-    placed: list[tuple[SourceTensor, bool]],
+    sources: list[SourceTensor],
+    replicated: list[bool],
     file_order: dict[str, int],
     file_tensors: Counter[str],
     *,
     max_file_bytes: int,
     max_header_bytes: int,
 ) -> tuple[OutputFile, ...]:
-    """Lay out a stage's tensors (in source order) as CLONE, ALIGNED, then GATHERED files."""
-    shared: list[tuple[str, str, list[tuple[SourceTensor, bool]]]] = []
+    """Lay out a stage's tensors (in source order; each replicated or not) as CLONE, ALIGNED,
+    then GATHERED files."""
+    # (layout, source file, its tensors, whether each is replicated)
+    shared: list[tuple[str, str, list[SourceTensor], list[bool]]] = []
     rest: list[tuple[SourceTensor, bool]] = []
     pos = 0
-    for file, group in groupby(map(_FILE, map(_FIRST, placed))):  # runs of one source file, in C
+    for file, group in groupby(map(_FILE, sources)):  # runs of one source file, in C
         end = pos + len(list(group))
-        items, pos = placed[pos:end], end
-        if len(items) == file_tensors[file]:
-            shared.append((CLONE, file, items))
+        srcs, reps, pos = sources[pos:end], replicated[pos:end], end
+        if len(srcs) == file_tensors[file]:
+            shared.append((CLONE, file, srcs, reps))
             continue
-        runs, short = _aligned_runs(items, max_file_bytes=max_file_bytes, max_header_bytes=max_header_bytes)
-        shared += [(ALIGNED, file, run) for run in runs]
+        runs, short = _aligned_runs(
+            list(zip(srcs, reps, strict=True)),
+            max_file_bytes=max_file_bytes,
+            max_header_bytes=max_header_bytes,
+        )
+        shared += [(ALIGNED, file, list(map(_FIRST, run)), list(map(_SECOND, run))) for run in runs]
         rest += short
     gathered = _gather(rest, file_order, max_file_bytes=max_file_bytes, max_header_bytes=max_header_bytes)
     count = len(shared) + len(gathered)
     names = [f"model-{k:05d}-of-{count:05d}.safetensors" for k in range(1, count + 1)]
     files = []
-    for name, (layout, file, items) in zip(names[: len(shared)], shared, strict=True):
-        start = items[0][0].offset  # for a CLONE, the shard's data start (tensors tile it from 0)
+    for name, (layout, file, srcs, reps) in zip(names[: len(shared)], shared, strict=True):
+        start = srcs[0].offset  # for a CLONE, the shard's data start (tensors tile it from 0)
         header = (
             b""
             if layout == CLONE
             else encode_header(
-                [(s.name, s.dtype, s.shape, s.nbytes) for s, _ in items], align=SHARE_ALIGN, offset=start
+                [(s.name, s.dtype, s.shape, s.nbytes) for s in srcs], align=SHARE_ALIGN, offset=start
             )
         )
-        srcs = list(map(_FIRST, items))
         offsets = map(sub, map(_OFFSET, srcs), repeat(start))
-        placed_tensors = tuple(
-            map(_tuple_new, repeat(PlacedTensor), zip(srcs, offsets, map(_SECOND, items), strict=True))
-        )
+        placed_tensors = tuple(map(_tuple_new, repeat(PlacedTensor), zip(srcs, offsets, reps, strict=True)))
         files.append(OutputFile(name, header, placed_tensors, layout, file))
     for name, group in zip(names[len(shared) :], gathered, strict=True):
         hdr = encode_header([(s.name, s.dtype, s.shape, s.nbytes) for s, _ in group])

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from itertools import repeat
 from operator import add, sub
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, NoReturn
 
 from ..errors import ReshardError, param
 from ..model import schema
@@ -150,37 +150,20 @@ def assemble_checkpoint(
     the index does not list.
     """
     num_layers = _num_layers(config, f"{display}/{CONFIG_NAME}")
-    weight_map = (
-        _weight_map(parse_json_object(index_bytes, f"{display}/{INDEX_NAME}"), f"{display}/{INDEX_NAME}")
-        if index_bytes is not None
-        else None
-    )
-    files = sorted(set(weight_map.values())) if weight_map is not None else [SINGLE_FILE_NAME]
+    weight_map: dict[str, str] | None = None
+    files = [SINGLE_FILE_NAME]
+    if index_bytes is not None:
+        where = f"{display}/{INDEX_NAME}"
+        weight_map, files = _weight_map(parse_json_object(index_bytes, where), where)
     headers = read_headers(files)
-    tensors: dict[str, SourceTensor] = {}
-    file_sizes: dict[str, int] = {}
-    for file in files:
-        header = headers[file]
-        file_sizes[file] = header.file_size
-        if _add_tensors(tensors, file, header, weight_map):
-            continue
-        # Something is wrong with this shard: find the first tensor at fault, for the message.
-        for t in header.tensors:
-            if t.name in tensors:
-                raise ReshardError(
-                    f"tensor {t.name!r} appears in both {tensors[t.name].file} and {file}; "
-                    "the checkpoint is inconsistent"
-                )
-            if weight_map is not None and weight_map.get(t.name) != file:
-                listed = weight_map.get(t.name)
-                where = f"lists it in {listed}" if listed else "does not list it"
-                raise ReshardError(
-                    f"{display}/{file}: holds tensor {t.name!r} but {INDEX_NAME} {where}; "
-                    "the index and the shards do not match"
-                )
-            tensors[t.name] = SourceTensor(
-                t.name, file, t.dtype, t.shape, header.data_start + t.begin, t.nbytes
-            )
+    if weight_map is not None:
+        for i, file in enumerate(files):
+            names = headers[file].columns.names
+            if names and set(map(weight_map.get, names)) != {file}:  # in bulk, in C
+                _name_mismatch(display, files[:i], file, headers, weight_map)
+    # Each tensor is in one shard: the index lists it in one file (without an index, there is
+    # one shard), so all of them make one dict, in (file, offset) order.
+    tensors = dict(zip(*_source_columns(files, headers), strict=True))
     if weight_map is not None and len(tensors) != len(weight_map):  # all in it: is it all?
         missing = [n for n in weight_map if n not in tensors]
         if missing:
@@ -198,7 +181,7 @@ def assemble_checkpoint(
         num_layers=num_layers,
         tied_embeddings=schema.tied_embeddings(config),
         files=tuple(files),
-        file_sizes=file_sizes,
+        file_sizes={file: headers[file].file_size for file in files},
         tensors=tensors,
         extra_files=extra,
         unlisted=unlisted,
@@ -206,27 +189,46 @@ def assemble_checkpoint(
     )
 
 
-def _add_tensors(
-    tensors: dict[str, SourceTensor], file: str, header: Header, weight_map: dict[str, str] | None
-) -> bool:
-    """Add the tensors of ``file`` to ``tensors`` when none is there already and the index
-    lists each in ``file``; False (nothing added) otherwise. In bulk, in C."""
-    names, dtypes, shapes, begins, ends = header.columns
-    if not tensors.keys().isdisjoint(names):
-        return False
-    if weight_map is not None and names and set(map(weight_map.get, names)) != {file}:
-        return False
-    columns = zip(
-        names,
-        repeat(file),
-        dtypes,
-        shapes,
-        map(add, repeat(header.data_start), begins),
-        map(sub, ends, begins),
-        strict=False,  # repeat() is endless
-    )
-    tensors.update(zip(names, map(_tuple_new, repeat(SourceTensor), columns), strict=True))
-    return True
+def _name_mismatch(
+    display: str, earlier: list[str], file: str, headers: dict[str, Header], weight_map: dict[str, str]
+) -> NoReturn:
+    """Name the first tensor of ``file`` that another shard (of ``earlier``) holds too or that
+    the index does not list in ``file``, which the bulk check found."""
+    seen = {name: f for f in earlier for name in headers[f].columns.names}
+    for t in headers[file].tensors:
+        if t.name in seen:
+            raise ReshardError(
+                f"tensor {t.name!r} appears in both {seen[t.name]} and {file}; the checkpoint is inconsistent"
+            )
+        listed = weight_map.get(t.name)
+        if listed != file:
+            where = f"lists it in {listed}" if listed else "does not list it"
+            raise ReshardError(
+                f"{display}/{file}: holds tensor {t.name!r} but {INDEX_NAME} {where}; "
+                "the index and the shards do not match"
+            )
+    raise AssertionError(f"{file}: the bulk check found a tensor at fault, the exact one none")
+
+
+def _source_columns(files: list[str], headers: dict[str, Header]) -> tuple[list[str], list[SourceTensor]]:
+    """Every tensor's name and SourceTensor, shard by shard in offset order; in bulk, in C."""
+    names: list[str] = []
+    sources: list[SourceTensor] = []
+    for file in files:
+        header = headers[file]
+        file_names, dtypes, shapes, begins, ends = header.columns
+        names += file_names
+        columns = zip(
+            file_names,
+            repeat(file),
+            dtypes,
+            shapes,
+            map(add, repeat(header.data_start), begins),
+            map(sub, ends, begins),
+            strict=False,  # repeat() is endless
+        )
+        sources += map(_tuple_new, repeat(SourceTensor), columns)
+    return names, sources
 
 
 def load_config(raw: bytes, where: str) -> dict:
@@ -246,7 +248,8 @@ def _num_layers(config: dict, where: str) -> int:
     return n
 
 
-def _weight_map(index: object, where: str) -> dict[str, str]:
+def _weight_map(index: object, where: str) -> tuple[dict[str, str], list[str]]:
+    """The index's weight_map, checked, and the files it names, sorted."""
     wm = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(wm, dict) or not wm:
         raise ReshardError(f"{where}: no non-empty weight_map object")
@@ -255,7 +258,7 @@ def _weight_map(index: object, where: str) -> dict[str, str]:
     except TypeError:  # an unhashable value: not a file name, named below
         files = None
     if files is not None and all(isinstance(f, str) and not f.endswith(PICKLE_SUFFIXES) for f in files):
-        return wm
+        return wm, sorted(files)
     for name, file in wm.items():
         if not isinstance(file, str):
             raise ReshardError(f"{where}: weight_map entry {name!r} is not a file name")
@@ -264,7 +267,7 @@ def _weight_map(index: object, where: str) -> dict[str, str]:
                 f"{where}: tensor {name!r} is in pickled file {file!r}, which this tool never "
                 "loads; convert the checkpoint to safetensors first"
             )
-    return wm
+    return wm, sorted(set(wm.values()))
 
 
 def _allowed_roots(root: Path) -> tuple[Path, ...]:

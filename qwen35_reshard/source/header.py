@@ -13,8 +13,8 @@ import os
 import struct
 from dataclasses import dataclass, field
 from functools import cached_property
-from itertools import chain, repeat
-from operator import attrgetter, itemgetter, mul, sub
+from itertools import accumulate, chain, repeat
+from operator import attrgetter, itemgetter, mul
 from typing import NamedTuple
 
 from ..errors import ReshardError
@@ -164,21 +164,25 @@ def _no_key_dropped(raw: bytes, obj: object) -> bool:
     character of a string, and the parsed strings are the raw ones. So the colons of ``obj``
     (one per key of every object, plus those inside its strings) number exactly those of
     ``raw`` unless a repeated key was dropped, taking its own ':' with it. This counts a part
-    of them (the keys of the top object and of its values, the colons in the top keys and in
-    ``__metadata__``): reaching the count of ``raw`` proves that nothing was dropped, and
-    falling short, rare, sends the caller to the exact check.
+    of them (the keys of the top object and of its values; then, only if short, the colons in
+    the top keys and in ``__metadata__``): reaching the count of ``raw`` proves that nothing
+    was dropped, and falling short, rare, sends the caller to the exact check.
     """
     if type(obj) is not dict or b"\\" in raw:
         return False
     values = obj.values()
     if not set(map(type, values)) <= {dict}:
         return False
-    counted = len(obj) + sum(map(len, values)) + "".join(obj).count(":")
+    colons = raw.count(b":")
+    counted = len(obj) + sum(map(len, values))
+    if counted == colons:  # the common case: no colon in any string
+        return True
+    counted += "".join(obj).count(":")
     metadata = obj.get(METADATA_KEY)
     if metadata:
         strings = [v for v in metadata.values() if type(v) is str]
         counted += "".join(metadata).count(":") + "".join(strings).count(":")
-    return counted == raw.count(b":")
+    return counted == colons
 
 
 def _no_duplicate_keys(where: str):
@@ -196,7 +200,7 @@ def _no_duplicate_keys(where: str):
 
 
 _ENTRY_KEYS = {"dtype", "shape", "data_offsets"}
-_ENTRY_VALUES = itemgetter("dtype", "shape", "data_offsets")
+_DTYPE, _SHAPE, _OFFSETS = (itemgetter(k) for k in ("dtype", "shape", "data_offsets"))
 _FIRST, _SECOND = itemgetter(0), itemgetter(1)
 
 
@@ -214,10 +218,9 @@ def _checked_columns(obj: dict[str, object], data_size: int) -> Columns | None:
     if not set(map(type, infos)) <= {dict} or sum(map(len, infos)) != 3 * n:
         return None
     try:  # each entry has 3 keys: with these three, exactly these
-        dtypes, shapes, offsets = zip(*map(_ENTRY_VALUES, infos), strict=True)
-        if not set(dtypes) <= DTYPE_SIZES.keys():
-            return None
-    except (KeyError, TypeError):  # a key missing; an unhashable dtype
+        dtypes, shapes, offsets = (list(map(key, infos)) for key in (_DTYPE, _SHAPE, _OFFSETS))
+        item_sizes = list(map(DTYPE_SIZES.__getitem__, dtypes))
+    except (KeyError, TypeError):  # a key missing; an unsupported or unhashable dtype
         return None
     if not set(map(type, shapes)) <= {list} or not set(map(type, offsets)) <= {list}:
         return None
@@ -227,25 +230,26 @@ def _checked_columns(obj: dict[str, object], data_size: int) -> Columns | None:
     if set(map(len, offsets)) != {2}:
         return None
     begins, ends = list(map(_FIRST, offsets)), list(map(_SECOND, offsets))
-    if not set(map(type, begins)) | set(map(type, ends)) <= {int} or min(begins) < 0 or min(ends) < 0:
+    if not set(map(type, begins)) | set(map(type, ends)) <= {int}:
         return None
-    sizes = list(map(mul, map(math.prod, shapes), map(DTYPE_SIZES.__getitem__, dtypes)))
-    if list(map(sub, ends, begins)) != sizes:
-        return None
-    columns = Columns(names, list(dtypes), list(map(tuple, shapes)), begins, ends)
-    if not _tiles(columns, data_size):
+    sizes = list(map(mul, map(math.prod, shapes), item_sizes))
+    columns = Columns(names, dtypes, list(map(tuple, shapes)), begins, ends)
+    if not _tiles(columns, sizes, data_size):
         # Writers list tensors in offset order, mostly; sorting by begin alone (stable) can only
         # misplace an empty tensor sharing its begin with another, which the exact path sorts.
         order = sorted(range(n), key=begins.__getitem__)
         columns = Columns(*(list(map(c.__getitem__, order)) for c in columns))
-        if not _tiles(columns, data_size):
+        if not _tiles(columns, list(map(sizes.__getitem__, order)), data_size):
             return None
     return columns
 
 
-def _tiles(c: Columns, data_size: int) -> bool:
-    """The tensors, in this order, fill the data buffer back to back."""
-    return c.begins[0] == 0 and c.begins[1:] == c.ends[:-1] and c.ends[-1] == data_size
+def _tiles(c: Columns, sizes: list[int], data_size: int) -> bool:
+    """The tensors, in this order, fill the data buffer back to back, each ``sizes`` long
+    (what its dtype and shape need): their begins and ends are the running sums of the sizes
+    (so none is negative, sizes being so)."""
+    bounds = list(accumulate(sizes, initial=0))
+    return bounds[-1] == data_size and c.begins == bounds[:-1] and c.ends == bounds[1:]
 
 
 def _tensor_entry(name: str, info: object, where: str) -> TensorEntry:
