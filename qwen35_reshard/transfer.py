@@ -11,7 +11,7 @@ beside the copying instead of after it. Two ways to move a window, chosen per so
   the page cache the copy has just filled. No copy of the data passes through Python
   buffers, and storage is read once. Runs under ``KERNEL_COPY_MIN_BYTES``, and every run
   where ``copy_file_range`` is refused (another filesystem, an old kernel), are written with
-  ``pwrite`` from the mapping.
+  ``pwrite`` from the mapping (or, in a window nothing is hashed in, from a buffer).
 - buffer (hashing only, as ``verify`` does, or where ``mmap`` is refused): ``os.preadv``
   into a small ring of reused buffers, ``pwrite`` from them, hashing in the second thread.
 
@@ -264,23 +264,28 @@ class _Mover:
         self.chunk_bytes = chunk_bytes
         self.buffers: list[memoryview] = []
         self.next_buffer = 0
+        self.spare = memoryview(b"")
         self.written: collections.deque[tuple[int, int, int]] = collections.deque()
 
     def move(
         self, pos: int, n: int, pieces: list[_Piece], *, hash_needed: bool = True
     ) -> tuple[mmap.mmap | None, memoryview | None]:
         """Copy the window ``[pos, pos + n)``; return ``(mapping, None)`` or ``(None, buffer)``
-        for hashing, or ``(None, None)`` when nothing needs hashing and the kernel did the copy."""
+        for hashing, or ``(None, None)`` when nothing needs hashing."""
         file_size = os.fstat(self.fd).st_size
         if file_size < pos + n:  # never touch a mapping past the end of the file: that is SIGBUS
             self._truncated(file_size, pos + n)
         runs = _runs(pieces)
         if self.share_fds:
             runs = self._share(runs)
-        if not hash_needed and self.kernel_copy:
-            runs = self._kernel_copies(runs)
-            if not runs:
-                return None, None
+        if not hash_needed:
+            # Nothing to hand the hasher, and the window may be longer than the ring's buffers:
+            # what sharing left is copied in the kernel, or a chunk at a time.
+            if self.kernel_copy:
+                runs = self._kernel_copies(runs)
+            for run in runs:
+                self._copy_through_buffer(*run)
+            return None, None
         window = self._map(pos, n) if self.map else None
         if window is None:
             view = self._read(pos, n)
@@ -326,14 +331,30 @@ class _Mover:
         return left
 
     def _kernel_copies(self, runs: list[_Run]) -> list[_Run]:
-        """Copy runs with copy_file_range; return the parts it refused, to copy some other way."""
+        """Copy runs with copy_file_range; return the short ones and the parts it refused, to
+        copy some other way."""
         left = []
         for out_fd, src, size, dst in runs:
-            done = self._copy_in_kernel(out_fd, src, size, dst)
+            done = self._copy_in_kernel(out_fd, src, size, dst) if size >= KERNEL_COPY_MIN_BYTES else 0
             if done < size:
                 left.append((out_fd, src + done, size - done, dst + done))
-            self._behind(out_fd, dst, size)
+            if done:
+                self._behind(out_fd, dst, done)
         return left
+
+    def _copy_through_buffer(self, out_fd: int, src: int, size: int, dst: int) -> None:
+        """Copy a run nobody hashes by pread and pwrite, a chunk at a time, through a buffer of
+        its own (the ring's may still be in the hasher's hands)."""
+        step = min(self.chunk_bytes, size)
+        if len(self.spare) < step:
+            self.spare = memoryview(bytearray(step))
+        for at in range(0, size, step):
+            view = self.spare[: min(step, size - at)]
+            got = os.preadv(self.fd, [view], src + at)
+            if got != len(view):
+                self._truncated(src + at + got, src + at + len(view))
+            pwrite_all(out_fd, view, dst + at)
+        self._behind(out_fd, dst, size)
 
     def _map(self, pos: int, n: int) -> mmap.mmap | None:
         base = pos - pos % mmap.ALLOCATIONGRANULARITY

@@ -238,3 +238,21 @@ def test_an_interrupted_plan_says_it_wrote_nothing(capsys, fixture_397b, tmp_pat
     assert code == 130, err
     assert err == "interrupted: nothing was written\n" and out == ""
     assert not (tmp_path / "o").exists() and signal.getsignal(signal.SIGINT) is before
+
+
+@pytest.mark.parametrize(
+    ("closed", "args", "code"),
+    [(1, ["--version"], 0), (2, ["split", "/nonexistent-model", "/nonexistent-out"], 2), (1, ["plan"], 2)],
+)
+def test_a_closed_stdout_or_stderr_keeps_the_exit_code(closed, args, code):
+    """The command started with stdout or stderr closed (Python sets it to None) ends with the
+    code it would have had, without a traceback."""
+    p = subprocess.run(
+        [sys.executable, "-m", "qwen35_reshard", *args],
+        preexec_fn=lambda: os.close(closed),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == code, (p.stdout, p.stderr)
+    assert "Traceback" not in p.stdout + p.stderr

@@ -106,3 +106,24 @@ def test_stop_request_interrupts_the_copy(tmp_path):
             )
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_runs_for_sharing_outputs_are_copied_where_the_filesystem_refuses(tmp_path, kernel):
+    """Segments that go only to a sharing output are cut into long windows, never read for a
+    digest; where sharing is refused (here, a filesystem without reflinks, or the same source
+    on one that has them but unaligned), their bytes are copied all the same, a chunk at a time
+    through a buffer when there is no kernel copy: never read past a chunk-sized buffer."""
+    data = os.urandom(5 << 20)
+    src, out = tmp_path / "src.bin", tmp_path / "out.bin"
+    src.write_bytes(data)
+    fd = os.open(out, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.ftruncate(fd, len(data))
+        segments = [Segment("a", 0, 3 << 20, [(fd, 0)]), Segment("b", 3 << 20, 2 << 20, [(fd, 3 << 20)])]
+        share = frozenset({fd})
+        digests = copy_segments(str(src), segments, chunk_bytes=64 << 10, kernel=kernel, share_fds=share)
+    finally:
+        os.close(fd)
+    assert digests == {"a": None, "b": None}
+    assert out.read_bytes() == data

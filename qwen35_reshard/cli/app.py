@@ -88,16 +88,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _exit(code: int) -> NoReturn:
     """End the process with ``code`` once its output is out, skipping the interpreter's teardown."""
-    try:
-        sys.stdout.flush()
-    except BrokenPipeError:  # the reader of our output went away: as _run_guarded says it
-        code = code or 1
-    except (OSError, ValueError):  # closed or unwritable: nothing more to say there
-        pass
-    try:
-        sys.stderr.flush()
-    except (OSError, ValueError):
-        pass
+    for stream in (sys.stdout, sys.stderr):
+        if stream is None:  # started with that descriptor closed: there was nowhere to write
+            continue
+        try:
+            stream.flush()
+        except BrokenPipeError:  # the reader of our output went away: as _run_guarded says it
+            code = code or 1
+        except (OSError, ValueError):  # closed or unwritable: nothing more to say there
+            pass
     os._exit(code)
 
 

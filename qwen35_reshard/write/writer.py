@@ -35,7 +35,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import ondisk
+from .. import ondisk, transfer
 from .. import reflink as reflinks
 from ..errors import ReshardError, param
 from ..ondisk import (
@@ -641,8 +641,8 @@ def _copy_files(
                                 o.pending_sources.discard(file)
                                 if not o.pending_sources:
                                     ready.append(o)
-                                    # Written back from now on, not all at the next barrier.
-                                    drop_pages(o.fd, 0, 0)
+                                    if transfer.DROP_BEHIND:  # written back now, not all at the barrier
+                                        drop_pages(o.fd, 0, 0)
                     # A barrier of the whole filesystem costs the same for one file or many:
                     # then files are finished once enough copied bytes would be lost to a crash.
                     copied = (
@@ -822,25 +822,21 @@ def _finish_stages(
 
 def _copy_side_file(src: Path, finals: list[Path]) -> list[tuple[Path, Path]]:
     """Copy the non-weight file ``src`` to the temporary names of ``finals``; returns
-    (temporary, final) pairs. Read once, written by descriptor: every stage gets a copy."""
+    (temporary, final) pairs. A small one (all but rare ones) is read once for all its copies."""
     pairs = [(final.with_name(f".{final.name}{PARTIAL_SUFFIX}"), final) for final in finals]
-    with open(src, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        data = f.read() if size <= SIDE_FILE_IN_MEMORY else None
+    if not pairs:
+        return pairs
+    if os.path.getsize(src) > SIDE_FILE_IN_MEMORY:
         for tmp, _ in pairs:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                if data is not None:
-                    pwrite_all(fd, memoryview(data), 0)
-                else:  # a large one streams, in the kernel
-                    copied = 0
-                    while copied < size:
-                        n = os.sendfile(fd, f.fileno(), copied, size - copied)
-                        if n == 0:
-                            raise OSError(errno.EIO, f"{src} shrank while it was copied", str(src))
-                        copied += n
-            finally:
-                os.close(fd)
+            shutil.copyfile(src, tmp)
+        return pairs
+    data = src.read_bytes()
+    for tmp, _ in pairs:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            pwrite_all(fd, memoryview(data), 0)
+        finally:
+            os.close(fd)
     return pairs
 
 
