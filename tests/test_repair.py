@@ -150,3 +150,24 @@ def test_one_stage_directory_is_repaired_on_its_own(model, clean, out):
         f"repaired: {damaged}"
     ]
     same_bytes(out, clean)
+
+
+@pytest.mark.parametrize("leftover", ["data", "index"])
+def test_a_leftover_partial_symlink_is_not_written_through(model, clean, out, tmp_path, leftover):
+    """A ``.NAME.partial`` left in a stage (here a symlink out of OUT) is the repair's to replace,
+    never to write through: the file it points at stays as it was and the stage gets real files."""
+    damaged = data_files(out / "pp1")[0]
+    raw = bytearray(damaged.read_bytes())
+    raw[-1] ^= 0x80
+    damaged.write_bytes(raw)
+    if leftover == "index":  # the index is rewritten too: its temporary is written through the same way
+        (out / "pp1" / "model.safetensors.index.json").unlink()
+    name = damaged.name if leftover == "data" else "model.safetensors.index.json"
+    outside = tmp_path / "precious"
+    outside.write_bytes(b"not the repair's to write")
+    (out / "pp1" / f".{name}.partial").symlink_to(outside)
+    r = cli("verify", out, "--source", model, "--repair")
+    assert r.returncode == 0, r.stderr
+    assert outside.read_bytes() == b"not the repair's to write"
+    assert not (out / "pp1" / name).is_symlink()
+    same_bytes(out, clean)

@@ -261,6 +261,9 @@ def repair_files(
     done: list[str] = []
     stages = [plan.stages[r] for r in sorted(files)]
     try:
+        # Temporaries left by an earlier run are replaced, never written through (one may be a
+        # symlink out of OUT), as a resumed split clears them.
+        _remove_partials(out, stages)
         for stage in stages:
             stage_dir = out / stage.dirname
             names = files[stage.rank]
