@@ -11,6 +11,11 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
+# What json.loads raises for bytes it cannot load: JSONDecodeError and UnicodeDecodeError (both
+# ValueErrors), ValueError for an integer past Python's 4300-digit limit, RecursionError for
+# nesting past the recursion limit. Crafted or damaged files hold any of them.
+JSON_ERRORS = (ValueError, RecursionError)
+
 _MARK, _SEP = "\x1f", "\x1e"
 _PARAM = re.compile(f"{_MARK}([^{_MARK}{_SEP}]+)(?:{_SEP}([^{_MARK}]*))?{_MARK}")
 

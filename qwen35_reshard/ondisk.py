@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ._version import __version__
-from .errors import ReshardError
+from .errors import JSON_ERRORS, ReshardError
 from .model.runtimes import RUNTIMES, layer_ranges
 from .source.header import DTYPE_SIZES
 
@@ -340,7 +340,7 @@ def parse_json_object(raw: bytes, where: str) -> dict:
     """The JSON object in ``raw`` (the file ``where``); ReshardError if it is not one."""
     try:
         obj = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except JSON_ERRORS as e:
         raise ReshardError(f"{where}: not valid JSON ({e}); the file is damaged") from e
     if not isinstance(obj, dict):
         raise ReshardError(f"{where}: expected a JSON object")

@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .errors import ReshardError
+from .errors import JSON_ERRORS, ReshardError
 from .model import names, schema
 from .model.runtimes import placement_rules
 from .ondisk import (
@@ -140,7 +140,7 @@ def read_manifest(root: Path, display: str) -> StageManifest | Finding:
         return Finding(CORRUPT, f"{display}/{STAGE_MANIFEST}: cannot read ({e.strerror})", STAGE_MANIFEST)
     try:
         obj = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except JSON_ERRORS:
         obj = None
     if isinstance(obj, dict) and obj.get("format") != STAGE_FORMAT:
         return Finding(
@@ -166,7 +166,7 @@ def read_run_record(run_dir: Path, display: str) -> tuple[str, RunIdentity] | Fi
             obj = json.loads((run_dir / name).read_bytes())
         except FileNotFoundError:
             continue
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        except (OSError, *JSON_ERRORS):
             obj = None
         identity = RunIdentity.from_json(obj.get("identity")) if isinstance(obj, dict) else None
         if identity is None:
@@ -195,7 +195,7 @@ def _index_problems(root: Path, display: str, m: StageManifest) -> list[Finding]
         weight_map, total = index["weight_map"], index["metadata"]["total_size"]
         if not isinstance(weight_map, dict):
             raise TypeError
-    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+    except (*JSON_ERRORS, KeyError, TypeError):
         why = f"{where} is damaged (not an index with weight_map and metadata.total_size); {REBUILD}"
         return [Finding(CORRUPT, why, INDEX_NAME)]
     listed = {n: t.file for n, t in m.tensors.items()}
@@ -268,7 +268,7 @@ def _schema_problems(root: Path, display: str, m: StageManifest) -> list[Finding
     """
     try:
         config = json.loads((root / CONFIG_NAME).read_bytes())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+    except (OSError, *JSON_ERRORS):
         return []  # reported by _config_problems: config.json must be the source's
     if not isinstance(config, dict):
         return []

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .errors import ReshardError
+from .errors import JSON_ERRORS, ReshardError
 from .model.names import LAYER, classify
 from .model.runtimes import parse_partition
 from .ondisk import (
@@ -302,7 +302,7 @@ def _read_json_finding(path: Path, display: str, report: VerifyReport) -> dict |
         obj = json.loads(path.read_bytes())
     except FileNotFoundError:
         return None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+    except (OSError, *JSON_ERRORS):
         obj = None
     if not isinstance(obj, dict):
         report.findings.append(

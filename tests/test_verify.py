@@ -642,3 +642,33 @@ def test_findings_are_plain_data(out):
         "file": INDEX,
         "tensor": None,
     }
+
+
+# JSON that json.loads refuses with other errors than JSONDecodeError: nesting past Python's
+# recursion limit (RecursionError), an integer past its 4300-digit limit (ValueError).
+UNLOADABLE_JSON = {
+    "deep": b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+    "long_int": b'{"a": ' + b"9" * 5000 + b"}",
+}
+
+
+@pytest.mark.parametrize("body", sorted(UNLOADABLE_JSON))
+@pytest.mark.parametrize("file", [MANIFEST, INDEX, "config.json", RUN_MANIFEST, "header"])
+def test_json_python_cannot_load_is_a_finding_not_a_traceback(out, file, body):
+    """A manifest, index, config, run manifest or safetensors header of crafted JSON: reported
+    (verify) or refused (loader) with one line, like any other damaged file."""
+    stage = out / "pp0"
+    text = UNLOADABLE_JSON[body]
+    if file == "header":
+        path = laid_out_file(stage)
+        text += b" " * (-(8 + len(text)) % 8)
+        set_file_bytes(stage, path.name, struct.pack("<Q", len(text)) + text)
+        file = path.name
+    else:
+        (out if file == RUN_MANIFEST else stage).joinpath(file).write_bytes(text)
+    report = verify(out)
+    assert any(f.file == file for f in report.findings), report.findings
+    code, _, stderr = run_verify(out)
+    assert code == 1 and stderr == "", stderr
+    with pytest.raises(loader.StageError):
+        loader.open_stage(out, pp_rank=0)

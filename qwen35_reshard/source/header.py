@@ -17,7 +17,7 @@ from itertools import accumulate, chain, repeat
 from operator import attrgetter, itemgetter, mul
 from typing import NamedTuple
 
-from ..errors import ReshardError
+from ..errors import JSON_ERRORS, ReshardError
 
 # Every dtype the tool handles: safetensors name -> (bytes per element, torch dtype attribute;
 # the loader resolves it lazily, so torch is not imported here). Sub-byte float types (F4/F6)
@@ -136,6 +136,9 @@ def parse_header(raw: bytes, *, file_size: int, where: str) -> Header:
         raise ReshardError(f"{where}: header is not valid UTF-8") from e
     except json.JSONDecodeError as e:
         raise ReshardError(f"{where}: header is not valid JSON ({e.msg} at byte {e.pos})") from e
+    except JSON_ERRORS as e:
+        why = "nested too deep or a number too long"
+        raise ReshardError(f"{where}: header is not JSON this tool reads ({why})") from e
     if not isinstance(obj, dict):
         raise ReshardError(f"{where}: header is not a JSON object")
     metadata = obj.pop(METADATA_KEY, None) or {}
