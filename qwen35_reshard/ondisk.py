@@ -531,6 +531,7 @@ def _plain_safetensors_name(name: object) -> bool:
         and name.endswith(".safetensors")
         and "/" not in name
         and "\\" not in name
+        and "\0" not in name  # no file has such a name: os calls refuse it (ValueError)
         and not name.startswith(".")
     )
 

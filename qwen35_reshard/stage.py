@@ -247,6 +247,9 @@ def _config_problems(root: Path, display: str, m: StageManifest) -> list[Finding
             f"{display} has no {CONFIG_NAME}; servers need the source's full config on every stage: {REBUILD}"
         )
         return [Finding(MISSING, why, CONFIG_NAME)]
+    except OSError as e:
+        why = f"{display}/{CONFIG_NAME}: cannot read ({e.strerror}); {REBUILD}"
+        return [Finding(CORRUPT, why, CONFIG_NAME)]
     digest, recorded = hashlib.sha256(raw).hexdigest(), m.source.get("config_sha256")
     if digest == recorded:
         return []
@@ -317,6 +320,8 @@ def _read_data_file(
         size = os.stat(root / file).st_size
     except FileNotFoundError:
         return None, [Finding(MISSING, f"{where} is missing; the stage's index lists it: {REBUILD}", file)]
+    except OSError as e:
+        return None, [Finding(CORRUPT, f"{where}: cannot read ({e.strerror}); {REBUILD}", file)]
     if size != nbytes:
         why = (
             f"{where} is {size} bytes but {STAGE_MANIFEST} records {nbytes}: the file is "

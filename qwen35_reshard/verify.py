@@ -371,6 +371,9 @@ def _compare_side_file(stage: _Stage, ckpt: Checkpoint, name: str, add: _Add) ->
                 file=name,
             )
         return
+    except OSError as e:
+        add(CORRUPT, f"{stage.display}/{name}: cannot read ({e.strerror})", file=name)
+        return
     if mine != ckpt.path(name).read_bytes():
         add(DIFFERENT, f"{stage.display}/{name} differs from {ckpt.path(name)}", file=name)
 

@@ -672,3 +672,47 @@ def test_json_python_cannot_load_is_a_finding_not_a_traceback(out, file, body):
     assert code == 1 and stderr == "", stderr
     with pytest.raises(loader.StageError):
         loader.open_stage(out, pp_rank=0)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["config_is_a_directory", "config_symlink_loop", "data_file_symlink_loop", "side_file_is_a_directory"],
+)
+def test_a_stage_file_that_cannot_be_read_is_a_finding_not_a_traceback(out, model, damage):
+    """A stage file in its place but unreadable (a directory, a symlink to itself): reported
+    (verify, with and without --source) or refused (loader) in one line naming it."""
+    stage = out / "pp0"
+    name = {"config": "config.json", "data": laid_out_file(stage).name, "side": "tokenizer.json"}[
+        damage.split("_")[0]
+    ]
+    (stage / name).unlink()
+    if damage.endswith("directory"):
+        (stage / name).mkdir()
+    else:
+        (stage / name).symlink_to(name)
+    for source in (None, model):
+        report = verify(out, source)
+        assert any(f.file == name for f in report.findings) or (source is None and name == "tokenizer.json")
+        code, _, stderr = run_verify(out, *(["--source", source] if source else []))
+        assert stderr == "" and code == (0 if source is None and name == "tokenizer.json" else 1), stderr
+    if name != "tokenizer.json":  # the loader reads no side file
+        with pytest.raises(loader.StageError, match=name):
+            loader.open_stage(out, pp_rank=0)
+
+
+def test_a_file_name_with_a_nul_byte_is_a_damaged_manifest(out):
+    """No file can have such a name: the manifest naming one is damaged (not a traceback)."""
+    stage = out / "pp0"
+    old = laid_out_file(stage).name
+
+    def rename(m):
+        m["files"]["x\0.safetensors"] = m["files"].pop(old)
+        for t in m["tensors"].values():
+            if t["file"] == old:
+                t["file"] = "x\0.safetensors"
+
+    edit_json(stage / MANIFEST, rename)
+    f = only(verify(out), "corrupt")
+    assert (f.stage, f.file) == ("pp0", MANIFEST) and "plain *.safetensors name" in f.message
+    with pytest.raises(loader.StageError, match=MANIFEST):
+        loader.open_stage(out, pp_rank=0)
