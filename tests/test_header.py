@@ -253,3 +253,32 @@ def test_rejects_short_and_oversized_files(tmp_path):
         read_header(past)
     with pytest.raises(ReshardError, match="cannot read"):
         read_header(tmp_path / "missing.safetensors")
+
+
+REFERENCE_REFUSES = {
+    **{
+        f"metadata_{kind}": ({"__metadata__": value, "a": _entry("U8", [1], 0, 1)}, 1, "__metadata__")
+        for kind, value in [("list", []), ("zero", 0), ("false", False), ("empty_string", "")]
+    },
+    # Zero elements, but the reference reader multiplies the dims in order with overflow checks.
+    "element_count_overflows": ({"a": _entry("F32", [2**40, 2**40, 0], 0, 0)}, 0, "64 bits"),
+    "dim_past_64_bits": ({"a": _entry("F32", [2**64, 0], 0, 0)}, 0, "64 bits"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFERENCE_REFUSES))
+def test_refuses_what_the_reference_reader_refuses(tmp_path, case):
+    """Stricter than the reference reader means refusing at least what it refuses."""
+    header, data_size, needle = REFERENCE_REFUSES[case]
+    path = _raw_file(tmp_path / "bad.safetensors", header, b"\1" * data_size)
+    with pytest.raises(Exception, match="deserializing header"):
+        safe_open(str(path), framework="pt")
+    with pytest.raises(ReshardError, match=needle):
+        read_header(path)
+
+
+def test_accepts_a_zero_dim_first_as_the_reference_reader_does(tmp_path):
+    path = _raw_file(tmp_path / "x.safetensors", {"a": _entry("F32", [0, 2**40, 2**40], 0, 0)})
+    with safe_open(str(path), framework="pt") as f:
+        assert list(f.keys()) == ["a"]
+    assert read_header(path).tensors[0].shape == (0, 2**40, 2**40)

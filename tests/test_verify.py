@@ -716,3 +716,26 @@ def test_a_file_name_with_a_nul_byte_is_a_damaged_manifest(out):
     assert (f.stage, f.file) == ("pp0", MANIFEST) and "plain *.safetensors name" in f.message
     with pytest.raises(loader.StageError, match=MANIFEST):
         loader.open_stage(out, pp_rank=0)
+
+
+def test_a_clone_whose_header_the_reference_reader_refuses_is_corrupt(out):
+    """A clone keeps its source's header, so verify holds it to the reference reader's rules at
+    least: here its metadata is edited into a list, same length, same tensors and bytes."""
+    stage, path = next(
+        (stage, stage / name)
+        for stage in sorted(out.glob("pp*"))
+        for name, f in sorted(json.loads((stage / MANIFEST).read_bytes())["files"].items())
+        if f["layout"] == "clone"
+    )
+    raw = path.read_bytes()
+    meta = b'"__metadata__":{"format":"pt"}'
+    assert raw.count(meta) == 1
+    path.write_bytes(raw.replace(meta, b'"__metadata__":[]'.ljust(len(meta))))
+    from safetensors import safe_open
+
+    with pytest.raises(Exception, match="deserializing header"):
+        safe_open(str(path), framework="pt")
+    f = only(verify(out), "corrupt")
+    assert (f.stage, f.file) == (stage.name, path.name) and "__metadata__" in f.message
+    with pytest.raises(loader.StageError, match="__metadata__"):
+        loader.open_stage(stage)

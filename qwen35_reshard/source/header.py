@@ -141,7 +141,9 @@ def parse_header(raw: bytes, *, file_size: int, where: str) -> Header:
         raise ReshardError(f"{where}: header is not JSON this tool reads ({why})") from e
     if not isinstance(obj, dict):
         raise ReshardError(f"{where}: header is not a JSON object")
-    metadata = obj.pop(METADATA_KEY, None) or {}
+    metadata = obj.pop(METADATA_KEY, None)
+    if metadata is None:  # null, as the reference reader allows; not [], 0 or "", which it refuses
+        metadata = {}
     if not isinstance(metadata, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):
@@ -230,6 +232,8 @@ def _checked_columns(obj: dict[str, object], data_size: int) -> Columns | None:
     dims = list(chain.from_iterable(shapes))
     if dims and (not set(map(type, dims)) <= {int} or min(dims) < 0):  # type() is int: no bools
         return None
+    if 0 in dims and any(map(_count_overflows, shapes)):  # only a zero can hide an overflow
+        return None
     if set(map(len, offsets)) != {2}:
         return None
     begins, ends = list(map(_FIRST, offsets)), list(map(_SECOND, offsets))
@@ -265,6 +269,11 @@ def _tensor_entry(name: str, info: object, where: str) -> TensorEntry:
         raise ReshardError(f"{where}: tensor {name!r} has unsupported dtype {dtype!r}")
     if type(shape) is not list or not all([type(d) is int and d >= 0 for d in shape]):
         raise ReshardError(f"{where}: tensor {name!r} has an invalid shape {shape!r}")
+    if _count_overflows(shape):
+        raise ReshardError(
+            f"{where}: tensor {name!r} has shape {shape!r}, whose element count overflows 64 bits; "
+            "the reference reader refuses it"
+        )
     if (
         type(offsets) is not list
         or len(offsets) != 2
@@ -280,6 +289,18 @@ def _tensor_entry(name: str, info: object, where: str) -> TensorEntry:
     return _tuple_new(TensorEntry, (name, dtype, tuple(shape), begin, end))
 
 
+def _count_overflows(shape: list[int]) -> bool:
+    """Whether the reference reader overflows 64 bits multiplying ``shape`` out, dim by dim (it
+    refuses such a header). A tensor with elements never does: its size is within the file."""
+    count = 1
+    for d in shape:
+        count *= d
+        if d > _U64_MAX or count > _U64_MAX:
+            return True
+    return False
+
+
+_U64_MAX = 2**64 - 1
 # Builds a named tuple in C, without the Python-level __new__ of its class.
 _tuple_new = tuple.__new__
 _BEGIN_END = attrgetter("begin", "end")
