@@ -480,6 +480,8 @@ def parse_stage_manifest(m: dict) -> StageManifest | str:
         entries[name] = t
     per_file = Counter(t.file for t in entries.values())
     for file, info in files.items():
+        if not per_file[file]:  # the writer makes a file only to hold tensors
+            return f"file {file!r} holds no tensors"
         if info["tensors"] != per_file[file]:
             return f"file {file!r} should hold {per_file[file]} tensors, not {info['tensors']}"
     identity, source = m.get("identity"), m.get("source")

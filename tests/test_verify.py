@@ -739,3 +739,25 @@ def test_a_clone_whose_header_the_reference_reader_refuses_is_corrupt(out):
     assert (f.stage, f.file) == (stage.name, path.name) and "__metadata__" in f.message
     with pytest.raises(loader.StageError, match="__metadata__"):
         loader.open_stage(stage)
+
+
+def test_a_manifest_listing_a_data_file_without_tensors_is_damaged(out, model):
+    """The writer never writes a data file without tensors; a manifest listing one (here beside
+    a matching empty file) is damaged: verify says so, with or without --source, and the loader
+    refuses it at open rather than failing while loading."""
+    stage = out / "pp0"
+    body = b'{"__metadata__":{"format":"pt"}}'
+    body += b" " * (-(8 + len(body)) % 8)
+    empty = struct.pack("<Q", len(body)) + body
+    (stage / "model-99999-of-99999.safetensors").write_bytes(empty)
+    edit_json(
+        stage / MANIFEST,
+        lambda m: m["files"].update(
+            {"model-99999-of-99999.safetensors": {"bytes": len(empty), "tensors": 0, "layout": "gathered"}}
+        ),
+    )
+    for source in (None, model):
+        f = only(verify(out, source), "corrupt")
+        assert (f.stage, f.file) == ("pp0", MANIFEST) and "no tensors" in f.message
+    with pytest.raises(loader.StageError, match="no tensors"):
+        loader.open_stage(stage)
