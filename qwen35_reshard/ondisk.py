@@ -75,6 +75,8 @@ CLONE, ALIGNED, GATHERED = "clone", "aligned", "gathered"
 LAYOUTS = (CLONE, ALIGNED, GATHERED)
 # A multiple of every block size a filesystem shares by (4 KiB pages, ZFS records up to 1 MiB).
 SHARE_ALIGN = 1024 * 1024
+# What a split did with the checkpoint's MTP head (mtp.*), as manifests record it.
+MTP_KEPT, MTP_DROPPED, MTP_ABSENT = "kept", "dropped", "absent"
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
@@ -457,6 +459,8 @@ def parse_stage_manifest(m: dict) -> StageManifest | str:
     layers = m.get("layers")
     if not isinstance(layers, dict) or (layers.get("start"), layers.get("end")) != (start, end):
         return f"layers {layers!r} do not match partition {partition} at stage {rank}"
+    if m.get("mtp") not in (None, MTP_KEPT, MTP_DROPPED, MTP_ABSENT):
+        return f"mtp {m.get('mtp')!r} is not {MTP_KEPT!r}, {MTP_DROPPED!r} or {MTP_ABSENT!r}"
     files, tensors = m.get("files"), m.get("tensors")
     if not isinstance(files, dict) or not isinstance(tensors, dict) or not tensors:
         return "no files or tensors"

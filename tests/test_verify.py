@@ -761,3 +761,13 @@ def test_a_manifest_listing_a_data_file_without_tensors_is_damaged(out, model):
         assert (f.stage, f.file) == ("pp0", MANIFEST) and "no tensors" in f.message
     with pytest.raises(loader.StageError, match="no tensors"):
         loader.open_stage(stage)
+
+
+@pytest.mark.parametrize("mtp", [[], "maybe"])
+def test_a_manifest_mtp_other_than_kept_dropped_or_absent_is_damaged(out, model, mtp):
+    edit_json(out / "pp3" / MANIFEST, lambda m: m.update(mtp=mtp))
+    for source in (None, model):
+        f = only(verify(out, source), "corrupt")
+        assert (f.stage, f.file) == ("pp3", MANIFEST) and "mtp" in f.message
+    with pytest.raises(loader.StageError, match="mtp"):
+        loader.open_stage(out, pp_rank=3)

@@ -43,15 +43,13 @@ from ..model.runtimes import (
     layer_ranges,
     placement_rules,
 )
-from ..ondisk import ALIGNED, CLONE, GATHERED, SHARE_ALIGN, stage_dirname
+from ..ondisk import ALIGNED, CLONE, GATHERED, MTP_ABSENT, MTP_DROPPED, MTP_KEPT, SHARE_ALIGN, stage_dirname
 from ..source.checkpoint import Checkpoint, SourceTensor
 from ..source.header import DTYPE_SIZES, encode_header
 
 DEFAULT_MAX_FILE_BYTES = 5 * 1024**3
 # The Hub reads remote headers only up to 25 MB; stay well below with room for long names.
 DEFAULT_MAX_HEADER_BYTES = 16 * 1024**2
-
-MTP_KEPT, MTP_DROPPED, MTP_ABSENT = "kept", "dropped", "absent"
 
 # Builds a named tuple in C, without the Python-level __new__ of its class: once per tensor.
 _tuple_new = tuple.__new__
