@@ -330,6 +330,21 @@ def test_layer_with_no_tensors(capsys, model, out):
     assert_clean_failure(*run_cli(capsys, "--pp", "2", model, out), out, "decoder layer 8 has no tensors")
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("partition", [[], ["--partition", "balanced"]])
+def test_num_hidden_layers_far_beyond_the_weights(capsys, model, out, partition):
+    """A config naming 10**15 layers fails on the first layer the weights lack, at once: not
+    after walking every layer id it names (which never ended), nor out of memory (balanced)."""
+
+    def change(config):
+        config["text_config"].update(num_hidden_layers=10**15)
+        del config["text_config"]["layer_types"]
+
+    edit_json(model / "config.json", change)
+    result = run_cli(capsys, "--pp", "2", *partition, model, out)
+    assert_clean_failure(*result, out, "decoder layer 8 has no tensors", f"of {10**15} layers")
+
+
 @pytest.mark.parametrize("pp", ["9", "0"])
 def test_pp_out_of_range(capsys, make_checkpoint, out, pp):
     model = make_checkpoint()
