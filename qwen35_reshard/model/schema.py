@@ -231,6 +231,14 @@ def layer_types(config: Mapping) -> list[str]:
         raise ReshardError(f"{CONFIG_NAME}: {e}") from e
 
 
+def mtp_layers(config: Mapping) -> int:
+    """Decoder layers of the MTP draft (``mtp_num_hidden_layers``; absent or null: 1)."""
+    try:
+        return _size(text_config(config), "mtp_num_hidden_layers", 1)
+    except ValueError as e:
+        raise ReshardError(f"{CONFIG_NAME}: {e}") from e
+
+
 def required_tensors(
     config: Mapping,
     tensors: Mapping[str, object],

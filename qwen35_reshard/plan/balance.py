@@ -34,7 +34,7 @@ from ..model.runtimes import (
     placement_rules,
     servable,
 )
-from ..model.schema import layer_types, text_config
+from ..model.schema import layer_types, mtp_layers, text_config
 from ..source.checkpoint import Checkpoint
 from .capacity import Capacity, Serving, serving_costs
 from .planner import MTP_ABSENT, MTP_DROPPED, MTP_KEPT, _check_roles
@@ -248,7 +248,7 @@ def choose(
     serving = None
     if capacity is not None:
         text = text_config(ckpt.config)
-        draft = text.get("mtp_num_hidden_layers", 1) if mtp == MTP_KEPT else 0
+        draft = mtp_layers(ckpt.config) if mtp == MTP_KEPT else 0
         serving = serving_costs(text, runtime, capacity, draft_layers=draft)
     partition = balance(
         costs,
