@@ -330,6 +330,12 @@ def test_layer_with_no_tensors(capsys, model, out):
     assert_clean_failure(*run_cli(capsys, "--pp", "2", model, out), out, "decoder layer 8 has no tensors")
 
 
+@pytest.mark.parametrize("entry", [["full_attention"], {"type": "full_attention"}, None])
+def test_layer_types_entry_that_is_no_name(capsys, model, out, entry):
+    edit_json(model / "config.json", lambda c: c["text_config"]["layer_types"].__setitem__(3, entry))
+    assert_clean_failure(*run_cli(capsys, "--pp", "2", model, out), out, "layer_types must list 8 entries")
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("partition", [[], ["--partition", "balanced"]])
 def test_num_hidden_layers_far_beyond_the_weights(capsys, model, out, partition):

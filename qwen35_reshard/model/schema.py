@@ -466,7 +466,11 @@ def _layer_types(text: Mapping) -> list[str]:
     if types is None:
         interval = _size(text, "full_attention_interval", 4) or 4
         return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)]
-    if not isinstance(types, list) or len(types) != n or not set(types) <= set(DECODER_LAYER):
+    if (
+        not isinstance(types, list)
+        or len(types) != n
+        or not all(isinstance(t, str) and t in DECODER_LAYER for t in types)  # a list: unhashable
+    ):
         raise ValueError(
             f"layer_types must list {n} entries (num_hidden_layers), each one of {', '.join(DECODER_LAYER)}"
         )
