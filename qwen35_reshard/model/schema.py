@@ -304,6 +304,10 @@ class _Walk:
         self.mtp = _ships(tensors, "mtp.", "fc.weight") if mtp is None else mtp
         self.mtp_layers = _size(text, "mtp_num_hidden_layers", 1)
         self.block, self.unchecked, self.not_converted = _quantization(config)
+        # Each repeat of a module (an expert, an MTP layer, a vision block) needs a tensor of its
+        # own, so past this many some are missing whatever the count: walk no further (a config
+        # can name 10**12; the plan checks num_hidden_layers against the weights itself).
+        self.most = len(tensors) + 1
         self.cache: dict[int, list[tuple]] = {}
         # Every required tensor, in model order, column by column (~190,000 for a 397B FP8).
         self.names: list[str] = []
@@ -321,12 +325,12 @@ class _Walk:
             add(LM_HEAD, "")
         if self.vision:
             add(VISION_BEFORE, "model.visual.")
-            for b in range(self.vision_depth):
+            for b in range(min(self.vision_depth, self.most)):
                 add(VISION_BLOCK, f"model.visual.blocks.{b}.")
             add(VISION_AFTER, "model.visual.")
         if self.mtp:
             add(MTP_BEFORE, "mtp.")
-            for k in range(self.mtp_layers):
+            for k in range(min(self.mtp_layers, self.most)):
                 add(DECODER_LAYER["full_attention"], f"mtp.layers.{k}.")
             add(MTP_AFTER, "mtp.")
 
@@ -391,14 +395,14 @@ class _Walk:
             self.shapes += columns.weight_shapes
             self.found += found
         else:  # mixed, or missing weights: one by one, as every other module
-            for j in range(self.sizes["experts"]):
+            for j in range(min(self.sizes["experts"], self.most)):
                 self.add(EXPERT, f"{prefix}{j}.")
 
     @cached_property
     def expert_columns(self) -> _ExpertColumns:
         """Every routed expert's weights, relative to the block, in order; and with their scales."""
         rows = self.resolved(EXPERT)
-        count = self.sizes["experts"]
+        count = min(self.sizes["experts"], self.most)
         weights = [f"{j}.{rel}.weight" for j in range(count) for rel, *_ in rows]
         shapes = [shape for _, _, shape, _, _ in rows] * count
         with_scales: list[str] = [""] * (2 * len(weights))
