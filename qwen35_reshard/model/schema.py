@@ -288,8 +288,16 @@ class _Walk:
         s = self.sizes
         s["value_dim"] = s["linear_value_heads"] * s["linear_value_head_dim"]
         s["conv_dim"] = 2 * s["linear_key_heads"] * s["linear_key_head_dim"] + s["value_dim"]
-        self.layer_types = _layer_types(text)
-        self.layers = range(len(self.layer_types)) if layers is None else layers
+        # Each repeat of a module (a decoder layer, an expert, an MTP layer, a vision block)
+        # needs a tensor of its own, so past this many some are missing whatever the count:
+        # walk no further (a config, or a stage manifest's layer range, can name 10**15).
+        self.most = len(tensors) + 1
+        n = _size(text, "num_hidden_layers", 40)
+        layers = range(n) if layers is None else layers
+        if layers and layers[-1] >= n:
+            raise ValueError(f"num_hidden_layers is {n}, yet layer {layers[-1]} is asked for")
+        self.layers = layers[: self.most]
+        self.layer_types = _layer_types(text, upto=self.layers.stop)
         self.lm = language_model_prefix(config)
         self.tied = tied_embeddings(config)
         vcfg = config.get("vision_config")
@@ -304,10 +312,6 @@ class _Walk:
         self.mtp = _ships(tensors, "mtp.", "fc.weight") if mtp is None else mtp
         self.mtp_layers = _size(text, "mtp_num_hidden_layers", 1)
         self.block, self.unchecked, self.not_converted = _quantization(config)
-        # Each repeat of a module (an expert, an MTP layer, a vision block) needs a tensor of its
-        # own, so past this many some are missing whatever the count: walk no further (a config
-        # can name 10**12; the plan checks num_hidden_layers against the weights itself).
-        self.most = len(tensors) + 1
         self.cache: dict[int, list[tuple]] = {}
         # Every required tensor, in model order, column by column (~190,000 for a 397B FP8).
         self.names: list[str] = []
@@ -464,12 +468,14 @@ def _sizes(config: Mapping, table: Mapping[str, tuple[str, int]]) -> dict[str, i
     return {name: _size(config, key, default) for name, (key, default) in table.items()}
 
 
-def _layer_types(text: Mapping) -> list[str]:
+def _layer_types(text: Mapping, *, upto: int | None = None) -> list[str]:
+    """The attention kind of each layer; derived from the interval, only of the first ``upto``."""
     n = _size(text, "num_hidden_layers", 40)
     types = text.get("layer_types")
     if types is None:
         interval = _size(text, "full_attention_interval", 4) or 4
-        return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)]
+        count = n if upto is None else min(n, upto)
+        return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(count)]
     if (
         not isinstance(types, list)
         or len(types) != n
