@@ -159,6 +159,10 @@ BAD_HEADERS = {
     "three_offsets": ({"a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1, 2]}}, 1, "data_offsets"),
     "extra_key": ({"a": {**_entry("U8", [1], 0, 1), "x": 1}}, 1, "exactly dtype"),
     "metadata_int": ({"__metadata__": {"format": 1}, "a": _entry("U8", [1], 0, 1)}, 1, "__metadata__"),
+    # Falsy non-objects, which the reference reader refuses too (a CLONE would carry them over).
+    "metadata_list": ({"__metadata__": [], "a": _entry("U8", [1], 0, 1)}, 1, "__metadata__"),
+    "metadata_false": ({"__metadata__": False, "a": _entry("U8", [1], 0, 1)}, 1, "__metadata__"),
+    "metadata_empty_string": ({"__metadata__": "", "a": _entry("U8", [1], 0, 1)}, 1, "__metadata__"),
     "not_object": ([1, 2], 0, "start with"),
 }
 

@@ -144,7 +144,9 @@ def parse_header(raw: bytes, *, file_size: int, where: str) -> Header:
         raise ReshardError(
             f"{where}: header holds a lone surrogate escape (\\ud800-\\udfff); not valid JSON text"
         )
-    metadata = obj.pop(METADATA_KEY, None) or {}
+    metadata = obj.pop(METADATA_KEY, None)
+    if metadata is None:  # absent or null, as the reference reader allows; not [], "" or false
+        metadata = {}
     if not isinstance(metadata, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):
