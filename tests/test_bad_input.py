@@ -330,6 +330,43 @@ def test_layer_with_no_tensors(capsys, model, out):
     assert_clean_failure(*run_cli(capsys, "--pp", "2", model, out), out, "decoder layer 8 has no tensors")
 
 
+@pytest.mark.parametrize("entry", [["full_attention"], {"type": "full_attention"}, None])
+def test_layer_types_entry_that_is_no_name(capsys, model, out, entry):
+    edit_json(model / "config.json", lambda c: c["text_config"]["layer_types"].__setitem__(3, entry))
+    assert_clean_failure(*run_cli(capsys, "--pp", "2", model, out), out, "layer_types must list 8 entries")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("partition", [[], ["--partition", "balanced"]])
+def test_num_hidden_layers_far_beyond_the_weights(capsys, model, out, partition):
+    """A config naming 10**15 layers fails on the first layer the weights lack, at once: not
+    after walking every layer id it names (which never ended), nor out of memory (balanced)."""
+
+    def change(config):
+        config["text_config"].update(num_hidden_layers=10**15)
+        del config["text_config"]["layer_types"]
+
+    edit_json(model / "config.json", change)
+    result = run_cli(capsys, "--pp", "2", *partition, model, out)
+    assert_clean_failure(*result, out, "decoder layer 8 has no tensors", f"of {10**15} layers")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("where", "key", "needle"),
+    [
+        ("text_config", "num_experts", "'mtp.layers.0.mlp.experts.4.gate_proj.weight'"),
+        ("text_config", "mtp_num_hidden_layers", "'mtp.layers.1."),
+        ("vision_config", "depth", "'model.visual.blocks.2."),
+    ],
+)
+def test_repeated_module_count_far_beyond_the_weights(capsys, model, out, where, key, needle):
+    """A count of experts, MTP layers or vision blocks no checkpoint could hold is told as the
+    first tensor missing, at once: the schema walk does not list 10**12 modules first."""
+    edit_json(model / "config.json", lambda c: c[where].update({key: 10**12}))
+    assert_clean_failure(*run_cli(capsys, "--pp", "2", model, out), out, needle, "which config.json requires")
+
+
 @pytest.mark.parametrize("pp", ["9", "0"])
 def test_pp_out_of_range(capsys, make_checkpoint, out, pp):
     model = make_checkpoint()

@@ -287,6 +287,13 @@ def test_state_per_request_by_hand():
     assert kv[8].budget_bytes == 72 * 10**9 and kv[8].draft_layers == 1
 
 
+@pytest.mark.parametrize("ssm", ["float8", ["float32"], {"dtype": "float32"}])
+def test_odd_mamba_ssm_dtype_is_refused_in_one_line(ssm):
+    # A list or object in config.json is no dtype name either: refused, not a TypeError.
+    with pytest.raises(ReshardError, match=r"mamba_ssm_dtype .* is not one of float32"):
+        linear_state_bytes({**TEXT_397B, "mamba_ssm_dtype": ssm}, "sglang", 1)
+
+
 def test_capacity_mode_by_hand():
     # Four layers of 10 bytes, only the last one full attention; the last stage has 5 bytes
     # of lm_head. 100 bytes per GPU, 1-token context, 10 B of KV per token per full layer,

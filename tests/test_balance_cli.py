@@ -74,6 +74,35 @@ def test_cli_capacity_mode(make_checkpoint):
 
 
 @pytest.mark.parametrize(
+    ("text_config", "needle"),
+    [
+        ({"mtp_num_hidden_layers": None}, None),  # what the schema takes it for: the default, 1
+        ({"mtp_num_hidden_layers": "1"}, "mtp_num_hidden_layers must be a non-negative integer, got '1'"),
+        ({"mtp_num_hidden_layers": -1}, "mtp_num_hidden_layers must be a non-negative integer, got -1"),
+    ],
+)
+def test_cli_capacity_mode_reads_the_mtp_layer_count_as_the_schema_does(
+    make_checkpoint, tmp_path, text_config, needle
+):
+    """The MTP draft's layer count sizes the last stage's KV cache: an odd value in config.json
+    is read as the schema reads it (null: the default) or refused in one line, never a traceback."""
+    from test_reshard import run_cli
+
+    model = make_checkpoint(fresh=True, **SMALL["untied"])
+    config = json.loads((model / "config.json").read_text())
+    config["text_config"].update(text_config)
+    (model / "config.json").write_text(json.dumps(config))
+    args = ["--pp", "3", "--partition", "balanced", "--gpu-memory", "80GB", "--context-length", "64"]
+    proc = run_cli("plan", *args, "--json", model, check=False)
+    assert "Traceback" not in proc.stderr
+    if needle is None:
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout)["balanced"]["capacity"]["draft_layers"] == 1
+    else:
+        assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(
     ("args", "needle"),
     [
         (["--pp", "3", "--gpu-memory", "80GB", "--context-length", "4096"], "add --partition balanced"),

@@ -238,6 +238,22 @@ def test_rejects_malformed_header_bytes(tmp_path, body, needle):
         read_header(path)
 
 
+@pytest.mark.parametrize("where", ["name", "metadata"])
+def test_rejects_a_lone_surrogate_escape_as_the_reference_reader_does(tmp_path, where):
+    """JSON's \\ud800 names no character: UTF-8 cannot hold it, so the header written for a
+    stage could not be encoded (a split crashed after writing its data files). The reference
+    reader refuses such a header; so does this one, naming the file."""
+    name, meta = (b"a\\ud800", b"pt") if where == "name" else (b"a", b"p\\udc00t")
+    body = b'{"__metadata__":{"format":"' + meta + b'"},"' + name + b'":' + _U8 % (0, 1) + b"}"
+    path = _raw_file(tmp_path / "s.safetensors", body, b"x")
+    with pytest.raises(Exception, match="hex escape"):  # the reference reader's refusal
+        with safe_open(str(path), "pt"):
+            pass
+    with pytest.raises(ReshardError, match="lone surrogate") as e:
+        read_header(path)
+    assert str(path) in str(e.value)
+
+
 def test_rejects_short_and_oversized_files(tmp_path):
     short = tmp_path / "short.safetensors"
     short.write_bytes(b"\1\2\3")

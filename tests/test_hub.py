@@ -369,6 +369,34 @@ def test_errors_are_one_line(hub, hf_home, model, tmp_path, change, args, expect
     assert not out.exists()
 
 
+@pytest.mark.parametrize("where", ["folder", "outside"])
+def test_shard_named_by_a_path_is_refused(hub, hf_home, model, tmp_path, where):
+    """An index and file list (a mirror's, or a hostile server's) naming a shard by a path are
+    refused like a local index naming one: a name leading out through '..' to a file on this
+    machine had that file read as the shard (taken for a cached copy), and a name in a folder
+    crashed writing its kept header with a traceback."""
+    index = json.loads((model / "model.safetensors.index.json").read_text())
+    shard = sorted(set(index["weight_map"].values()))[0]
+    if where == "outside":
+        outside = tmp_path / "outside.safetensors"
+        outside.write_bytes((model / shard).read_bytes())
+        name = "../" * 40 + str(outside).lstrip("/")
+    else:
+        name = f"sub/{shard}"
+
+    def rename(d: Path) -> None:
+        wm = {k: name if v == shard else v for k, v in index["weight_map"].items()}
+        (d / "model.safetensors.index.json").write_text(json.dumps({**index, "weight_map": wm}))
+
+    commit = hub.add_repo("Qwen/Variant", variant(model, tmp_path, rename))
+    files = hub.state.repos["Qwen/Variant"].files[commit]
+    files[name] = files.pop(shard)  # the file list names it so, as the index does
+    out = tmp_path / "out"
+    line = error_line(run(["--pp", PP, "Qwen/Variant", out], hub=hub, hf_home=hf_home, check=False))
+    assert f"shard file name {name!r} is not a plain file name" in line
+    assert not out.exists()
+
+
 def test_server_ignoring_range_is_detected(hub, hf_home, tmp_path):
     hub.set_ignore_range(True)
     line = error_line(run(["plan", "--pp", PP, REPO], hub=hub, hf_home=hf_home, check=False))

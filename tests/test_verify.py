@@ -448,6 +448,24 @@ def test_config_changed_or_missing(out, model):
     }
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("layers", [2, 10**15], ids=["fewer", "huge"])
+def test_config_with_other_num_hidden_layers_is_different(out, layers):
+    """A stage config.json naming fewer layers than the stage holds (an IndexError traceback
+    before), or 10**15 with no layer_types (a list that never ended), is a finding like any
+    changed config: exit 1, one 'different' finding per file, no traceback."""
+
+    def change(config):
+        config["text_config"]["num_hidden_layers"] = layers
+        del config["text_config"]["layer_types"]
+
+    edit_json(out / "pp3" / "config.json", change)
+    code, stdout, stderr = run_verify(out)
+    assert code == 1 and "Traceback" not in stderr, stderr
+    assert "pp3/config.json differs from the source's config.json" in stdout, stdout
+    assert {(f.kind, f.stage, f.file) for f in verify(out).findings} == {("different", "pp3", "config.json")}
+
+
 def test_side_file_differs_from_source(out, model):
     (out / "pp2" / "tokenizer.json").write_text("{}")
     (out / "pp3" / "generation_config.json").unlink()

@@ -231,6 +231,14 @@ def layer_types(config: Mapping) -> list[str]:
         raise ReshardError(f"{CONFIG_NAME}: {e}") from e
 
 
+def mtp_layers(config: Mapping) -> int:
+    """Decoder layers of the MTP draft (``mtp_num_hidden_layers``; absent or null: 1)."""
+    try:
+        return _size(text_config(config), "mtp_num_hidden_layers", 1)
+    except ValueError as e:
+        raise ReshardError(f"{CONFIG_NAME}: {e}") from e
+
+
 def required_tensors(
     config: Mapping,
     tensors: Mapping[str, object],
@@ -280,8 +288,16 @@ class _Walk:
         s = self.sizes
         s["value_dim"] = s["linear_value_heads"] * s["linear_value_head_dim"]
         s["conv_dim"] = 2 * s["linear_key_heads"] * s["linear_key_head_dim"] + s["value_dim"]
-        self.layer_types = _layer_types(text)
-        self.layers = range(len(self.layer_types)) if layers is None else layers
+        # Each repeat of a module (a decoder layer, an expert, an MTP layer, a vision block)
+        # needs a tensor of its own, so past this many some are missing whatever the count:
+        # walk no further (a config, or a stage manifest's layer range, can name 10**15).
+        self.most = len(tensors) + 1
+        n = _size(text, "num_hidden_layers", 40)
+        layers = range(n) if layers is None else layers
+        if layers and layers[-1] >= n:
+            raise ValueError(f"num_hidden_layers is {n}, yet layer {layers[-1]} is asked for")
+        self.layers = layers[: self.most]
+        self.layer_types = _layer_types(text, upto=self.layers.stop)
         self.lm = language_model_prefix(config)
         self.tied = tied_embeddings(config)
         vcfg = config.get("vision_config")
@@ -313,12 +329,12 @@ class _Walk:
             add(LM_HEAD, "")
         if self.vision:
             add(VISION_BEFORE, "model.visual.")
-            for b in range(self.vision_depth):
+            for b in range(min(self.vision_depth, self.most)):
                 add(VISION_BLOCK, f"model.visual.blocks.{b}.")
             add(VISION_AFTER, "model.visual.")
         if self.mtp:
             add(MTP_BEFORE, "mtp.")
-            for k in range(self.mtp_layers):
+            for k in range(min(self.mtp_layers, self.most)):
                 add(DECODER_LAYER["full_attention"], f"mtp.layers.{k}.")
             add(MTP_AFTER, "mtp.")
 
@@ -383,14 +399,14 @@ class _Walk:
             self.shapes += columns.weight_shapes
             self.found += found
         else:  # mixed, or missing weights: one by one, as every other module
-            for j in range(self.sizes["experts"]):
+            for j in range(min(self.sizes["experts"], self.most)):
                 self.add(EXPERT, f"{prefix}{j}.")
 
     @cached_property
     def expert_columns(self) -> _ExpertColumns:
         """Every routed expert's weights, relative to the block, in order; and with their scales."""
         rows = self.resolved(EXPERT)
-        count = self.sizes["experts"]
+        count = min(self.sizes["experts"], self.most)
         weights = [f"{j}.{rel}.weight" for j in range(count) for rel, *_ in rows]
         shapes = [shape for _, _, shape, _, _ in rows] * count
         with_scales: list[str] = [""] * (2 * len(weights))
@@ -452,13 +468,19 @@ def _sizes(config: Mapping, table: Mapping[str, tuple[str, int]]) -> dict[str, i
     return {name: _size(config, key, default) for name, (key, default) in table.items()}
 
 
-def _layer_types(text: Mapping) -> list[str]:
+def _layer_types(text: Mapping, *, upto: int | None = None) -> list[str]:
+    """The attention kind of each layer; derived from the interval, only of the first ``upto``."""
     n = _size(text, "num_hidden_layers", 40)
     types = text.get("layer_types")
     if types is None:
         interval = _size(text, "full_attention_interval", 4) or 4
-        return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)]
-    if not isinstance(types, list) or len(types) != n or not set(types) <= set(DECODER_LAYER):
+        count = n if upto is None else min(n, upto)
+        return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(count)]
+    if (
+        not isinstance(types, list)
+        or len(types) != n
+        or not all(isinstance(t, str) and t in DECODER_LAYER for t in types)  # a list: unhashable
+    ):
         raise ValueError(
             f"layer_types must list {n} entries (num_hidden_layers), each one of {', '.join(DECODER_LAYER)}"
         )

@@ -34,10 +34,10 @@ from ..model.runtimes import (
     placement_rules,
     servable,
 )
-from ..model.schema import layer_types, text_config
+from ..model.schema import layer_types, mtp_layers, text_config
 from ..source.checkpoint import Checkpoint
 from .capacity import Capacity, Serving, serving_costs
-from .planner import MTP_ABSENT, MTP_DROPPED, MTP_KEPT
+from .planner import MTP_ABSENT, MTP_DROPPED, MTP_KEPT, _check_roles
 
 # A function of one stage: (rank, first layer, end layer exclusive).
 StageFn = Callable[[int, int, int], int]
@@ -248,7 +248,7 @@ def choose(
     serving = None
     if capacity is not None:
         text = text_config(ckpt.config)
-        draft = text.get("mtp_num_hidden_layers", 1) if mtp == MTP_KEPT else 0
+        draft = mtp_layers(ckpt.config) if mtp == MTP_KEPT else 0
         serving = serving_costs(text, runtime, capacity, draft_layers=draft)
     partition = balance(
         costs,
@@ -280,12 +280,11 @@ def stage_costs(ckpt: Checkpoint, *, pp: int, runtime: str, keep_mtp: bool) -> t
     A decoder layer's tensors all go to the stage that owns the layer; where every other
     tensor goes depends on the stage count, never on the layer counts.
     """
-    roles = {}
-    for name in ckpt.tensors:
-        role = names.classify(name)
-        if role is None or (role.kind == names.LAYER and role.layer >= ckpt.num_layers):
-            raise ReshardError(f"tensor {name!r}: no stage can hold it (plan the split to see why)")
-        roles[name] = role
+    # The plan's own checks first: one per-layer list below is num_hidden_layers long.
+    tensor_names = list(ckpt.tensors)
+    keys, key_roles = names.classify_all(tensor_names)
+    _check_roles(tensor_names, keys, key_roles, ckpt.num_layers)
+    roles = dict(zip(tensor_names, map(key_roles.__getitem__, keys), strict=True))
     has_mtp = any(r.kind == names.MTP for r in roles.values())
     mtp = MTP_ABSENT if not has_mtp else MTP_KEPT if keep_mtp else MTP_DROPPED
     place = placement_rules(pp, runtime, ckpt.tied_embeddings, mtp == MTP_KEPT)

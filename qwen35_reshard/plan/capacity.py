@@ -70,7 +70,7 @@ def linear_state_bytes(text_config: dict, runtime: str, tp: int) -> int:
     hv, dv = _int(text_config, "linear_num_value_heads"), _int(text_config, "linear_value_head_dim")
     kernel = _int(text_config, "linear_conv_kernel_dim")
     ssm = text_config.get("mamba_ssm_dtype") or _DEFAULT_SSM_DTYPE[runtime]
-    if ssm not in _DTYPE_BYTES:
+    if not isinstance(ssm, str) or ssm not in _DTYPE_BYTES:  # a list is no name (nor hashable)
         raise ReshardError(f"config.json: mamba_ssm_dtype {ssm!r} is not one of {', '.join(_DTYPE_BYTES)}")
     conv = _ceil(2 * hk * dk + hv * dv, tp) * (kernel - 1) * _CACHE_BYTES
     recurrent = _ceil(hv, tp) * dk * dv * _DTYPE_BYTES[ssm]

@@ -316,10 +316,12 @@ def _check_roles(
             f"tensor {name!r}: layer {role.layer} is not below num_hidden_layers={num_layers} "
             "in config.json; the config and the weights do not match"
         )
-    missing = [i for i in range(num_layers) if i not in found]
-    if missing:
+    if len(found) < num_layers:
+        # The ids found are all below num_layers, so the first one missing is at most
+        # len(found): never walk num_layers itself, which a config can make 10**15.
+        first = next(i for i in range(len(found) + 1) if i not in found)
         raise ReshardError(
-            f"decoder layer {missing[0]} has no tensors ({len(missing)} of {num_layers} layers "
+            f"decoder layer {first} has no tensors ({num_layers - len(found)} of {num_layers} layers "
             "missing); the checkpoint is incomplete or config.json's num_hidden_layers is wrong"
         )
 

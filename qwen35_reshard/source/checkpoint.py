@@ -283,9 +283,14 @@ def _allowed_roots(root: Path) -> tuple[Path, ...]:
     return tuple(roots)
 
 
+def is_plain_name(name: str) -> bool:
+    """Whether ``name`` names a file directly inside a directory (no path, no '..')."""
+    return bool(name) and "/" not in name and "\\" not in name and name not in (".", "..")
+
+
 def _checked_path(root: Path, name: str, allowed: tuple[Path, ...], *, what: str) -> Path:
     """``root/name`` after checking that ``name`` is a plain file name that stays inside."""
-    if not name or "/" in name or "\\" in name or name in (".", "..") or Path(name).is_absolute():
+    if not is_plain_name(name):
         raise ReshardError(
             f"{root / INDEX_NAME}: {what} file name {name!r} is not a plain file name inside "
             "the model directory; refusing to follow it"

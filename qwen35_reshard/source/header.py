@@ -141,8 +141,14 @@ def parse_header(raw: bytes, *, file_size: int, where: str) -> Header:
         raise ReshardError(f"{where}: header is not JSON this tool reads ({why})") from e
     if not isinstance(obj, dict):
         raise ReshardError(f"{where}: header is not a JSON object")
+    if b"\\" in raw and not _encodable(obj):
+        # Only an escape can spell a lone surrogate (\ud800): no character, so no UTF-8 header
+        # can hold it. The reference reader refuses it too.
+        raise ReshardError(
+            f"{where}: header holds a lone surrogate escape (\\ud800-\\udfff); not valid JSON text"
+        )
     metadata = obj.pop(METADATA_KEY, None)
-    if metadata is None:  # null, as the reference reader allows; not [], 0 or "", which it refuses
+    if metadata is None:  # absent or null, as the reference reader allows; not [], 0, "" or false
         metadata = {}
     if not isinstance(metadata, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
@@ -160,6 +166,15 @@ def parse_header(raw: bytes, *, file_size: int, where: str) -> Header:
             else Columns([], [], [], [], [])
         )
     return Header(str(where), data_start, file_size, columns, dict(metadata))
+
+
+def _encodable(obj: object) -> bool:
+    """Whether every string of ``obj`` (parsed JSON) can be written as UTF-8."""
+    try:
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _no_key_dropped(raw: bytes, obj: object) -> bool:

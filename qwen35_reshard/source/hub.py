@@ -290,7 +290,7 @@ def _transport_cause(e: BaseException) -> str | None:
 def read_hub_checkpoint(repo: HubRepo, *, traffic: Traffic | None = None) -> Checkpoint:
     """The checkpoint at ``repo`` as plain data: config and index through huggingface_hub,
     each shard's header by ranged reads (or from the kept headers / the cache)."""
-    from .checkpoint import assemble_checkpoint, load_config
+    from .checkpoint import assemble_checkpoint, is_plain_name, load_config
 
     traffic = traffic if traffic is not None else Traffic()
     listing = _listing(repo)
@@ -307,6 +307,14 @@ def read_hub_checkpoint(repo: HubRepo, *, traffic: Traffic | None = None) -> Che
         )
 
     def read_headers(files: list[str]) -> dict[str, Header]:
+        # As for a local index: the kept header and the cached copy of a shard are found by
+        # its name, which must not lead out of (or below) the repo's top level.
+        for f in files:
+            if not is_plain_name(f):
+                raise ReshardError(
+                    f"{repo.describe()}/{INDEX_NAME}: shard file name {f!r} is not a plain file name "
+                    "at the top of the repo; refusing to follow it"
+                )
         absent = [f for f in files if f not in listing]
         if absent:
             raise ReshardError(
