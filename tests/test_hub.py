@@ -475,3 +475,14 @@ def test_interrupted_run_resumes_keeping_what_is_done(hub, hf_home, model, ref, 
     same_as_local(out / "pp3", local_split / "pp3")
     again, _, _ = cdn_fetches(hub.log)
     assert again == set()  # the shards downloaded whole the first time came from the cache
+
+
+def test_a_damaged_kept_file_list_is_fetched_again(hub, hf_home, tmp_path, local_split):
+    run(["plan", "--pp", PP, REPO], hub=hub, hf_home=hf_home)
+    kept = list(Path(hf_home).rglob("files.json"))
+    assert kept
+    for path in kept:
+        path.write_bytes(b'{"model.safetensors.index.json": \xff')  # torn, not even UTF-8
+    run(["--pp", PP, "--rank", 1, REPO, tmp_path / "out"], hub=hub, hf_home=hf_home)
+    same_as_local(tmp_path / "out" / "pp1", local_split / "pp1")
+    assert all(isinstance(json.loads(path.read_bytes()), dict) for path in kept)

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .._version import __version__
-from ..errors import ReshardError, param
+from ..errors import JSON_ERRORS, ReshardError, param
 from .checkpoint import CONFIG_NAME, INDEX_NAME, PICKLE_SUFFIXES, SINGLE_FILE_NAME
 from .header import Header, parse_header
 from .ranged import RangeReader
@@ -345,8 +345,12 @@ def read_hub_checkpoint(repo: HubRepo, *, traffic: Traffic | None = None) -> Che
 def _listing(repo: HubRepo) -> dict[str, int]:
     """The repo's files and sizes at the commit: kept on disk once fetched."""
     kept = repo.assets / LISTING_NAME
-    if kept.is_file():
-        return json.loads(kept.read_text())
+    try:
+        listing = json.loads(kept.read_bytes())
+    except (OSError, *JSON_ERRORS):  # none yet, or damaged: fetched (offline: the snapshot's)
+        listing = None
+    if isinstance(listing, dict):
+        return listing
     if repo.offline:
         local = _snapshot_listing(repo)
         if local is not None:
