@@ -20,11 +20,13 @@ so a stage counts as complete only when both exist and the manifest names the in
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import math
 import os
 import re
+import stat
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -336,6 +338,34 @@ def read_json(path: Path) -> dict | None:
     except FileNotFoundError:
         return None
     return parse_json_object(raw, str(path))
+
+
+def allowed_roots(root: Path) -> tuple[Path, ...]:
+    """Real directories a file of the model directory ``root`` may resolve into.
+
+    A Hugging Face cache snapshot (``models--x/snapshots/<rev>/``) holds symlinks into the
+    repo's ``blobs/``; anything else must stay inside the directory itself.
+    """
+    real = root.resolve()
+    roots = [real]
+    if real.parent.name == "snapshots":
+        roots.append(real.parent.parent / "blobs")
+    return tuple(roots)
+
+
+def checked_file(root: Path, name: str) -> Path:
+    """``root/name``, to be read: a regular file that resolves inside ``root`` (see
+    :func:`allowed_roots`). Raises FileNotFoundError when it is absent, and OSError saying why
+    otherwise: a symlink out of the directory is not followed, and a FIFO or a device is not
+    opened (reading one may block or never end)."""
+    path = root / name
+    st = os.stat(path)
+    real = Path(os.path.realpath(path))
+    if not any(real.is_relative_to(a) for a in allowed_roots(root)):
+        raise OSError(errno.EACCES, f"a symlink to {real}, outside the directory: not followed")
+    if not stat.S_ISREG(st.st_mode):
+        raise OSError(errno.EINVAL, "not a regular file")
+    return path
 
 
 def parse_json_object(raw: bytes, where: str) -> dict:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -33,6 +32,7 @@ from .ondisk import (
     RunIdentity,
     StageManifest,
     StageTensor,
+    checked_file,
     describe_differences,
     parse_stage_manifest,
     stage_dir_rank,
@@ -122,7 +122,7 @@ def read_stage(root: Path, display: str, run: tuple[str, RunIdentity] | None = N
 def read_manifest(root: Path, display: str) -> StageManifest | Finding:
     """The stage manifest of ``root`` after checking its structure, or what is wrong with it."""
     try:
-        raw = (root / STAGE_MANIFEST).read_bytes()
+        raw = checked_file(root, STAGE_MANIFEST).read_bytes()
     except FileNotFoundError:
         in_run = stage_dir_rank(root) is not None and any(
             (root.parent / n).exists() for n in (RUN_MANIFEST, RUN_MARKER)
@@ -163,7 +163,7 @@ def read_run_record(run_dir: Path, display: str) -> tuple[str, RunIdentity] | Fi
     """
     for name in (RUN_MARKER, RUN_MANIFEST):
         try:
-            obj = json.loads((run_dir / name).read_bytes())
+            obj = json.loads(checked_file(run_dir, name).read_bytes())
         except FileNotFoundError:
             continue
         except (OSError, *JSON_ERRORS):
@@ -184,7 +184,7 @@ def _index_problems(root: Path, display: str, m: StageManifest) -> list[Finding]
     """The index is present, lists exactly the manifest's tensors, and is the one it records."""
     where = f"{display}/{INDEX_NAME}"
     try:
-        raw = (root / INDEX_NAME).read_bytes()
+        raw = checked_file(root, INDEX_NAME).read_bytes()
     except FileNotFoundError:
         why = f"{display} is incomplete (no {INDEX_NAME}): the reshard run was interrupted; {RERUN}"
         return [Finding(INCOMPLETE, why, INDEX_NAME)]
@@ -241,7 +241,7 @@ def _index_problems(root: Path, display: str, m: StageManifest) -> list[Finding]
 def _config_problems(root: Path, display: str, m: StageManifest) -> list[Finding]:
     """config.json is the one the stage was split from."""
     try:
-        raw = (root / CONFIG_NAME).read_bytes()
+        raw = checked_file(root, CONFIG_NAME).read_bytes()
     except FileNotFoundError:
         why = (
             f"{display} has no {CONFIG_NAME}; servers need the source's full config on every stage: {REBUILD}"
@@ -270,7 +270,7 @@ def _schema_problems(root: Path, display: str, m: StageManifest) -> list[Finding
     files are checked against the manifest separately).
     """
     try:
-        config = json.loads((root / CONFIG_NAME).read_bytes())
+        config = json.loads(checked_file(root, CONFIG_NAME).read_bytes())
     except (OSError, *JSON_ERRORS):
         return []  # reported by _config_problems: config.json must be the source's
     if not isinstance(config, dict):
@@ -317,7 +317,7 @@ def _read_data_file(
     """
     where = f"{display}/{file}"
     try:
-        size = os.stat(root / file).st_size
+        size = checked_file(root, file).stat().st_size
     except FileNotFoundError:
         return None, [Finding(MISSING, f"{where} is missing; the stage's index lists it: {REBUILD}", file)]
     except OSError as e:

@@ -46,6 +46,7 @@ from .ondisk import (
     STAGE_MANIFEST,
     RunIdentity,
     StageManifest,
+    checked_file,
     is_uint,
     source_identity,
     stage_dir_rank,
@@ -299,7 +300,7 @@ def _new_stage(path: Path, display: str, report: VerifyReport, run: tuple[str, R
 def _read_json_finding(path: Path, display: str, report: VerifyReport) -> dict | None:
     """The JSON object at ``path``; None (with a finding if it is damaged) otherwise."""
     try:
-        obj = json.loads(path.read_bytes())
+        obj = json.loads(checked_file(path.parent, path.name).read_bytes())
     except FileNotFoundError:
         return None
     except (OSError, *JSON_ERRORS):
@@ -362,7 +363,7 @@ def _adder(report: VerifyReport, stage: _Stage) -> _Add:
 
 def _compare_side_file(stage: _Stage, ckpt: Checkpoint, name: str, add: _Add) -> None:
     try:
-        mine = (stage.path / name).read_bytes()
+        mine = checked_file(stage.path, name).read_bytes()
     except FileNotFoundError:
         if name != CONFIG_NAME:  # a missing config.json is already reported
             add(

@@ -436,6 +436,58 @@ def test_missing_data_file(out):
     assert (f.stage, f.file) == ("pp3", path.name)
 
 
+def test_a_stage_file_leading_out_of_the_stage_is_not_followed(out, tmp_path):
+    """A data file symlinked out of the stage and a manifest symlinked to /dev/zero (which
+    would never end) are findings; neither verify nor the loader reads through them."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    path = data_file(out / "pp1")
+    shutil.move(path, elsewhere / path.name)  # the same bytes, outside the stage
+    path.symlink_to(elsewhere / path.name)
+    (out / "pp2" / MANIFEST).unlink()
+    (out / "pp2" / MANIFEST).symlink_to("/dev/zero")
+    report = verify(out)
+    assert {(f.stage, f.file, f.kind) for f in report.findings} == {
+        ("pp1", path.name, "corrupt"),
+        ("pp2", MANIFEST, "corrupt"),
+    }
+    assert all("outside the directory: not followed" in f.message for f in report.findings)
+    with pytest.raises(loader.StageError, match="outside the directory"):
+        loader.open_stage(out, pp_rank=1)
+    code, _, err = run_verify(out)
+    assert code == 1 and "Traceback" not in err
+
+
+def test_a_stage_file_that_is_no_regular_file_is_not_opened(out):
+    """A FIFO in place of config.json would block a reader forever: it is a finding."""
+    (out / "pp0" / "config.json").unlink()
+    os.mkfifo(out / "pp0" / "config.json")
+    proc = subprocess.run(
+        [sys.executable, "-m", "qwen35_reshard", "verify", str(out / "pp0")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert "config.json: cannot read (not a regular file)" in proc.stdout
+
+
+def test_a_stage_in_a_hugging_face_cache_snapshot_opens(pristine, tmp_path):
+    """A stage uploaded to the Hub and fetched again lives in a cache snapshot whose files are
+    symlinks into the repo's blobs/: those are followed, as for a source checkpoint."""
+    repo = tmp_path / "models--org--stage"
+    snapshot, blobs = repo / "snapshots" / ("0" * 40), repo / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    for path in sorted((pristine / "pp1").iterdir()):
+        blob = blobs / hashlib.sha256(path.read_bytes()).hexdigest()
+        shutil.copyfile(path, blob)
+        (snapshot / path.name).symlink_to(os.path.relpath(blob, snapshot))
+    assert verify(snapshot).findings == []
+    stage = loader.open_stage(snapshot)
+    assert len(list(stage.iter_weights())) == len(stage)
+
+
 def test_config_changed_or_missing(out, model):
     edit_json(out / "pp0" / "config.json", lambda c: c.update(tie_word_embeddings=True))
     f = only(verify(out), "different")

@@ -20,7 +20,14 @@ from typing import NamedTuple, NoReturn
 
 from ..errors import ReshardError, param
 from ..model import schema
-from ..ondisk import CONFIG_NAME, INDEX_NAME, PICKLE_SUFFIXES, SINGLE_FILE_NAME, parse_json_object
+from ..ondisk import (
+    CONFIG_NAME,
+    INDEX_NAME,
+    PICKLE_SUFFIXES,
+    SINGLE_FILE_NAME,
+    allowed_roots,
+    parse_json_object,
+)
 from .header import Header, read_header
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -81,7 +88,7 @@ def read_checkpoint(model_dir: str | os.PathLike[str]) -> Checkpoint:
         raise ReshardError(
             f"{root}: not a directory; pass the checkpoint's directory as {param('model_dir')}"
         )
-    allowed = _allowed_roots(root)
+    allowed = allowed_roots(root)
     config_bytes = _read_file(root, CONFIG_NAME, allowed)
     config = load_config(config_bytes, str(root / CONFIG_NAME))
     index_bytes: bytes | None = None
@@ -268,19 +275,6 @@ def _weight_map(index: object, where: str) -> tuple[dict[str, str], list[str]]:
                 "loads; convert the checkpoint to safetensors first"
             )
     return wm, sorted(set(wm.values()))
-
-
-def _allowed_roots(root: Path) -> tuple[Path, ...]:
-    """Real directories a file of the checkpoint may resolve into.
-
-    A Hugging Face cache snapshot (``models--x/snapshots/<rev>/``) holds symlinks into the
-    repo's ``blobs/``; anything else must stay inside the model directory itself.
-    """
-    real = root.resolve()
-    roots = [real]
-    if real.parent.name == "snapshots":
-        roots.append(real.parent.parent / "blobs")
-    return tuple(roots)
 
 
 def is_plain_name(name: str) -> bool:
