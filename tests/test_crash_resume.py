@@ -556,3 +556,38 @@ def test_file_size_limit_fails_cleanly_then_resumes(small, small_clean, tmp_path
     assert again.returncode == 0, again.stderr
     assert digests(out) == digests(small_clean)
     assert verify(out, small).ok
+
+
+# --------------------------------------------------------------------------- a kill at an exact step
+
+
+# Runs the CLI and SIGKILLs it just before its first audited operation ``event`` on a path
+# containing ``where`` (audit hooks run before the operation): a real run stopped at an exact step.
+_KILLED_AT = (
+    "import os, runpy, signal, sys\n"
+    "event, where = sys.argv[1], sys.argv[2]\n"
+    "def hook(name, args):\n"
+    "    if name == event and where in str(args[0]):\n"
+    "        os.kill(os.getpid(), signal.SIGKILL)\n"
+    "sys.addaudithook(hook)\n"
+    "sys.argv = ['qwen35_reshard', *sys.argv[3:]]\n"
+    "runpy.run_module('qwen35_reshard', run_name='__main__')\n"
+)
+
+
+def kill_at(event: str, where: str, args: list[str]) -> None:
+    p = subprocess.run(
+        [sys.executable, "-c", _KILLED_AT, event, where, *args], capture_output=True, text=True, timeout=120
+    )
+    assert p.returncode == -signal.SIGKILL, p.stderr
+
+
+def test_killed_while_probing_for_sharing_then_resume(small, small_clean, tmp_path):
+    """A run killed while it probes OUT for block sharing leaves the probe file: it is the tool's
+    own, so the same command must resume (and remove it), not call OUT foreign."""
+    out = tmp_path / "out"
+    kill_at("os.remove", ".reflink-probe-", command(small, out)[3:])  # the probe file's removal
+    assert [p.name for p in out.iterdir()][0].startswith(".reflink-probe-")
+    again = run(small, out)
+    assert again.returncode == 0, again.stderr
+    assert digests(out) == digests(small_clean)

@@ -357,10 +357,9 @@ def _assess_out(plan: Plan, out: Path, overwrite: bool) -> OutState:
                 f"{param('out_dir')} {out} cannot be created: {parent} is not a directory; choose "
                 "another path"
             )
-    # A run killed while writing its marker or run manifest leaves only their temporary files:
-    # ours, never worth keeping, and they must not make OUT look foreign to the next run.
-    ours = {f".{name}{PARTIAL_SUFFIX}" for name in (RUN_MARKER, RUN_MANIFEST)}
-    entries = sorted(p for p in out.iterdir() if p.name not in ours) if out.is_dir() else []
+    # A run killed while writing its marker or run manifest, or while probing for sharing, leaves
+    # only temporary files: ours, never worth keeping, and they must not make OUT look foreign.
+    entries = sorted(p for p in out.iterdir() if not _run_temporary(p.name)) if out.is_dir() else []
     if not entries:
         return OutState("new")
     identity = RunIdentity.of_plan(plan)
@@ -405,9 +404,17 @@ def _make_out(out: Path) -> list[Path]:
     Returns the directories created (OUT and any missing parents, outermost first).
     """
     created = _make_dirs(out)
-    for name in (RUN_MARKER, RUN_MANIFEST):
-        _remove(out / f".{name}{PARTIAL_SUFFIX}")
+    for p in list(out.iterdir()):
+        if _run_temporary(p.name):
+            _remove(p)
     return created
+
+
+def _run_temporary(name: str) -> bool:
+    """A temporary file a killed run may leave in OUT itself: its marker's or run manifest's, or
+    the probe for sharing."""
+    ours = {f".{n}{PARTIAL_SUFFIX}" for n in (RUN_MARKER, RUN_MANIFEST)}
+    return name in ours or (name.startswith(reflinks.PROBE_PREFIX) and name.endswith(PARTIAL_SUFFIX))
 
 
 def _stage_dirs(out: Path) -> list[Path]:
