@@ -591,3 +591,19 @@ def test_killed_while_probing_for_sharing_then_resume(small, small_clean, tmp_pa
     again = run(small, out)
     assert again.returncode == 0, again.stderr
     assert digests(out) == digests(small_clean)
+
+
+def test_overwrite_killed_while_deleting_the_old_split_then_again(small, small_clean, tmp_path):
+    """--overwrite killed while it deletes the split it replaces: what is left is that split's,
+    half deleted; it must still be recognised as the tool's, so --overwrite again finishes."""
+    out = tmp_path / "out"
+    assert subprocess.run([*command(small, out)[:3], "--pp", "2", str(small), str(out)]).returncode == 0
+    kill_at("shutil.rmtree", str(out), [*command(small, out)[3:], "--overwrite"])
+    assert not list(out.glob(f"pp*/{INDEX}")) and not (out / RUN_MANIFEST).exists()
+    plain = run(small, out)
+    assert plain.returncode == 2
+    line = one_error_line(plain.stderr)
+    assert "other settings" in line and "--overwrite" in line, line
+    again = run(small, out, "--overwrite")
+    assert again.returncode == 0, again.stderr
+    assert digests(out) == digests(small_clean)

@@ -180,6 +180,7 @@ def write_plan(
         replaced = state.action == "replace"
         _check_free_space(out, needed, freed=_split_bytes(out) if replaced else 0)
         if replaced:
+            created = [p for p in created if p != out / RUN_MARKER]  # the old split's record, until replaced
             _clear_split(out)
         _write_atomic(out / RUN_MARKER, dumps({"identity": identity.to_json()}), sync_dir=False)
         for stage in todo:
@@ -433,6 +434,12 @@ def _split_bytes(out: Path) -> int:
 def _clear_split(out: Path) -> None:
     """Delete the split with other settings that OUT holds (``assess_out`` said "replace")."""
     entries = sorted(out.iterdir())
+    # The old split stays recorded, by a run marker, until its last file is gone (the new run's
+    # marker then replaces it): a run killed while deleting leaves what the next run still sees
+    # as a split with other settings, not files "qwen35-reshard did not write".
+    record = read_run_record(out, str(out))
+    if isinstance(record, tuple) and record[0] == RUN_MANIFEST:
+        _write_atomic(out / RUN_MARKER, dumps({"identity": record[1].to_json()}))
     # What makes a directory look complete goes first, so that a run killed while deleting
     # leaves no run manifest and no stage index beside half-deleted data.
     _remove(out / RUN_MANIFEST)
@@ -441,7 +448,7 @@ def _clear_split(out: Path) -> None:
     for p in entries:
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p)
-        elif p.name != RUN_MANIFEST:
+        elif p.name not in (RUN_MANIFEST, RUN_MARKER):
             p.unlink()
 
 
