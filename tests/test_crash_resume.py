@@ -524,6 +524,17 @@ def test_disk_full_mid_run_then_resume(namespace, small, small_clean, tmp_path):
     assert json.loads(third["stdout"])["status"] == "nothing_to_do"
 
 
+def test_a_finished_split_on_a_read_only_filesystem_has_nothing_to_do(namespace, small, tmp_path):
+    """The same command again on a finished split that is now read-only (a serving node's
+    volume): nothing to do, as ``plan`` says, not a write error or a traceback."""
+    out = tmp_path / "fs" / "out"
+    steps = [command(small, out), ["remount", f"{64 << 20},ro"], command(small, out)]
+    first, again = on_small_filesystem(namespace, tmp_path, 64 << 20, steps)
+    assert first["rc"] == 0, first["stderr"]
+    assert again["rc"] == 0, again["stderr"]
+    assert json.loads(again["stdout"])["status"] == "nothing_to_do"
+
+
 # --------------------------------------------------------------------------- a file-size limit
 
 

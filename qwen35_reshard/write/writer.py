@@ -154,6 +154,10 @@ def write_plan(
     try:
         state = assess_out(plan, out, overwrite=overwrite)
         created = _make_out(out)
+        # Left if a run was killed between its last two steps. Only then is a finished split
+        # written to: on a read-only filesystem, unlinking even a missing file fails.
+        if state.action == "complete" and (out / RUN_MARKER).exists():
+            _remove(out / RUN_MARKER)
     except OSError as e:  # OUT cannot be created or read: nothing was written
         raise _write_error(e, out, 0) from e
 
@@ -161,7 +165,6 @@ def write_plan(
     result.already_complete = [s.rank for s in plan.selected if s.rank in state.complete]
     todo = [s for s in plan.selected if s.rank not in state.complete]
     if state.action == "complete":
-        _remove(out / RUN_MARKER)  # left if a run was killed between its last two steps
         return result
 
     to_write = [(s, f) for s in todo for f in s.files if f.name not in state.kept.get(s.rank, {})]
