@@ -254,9 +254,10 @@ def repair_files(
     ``files`` maps a stage rank to names in its directory: its data files (rewritten from the
     plan), or its index, manifest, config.json or another side file (then the stage's
     non-weight files, manifest and index are written again, the manifest's digests taken from
-    the data files). ``rewrite_run_manifest`` rewrites ``reshard.json`` too. Every other file is left
-    untouched; each rewritten one is replaced atomically, so a stage whose manifest and index
-    are intact stays consistent throughout. Returns the paths rewritten, relative to OUT.
+    the data files, and those that are not the source's rewritten too). ``rewrite_run_manifest``
+    rewrites ``reshard.json`` too. Every other file is left untouched; each rewritten one is
+    replaced atomically, so a stage whose manifest and index are intact stays consistent
+    throughout. Returns the paths rewritten, relative to OUT.
     """
     reporter = reporter or Reporter()
     out = Path(out_dir)
@@ -264,6 +265,7 @@ def repair_files(
     redo_meta: list[StagePlan] = []
     done: list[str] = []
     stages = [plan.stages[r] for r in sorted(files)]
+    digests: dict[int, dict[str, str | None]] = {s.rank: {} for s in stages}
     try:
         for stage in stages:
             stage_dir = out / stage.dirname
@@ -273,19 +275,22 @@ def repair_files(
             if names - {f.name for f in stage.files}:
                 redo_meta.append(stage)
                 _remove(stage_dir / INDEX_NAME)  # not a complete-looking stage while it is mended
+                # The new manifest records the digests of the data files kept, which nothing
+                # vouched for (a damaged manifest is no measure): a file is kept only if its
+                # header and tensors are the plan's and the source's, else it is rewritten too.
+                for f in stage.files:
+                    if f.name not in names:
+                        found = _source_digests(plan, stage_dir / f.name, f)
+                        data += [f] if found is None else []
+                        digests[stage.rank].update(found or {})
             to_write += [(stage, f) for f in data]
             done += [f"{stage.dirname}/{f.name}" for f in data]
-        digests: dict[int, dict[str, str | None]] = {s.rank: {} for s in stages}
         # Mended files are copied, not shared: their bytes are read and get their digests.
         durable = _Durability(out, whole_fs=False)
         _copy_files(plan, out, to_write, digests, workers, reporter, share=False, durable=durable)
         for stage in stages:
             stage_dir = out / stage.dirname
             if stage in redo_meta:
-                rewritten = {f.name for f in stage.files if f.name in files[stage.rank]}
-                for f in stage.files:
-                    if f.name not in rewritten:
-                        digests[stage.rank].update(_file_digests(stage_dir / f.name, f))
                 meta = (*plan.checkpoint.extra_files, STAGE_MANIFEST, INDEX_NAME)
                 done += [f"{stage.dirname}/{n}" for n in meta]
             else:
@@ -303,10 +308,24 @@ def repair_files(
     return done
 
 
-def _file_digests(path: Path, f: OutputFile) -> dict[str, str]:
-    """sha256 of each tensor of the stage's data file ``path``, laid out as ``f`` says."""
+def _source_digests(plan: Plan, path: Path, f: OutputFile) -> dict[str, str | None] | None:
+    """sha256 of each tensor of the stage's data file ``path`` when the file is ``f`` exactly:
+    its size and header the plan's, each tensor's bytes its source's. None otherwise (also
+    when it is missing or short)."""
+    if not _matches(path, f, _header(plan, f)):
+        return None
     segments = [Segment(t.name, f.data_start + t.out_offset, t.source.nbytes) for t in f.tensors]
-    return copy_segments(str(path), segments)
+    by_source: dict[str, list[Segment]] = {}
+    for t in f.tensors:
+        by_source.setdefault(t.source.file, []).append(Segment(t.name, t.source.offset, t.source.nbytes))
+    try:
+        found = copy_segments(str(path), segments)
+        want = {}
+        for file, of_source in by_source.items():
+            want.update(copy_segments(str(plan.checkpoint.path(file)), of_source))
+    except (OSError, ReshardError):  # changed since it was measured: rewritten all the same
+        return None
+    return found if found == want else None
 
 
 def check_out_dir(model_dir: Path, out_dir: Path) -> None:
