@@ -618,3 +618,28 @@ def test_overwrite_killed_while_deleting_the_old_split_then_again(small, small_c
     again = run(small, out, "--overwrite")
     assert again.returncode == 0, again.stderr
     assert digests(out) == digests(small_clean)
+
+
+def test_a_source_changed_since_the_interrupted_run_is_not_resumed(small, tmp_path):
+    """The source updated in place between a killed run and the same command again (same sizes,
+    index and config: other weights): the files the killed run finished hold the old bytes, so
+    they are not kept, and a resume that would mix the two is refused until --overwrite."""
+    model = Path(shutil.copytree(small, tmp_path / "model"))
+    out = tmp_path / "out"
+    # Killed as the stages' manifests are written: every data file is finished and journaled.
+    kill_at("open", ".reshard-stage.json.partial", command(model, out)[3:])
+    assert len(list(out.glob("pp*/.reshard-journal.jsonl"))) == PP
+    for shard in sorted(model.glob("*.safetensors")):
+        raw = bytearray(shard.read_bytes())
+        start = 8 + int.from_bytes(raw[:8], "little")
+        raw[start:] = bytes(b ^ 0x5A for b in raw[start:])
+        shard.write_bytes(raw)
+    again = run(model, out)
+    assert again.returncode == 2, again.stderr
+    line = one_error_line(again.stderr)
+    assert "model-00001-of-00004.safetensors" in line and "--overwrite" in line, line
+    assert run(model, out, "--overwrite").returncode == 0
+    clean = tmp_path / "clean"
+    assert run(model, clean).returncode == 0
+    assert digests(out) == digests(clean)
+    assert verify(out, model).ok

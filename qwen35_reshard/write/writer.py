@@ -185,7 +185,8 @@ def write_plan(
         if replaced:
             created = [p for p in created if p != out / RUN_MARKER]  # the old split's record, until replaced
             _clear_split(out)
-        _write_atomic(out / RUN_MARKER, dumps({"identity": identity.to_json()}), sync_dir=False)
+        marker = {"identity": identity.to_json(), "source_files": _source_stamps(plan)}
+        _write_atomic(out / RUN_MARKER, dumps(marker), sync_dir=False)
         for stage in todo:
             kept = state.kept.get(stage.rank, {})
             _resume_stage(out / stage.dirname, stage, kept)
@@ -410,6 +411,16 @@ def _assess_out(plan: Plan, out: Path, overwrite: bool) -> OutState:
                 f"choose another directory, or pass {param('overwrite', True)} to replace that split"
             )
         return OutState("replace", differences=differences)
+    changed = _changed_source_files(plan, out) if record[0] == RUN_MARKER else []
+    if changed:
+        differences = f"source {changed[0]} changed since the interrupted run started"
+        if not overwrite:
+            raise ReshardError(
+                f"{param('out_dir')} {out} holds an interrupted split of {plan.checkpoint.display}, and "
+                f"{changed[0]} changed since it started: the files it finished hold the old bytes; "
+                f"pass {param('overwrite', True)} to split again from the start"
+            )
+        return OutState("replace", differences=differences)
     complete = tuple(s.rank for s in plan.stages if stage_is_complete(out / s.dirname, identity))
     if all(s.rank in complete for s in plan.selected) and (out / RUN_MANIFEST).exists():
         return OutState("complete", complete)
@@ -419,6 +430,25 @@ def _assess_out(plan: Plan, out: Path, overwrite: bool) -> OutState:
         if s.rank not in complete and (out / s.dirname).is_dir()
     }
     return OutState("resume", complete, {rank: files for rank, files in kept.items() if files})
+
+
+def _source_stamps(plan: Plan) -> dict:
+    """What tells that the source's bytes changed while its sizes, index and config did not (the
+    run identity's fingerprint): each shard's size and modification time, or a Hub commit."""
+    ckpt = plan.checkpoint
+    if ckpt.hub is not None:
+        return {"commit": ckpt.hub.get("commit")}
+    return {f: [st.st_size, st.st_mtime_ns] for f in ckpt.files for st in [os.stat(ckpt.path(f))]}
+
+
+def _changed_source_files(plan: Plan, out: Path) -> list[str]:
+    """Source files (or the Hub commit) that changed since the interrupted run in ``out`` began;
+    none when its marker records no stamps."""
+    recorded = json.loads((out / RUN_MARKER).read_bytes()).get("source_files")
+    if not isinstance(recorded, dict):
+        return []
+    now = _source_stamps(plan)
+    return [name for name in sorted({*recorded, *now}) if recorded.get(name) != now.get(name)]
 
 
 def _make_out(out: Path) -> list[Path]:
