@@ -38,6 +38,8 @@ _NO_SHARING = {
     errno.EPERM,
     errno.ETXTBSY,
 }
+# The probe's file in OUT, ``{PROBE_PREFIX}{pid}.partial``: a run killed while probing leaves it.
+PROBE_PREFIX = ".reflink-probe-"
 
 
 def clone_file(src_fd: int, dst_fd: int) -> bool:
@@ -76,7 +78,7 @@ def probe(src_path: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> 
     Shares the source's first block (or the whole file, if smaller) into a temporary file in
     ``out_dir``, which is removed again.
     """
-    tmp = os.path.join(out_dir, f".reflink-probe-{os.getpid()}.partial")
+    tmp = os.path.join(out_dir, f"{PROBE_PREFIX}{os.getpid()}.partial")
     src = os.open(src_path, os.O_RDONLY)
     try:
         dst = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

@@ -524,6 +524,17 @@ def test_disk_full_mid_run_then_resume(namespace, small, small_clean, tmp_path):
     assert json.loads(third["stdout"])["status"] == "nothing_to_do"
 
 
+def test_a_finished_split_on_a_read_only_filesystem_has_nothing_to_do(namespace, small, tmp_path):
+    """The same command again on a finished split that is now read-only (a serving node's
+    volume): nothing to do, as ``plan`` says, not a write error or a traceback."""
+    out = tmp_path / "fs" / "out"
+    steps = [command(small, out), ["remount", f"{64 << 20},ro"], command(small, out)]
+    first, again = on_small_filesystem(namespace, tmp_path, 64 << 20, steps)
+    assert first["rc"] == 0, first["stderr"]
+    assert again["rc"] == 0, again["stderr"]
+    assert json.loads(again["stdout"])["status"] == "nothing_to_do"
+
+
 # --------------------------------------------------------------------------- a file-size limit
 
 
@@ -556,3 +567,79 @@ def test_file_size_limit_fails_cleanly_then_resumes(small, small_clean, tmp_path
     assert again.returncode == 0, again.stderr
     assert digests(out) == digests(small_clean)
     assert verify(out, small).ok
+
+
+# --------------------------------------------------------------------------- a kill at an exact step
+
+
+# Runs the CLI and SIGKILLs it just before its first audited operation ``event`` on a path
+# containing ``where`` (audit hooks run before the operation): a real run stopped at an exact step.
+_KILLED_AT = (
+    "import os, runpy, signal, sys\n"
+    "event, where = sys.argv[1], sys.argv[2]\n"
+    "def hook(name, args):\n"
+    "    if name == event and where in str(args[0]):\n"
+    "        os.kill(os.getpid(), signal.SIGKILL)\n"
+    "sys.addaudithook(hook)\n"
+    "sys.argv = ['qwen35_reshard', *sys.argv[3:]]\n"
+    "runpy.run_module('qwen35_reshard', run_name='__main__')\n"
+)
+
+
+def kill_at(event: str, where: str, args: list[str]) -> None:
+    p = subprocess.run(
+        [sys.executable, "-c", _KILLED_AT, event, where, *args], capture_output=True, text=True, timeout=120
+    )
+    assert p.returncode == -signal.SIGKILL, p.stderr
+
+
+def test_killed_while_probing_for_sharing_then_resume(small, small_clean, tmp_path):
+    """A run killed while it probes OUT for block sharing leaves the probe file: it is the tool's
+    own, so the same command must resume (and remove it), not call OUT foreign."""
+    out = tmp_path / "out"
+    kill_at("os.remove", ".reflink-probe-", command(small, out)[3:])  # the probe file's removal
+    assert [p.name for p in out.iterdir()][0].startswith(".reflink-probe-")
+    again = run(small, out)
+    assert again.returncode == 0, again.stderr
+    assert digests(out) == digests(small_clean)
+
+
+def test_overwrite_killed_while_deleting_the_old_split_then_again(small, small_clean, tmp_path):
+    """--overwrite killed while it deletes the split it replaces: what is left is that split's,
+    half deleted; it must still be recognised as the tool's, so --overwrite again finishes."""
+    out = tmp_path / "out"
+    assert subprocess.run([*command(small, out)[:3], "--pp", "2", str(small), str(out)]).returncode == 0
+    kill_at("shutil.rmtree", str(out), [*command(small, out)[3:], "--overwrite"])
+    assert not list(out.glob(f"pp*/{INDEX}")) and not (out / RUN_MANIFEST).exists()
+    plain = run(small, out)
+    assert plain.returncode == 2
+    line = one_error_line(plain.stderr)
+    assert "other settings" in line and "--overwrite" in line, line
+    again = run(small, out, "--overwrite")
+    assert again.returncode == 0, again.stderr
+    assert digests(out) == digests(small_clean)
+
+
+def test_a_source_changed_since_the_interrupted_run_is_not_resumed(small, tmp_path):
+    """The source updated in place between a killed run and the same command again (same sizes,
+    index and config: other weights): the files the killed run finished hold the old bytes, so
+    they are not kept, and a resume that would mix the two is refused until --overwrite."""
+    model = Path(shutil.copytree(small, tmp_path / "model"))
+    out = tmp_path / "out"
+    # Killed as the stages' manifests are written: every data file is finished and journaled.
+    kill_at("open", ".reshard-stage.json.partial", command(model, out)[3:])
+    assert len(list(out.glob("pp*/.reshard-journal.jsonl"))) == PP
+    for shard in sorted(model.glob("*.safetensors")):
+        raw = bytearray(shard.read_bytes())
+        start = 8 + int.from_bytes(raw[:8], "little")
+        raw[start:] = bytes(b ^ 0x5A for b in raw[start:])
+        shard.write_bytes(raw)
+    again = run(model, out)
+    assert again.returncode == 2, again.stderr
+    line = one_error_line(again.stderr)
+    assert "model-00001-of-00004.safetensors" in line and "--overwrite" in line, line
+    assert run(model, out, "--overwrite").returncode == 0
+    clean = tmp_path / "clean"
+    assert run(model, clean).returncode == 0
+    assert digests(out) == digests(clean)
+    assert verify(out, model).ok

@@ -171,3 +171,24 @@ def test_a_leftover_partial_symlink_is_not_written_through(model, clean, out, tm
     assert outside.read_bytes() == b"not the repair's to write"
     assert not (out / "pp1" / name).is_symlink()
     same_bytes(out, clean)
+
+
+@pytest.mark.parametrize("damage", ["flipped", "truncated", "deleted"])
+def test_a_damaged_data_file_beside_a_damaged_manifest_is_rebuilt(model, clean, out, damage):
+    """With its stage's manifest unreadable, verify cannot check a data file against it: the
+    repair must not take that file's bytes on trust (and bless them in the new manifest)."""
+    stage = out / "pp1"
+    (stage / "reshard-stage.json").write_text("{damaged")
+    data = data_files(stage)[0]
+    if damage == "flipped":
+        raw = bytearray(data.read_bytes())
+        raw[-100] ^= 0x01
+        data.write_bytes(raw)
+    elif damage == "truncated":
+        os.truncate(data, data.stat().st_size // 2)
+    else:
+        data.unlink()
+    r = cli("verify", out, "--source", model, "--repair")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "verify OK" in r.stdout.splitlines()[-1]
+    same_bytes(out, clean)

@@ -154,6 +154,10 @@ def write_plan(
     try:
         state = assess_out(plan, out, overwrite=overwrite)
         created = _make_out(out)
+        # Left if a run was killed between its last two steps. Only then is a finished split
+        # written to: on a read-only filesystem, unlinking even a missing file fails.
+        if state.action == "complete" and (out / RUN_MARKER).exists():
+            _remove(out / RUN_MARKER)
     except OSError as e:  # OUT cannot be created or read: nothing was written
         raise _write_error(e, out, 0) from e
 
@@ -161,7 +165,6 @@ def write_plan(
     result.already_complete = [s.rank for s in plan.selected if s.rank in state.complete]
     todo = [s for s in plan.selected if s.rank not in state.complete]
     if state.action == "complete":
-        _remove(out / RUN_MARKER)  # left if a run was killed between its last two steps
         return result
 
     to_write = [(s, f) for s in todo for f in s.files if f.name not in state.kept.get(s.rank, {})]
@@ -180,8 +183,10 @@ def write_plan(
         replaced = state.action == "replace"
         _check_free_space(out, needed, freed=_split_bytes(out) if replaced else 0)
         if replaced:
+            created = [p for p in created if p != out / RUN_MARKER]  # the old split's record, until replaced
             _clear_split(out)
-        _write_atomic(out / RUN_MARKER, dumps({"identity": identity.to_json()}), sync_dir=False)
+        marker = {"identity": identity.to_json(), "source_files": _source_stamps(plan)}
+        _write_atomic(out / RUN_MARKER, dumps(marker), sync_dir=False)
         for stage in todo:
             kept = state.kept.get(stage.rank, {})
             _resume_stage(out / stage.dirname, stage, kept)
@@ -250,9 +255,10 @@ def repair_files(
     ``files`` maps a stage rank to names in its directory: its data files (rewritten from the
     plan), or its index, manifest, config.json or another side file (then the stage's
     non-weight files, manifest and index are written again, the manifest's digests taken from
-    the data files). ``rewrite_run_manifest`` rewrites ``reshard.json`` too. Every other file is left
-    untouched; each rewritten one is replaced atomically, so a stage whose manifest and index
-    are intact stays consistent throughout. Returns the paths rewritten, relative to OUT.
+    the data files, and those that are not the source's rewritten too). ``rewrite_run_manifest``
+    rewrites ``reshard.json`` too. Every other file is left untouched; each rewritten one is
+    replaced atomically, so a stage whose manifest and index are intact stays consistent
+    throughout. Returns the paths rewritten, relative to OUT.
     """
     reporter = reporter or Reporter()
     out = Path(out_dir)
@@ -260,6 +266,7 @@ def repair_files(
     redo_meta: list[StagePlan] = []
     done: list[str] = []
     stages = [plan.stages[r] for r in sorted(files)]
+    digests: dict[int, dict[str, str | None]] = {s.rank: {} for s in stages}
     try:
         # Temporaries left by an earlier run are replaced, never written through (one may be a
         # symlink out of OUT), as a resumed split clears them.
@@ -272,19 +279,22 @@ def repair_files(
             if names - {f.name for f in stage.files}:
                 redo_meta.append(stage)
                 _remove(stage_dir / INDEX_NAME)  # not a complete-looking stage while it is mended
+                # The new manifest records the digests of the data files kept, which nothing
+                # vouched for (a damaged manifest is no measure): a file is kept only if its
+                # header and tensors are the plan's and the source's, else it is rewritten too.
+                for f in stage.files:
+                    if f.name not in names:
+                        found = _source_digests(plan, stage_dir / f.name, f)
+                        data += [f] if found is None else []
+                        digests[stage.rank].update(found or {})
             to_write += [(stage, f) for f in data]
             done += [f"{stage.dirname}/{f.name}" for f in data]
-        digests: dict[int, dict[str, str | None]] = {s.rank: {} for s in stages}
         # Mended files are copied, not shared: their bytes are read and get their digests.
         durable = _Durability(out, whole_fs=False)
         _copy_files(plan, out, to_write, digests, workers, reporter, share=False, durable=durable)
         for stage in stages:
             stage_dir = out / stage.dirname
             if stage in redo_meta:
-                rewritten = {f.name for f in stage.files if f.name in files[stage.rank]}
-                for f in stage.files:
-                    if f.name not in rewritten:
-                        digests[stage.rank].update(_file_digests(stage_dir / f.name, f))
                 meta = (*plan.checkpoint.extra_files, STAGE_MANIFEST, INDEX_NAME)
                 done += [f"{stage.dirname}/{n}" for n in meta]
             else:
@@ -302,10 +312,24 @@ def repair_files(
     return done
 
 
-def _file_digests(path: Path, f: OutputFile) -> dict[str, str]:
-    """sha256 of each tensor of the stage's data file ``path``, laid out as ``f`` says."""
+def _source_digests(plan: Plan, path: Path, f: OutputFile) -> dict[str, str | None] | None:
+    """sha256 of each tensor of the stage's data file ``path`` when the file is ``f`` exactly:
+    its size and header the plan's, each tensor's bytes its source's. None otherwise (also
+    when it is missing or short)."""
+    if not _matches(path, f, _header(plan, f)):
+        return None
     segments = [Segment(t.name, f.data_start + t.out_offset, t.source.nbytes) for t in f.tensors]
-    return copy_segments(str(path), segments)
+    by_source: dict[str, list[Segment]] = {}
+    for t in f.tensors:
+        by_source.setdefault(t.source.file, []).append(Segment(t.name, t.source.offset, t.source.nbytes))
+    try:
+        found = copy_segments(str(path), segments)
+        want = {}
+        for file, of_source in by_source.items():
+            want.update(copy_segments(str(plan.checkpoint.path(file)), of_source))
+    except (OSError, ReshardError):  # changed since it was measured: rewritten all the same
+        return None
+    return found if found == want else None
 
 
 def check_out_dir(model_dir: Path, out_dir: Path) -> None:
@@ -360,10 +384,9 @@ def _assess_out(plan: Plan, out: Path, overwrite: bool) -> OutState:
                 f"{param('out_dir')} {out} cannot be created: {parent} is not a directory; choose "
                 "another path"
             )
-    # A run killed while writing its marker or run manifest leaves only their temporary files:
-    # ours, never worth keeping, and they must not make OUT look foreign to the next run.
-    ours = {f".{name}{PARTIAL_SUFFIX}" for name in (RUN_MARKER, RUN_MANIFEST)}
-    entries = sorted(p for p in out.iterdir() if p.name not in ours) if out.is_dir() else []
+    # A run killed while writing its marker or run manifest, or while probing for sharing, leaves
+    # only temporary files: ours, never worth keeping, and they must not make OUT look foreign.
+    entries = sorted(p for p in out.iterdir() if not _run_temporary(p.name)) if out.is_dir() else []
     if not entries:
         return OutState("new")
     identity = RunIdentity.of_plan(plan)
@@ -391,6 +414,16 @@ def _assess_out(plan: Plan, out: Path, overwrite: bool) -> OutState:
                 f"choose another directory, or pass {param('overwrite', True)} to replace that split"
             )
         return OutState("replace", differences=differences)
+    changed = _changed_source_files(plan, out) if record[0] == RUN_MARKER else []
+    if changed:
+        differences = f"source {changed[0]} changed since the interrupted run started"
+        if not overwrite:
+            raise ReshardError(
+                f"{param('out_dir')} {out} holds an interrupted split of {plan.checkpoint.display}, and "
+                f"{changed[0]} changed since it started: the files it finished hold the old bytes; "
+                f"pass {param('overwrite', True)} to split again from the start"
+            )
+        return OutState("replace", differences=differences)
     complete = tuple(s.rank for s in plan.stages if stage_is_complete(out / s.dirname, identity))
     if all(s.rank in complete for s in plan.selected) and (out / RUN_MANIFEST).exists():
         return OutState("complete", complete)
@@ -402,15 +435,42 @@ def _assess_out(plan: Plan, out: Path, overwrite: bool) -> OutState:
     return OutState("resume", complete, {rank: files for rank, files in kept.items() if files})
 
 
+def _source_stamps(plan: Plan) -> dict:
+    """What tells that the source's bytes changed while its sizes, index and config did not (the
+    run identity's fingerprint): each shard's size and modification time, or a Hub commit."""
+    ckpt = plan.checkpoint
+    if ckpt.hub is not None:
+        return {"commit": ckpt.hub.get("commit")}
+    return {f: [st.st_size, st.st_mtime_ns] for f in ckpt.files for st in [os.stat(ckpt.path(f))]}
+
+
+def _changed_source_files(plan: Plan, out: Path) -> list[str]:
+    """Source files (or the Hub commit) that changed since the interrupted run in ``out`` began;
+    none when its marker records no stamps."""
+    recorded = json.loads((out / RUN_MARKER).read_bytes()).get("source_files")
+    if not isinstance(recorded, dict):
+        return []
+    now = _source_stamps(plan)
+    return [name for name in sorted({*recorded, *now}) if recorded.get(name) != now.get(name)]
+
+
 def _make_out(out: Path) -> list[Path]:
     """Create OUT if needed, without the temporary run files a killed run may have left.
 
     Returns the directories created (OUT and any missing parents, outermost first).
     """
     created = _make_dirs(out)
-    for name in (RUN_MARKER, RUN_MANIFEST):
-        _remove(out / f".{name}{PARTIAL_SUFFIX}")
+    for p in list(out.iterdir()):
+        if _run_temporary(p.name):
+            _remove(p)
     return created
+
+
+def _run_temporary(name: str) -> bool:
+    """A temporary file a killed run may leave in OUT itself: its marker's or run manifest's, or
+    the probe for sharing."""
+    ours = {f".{n}{PARTIAL_SUFFIX}" for n in (RUN_MARKER, RUN_MANIFEST)}
+    return name in ours or (name.startswith(reflinks.PROBE_PREFIX) and name.endswith(PARTIAL_SUFFIX))
 
 
 def _stage_dirs(out: Path) -> list[Path]:
@@ -429,6 +489,12 @@ def _split_bytes(out: Path) -> int:
 def _clear_split(out: Path) -> None:
     """Delete the split with other settings that OUT holds (``assess_out`` said "replace")."""
     entries = sorted(out.iterdir())
+    # The old split stays recorded, by a run marker, until its last file is gone (the new run's
+    # marker then replaces it): a run killed while deleting leaves what the next run still sees
+    # as a split with other settings, not files "qwen35-reshard did not write".
+    record = read_run_record(out, str(out))
+    if isinstance(record, tuple) and record[0] == RUN_MANIFEST:
+        _write_atomic(out / RUN_MARKER, dumps({"identity": record[1].to_json()}))
     # What makes a directory look complete goes first, so that a run killed while deleting
     # leaves no run manifest and no stage index beside half-deleted data.
     _remove(out / RUN_MANIFEST)
@@ -437,7 +503,7 @@ def _clear_split(out: Path) -> None:
     for p in entries:
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p)
-        elif p.name != RUN_MANIFEST:
+        elif p.name not in (RUN_MANIFEST, RUN_MARKER):
             p.unlink()
 
 
