@@ -620,6 +620,19 @@ def test_overwrite_killed_while_deleting_the_old_split_then_again(small, small_c
     assert digests(out) == digests(small_clean)
 
 
+def test_a_journal_torn_into_any_bytes_is_resumed(small, small_clean, tmp_path):
+    """A journal's last line torn by a crash may hold any bytes, not even UTF-8: the file it
+    named is redone, the rest kept."""
+    out = tmp_path / "out"
+    kill_at("open", ".reshard-stage.json.partial", command(small, out)[3:])
+    journals = sorted(out.glob("pp*/.reshard-journal.jsonl"))
+    assert len(journals) == PP
+    with open(journals[0], "ab") as j:
+        j.write(b'{"file": "model-0000\xff\xfe')
+    assert run(small, out).returncode == 0
+    assert digests(out) == digests(small_clean)
+
+
 def test_a_source_changed_since_the_interrupted_run_is_not_resumed(small, tmp_path):
     """The source updated in place between a killed run and the same command again (same sizes,
     index and config: other weights): the files the killed run finished hold the old bytes, so

@@ -37,7 +37,7 @@ from pathlib import Path
 
 from .. import ondisk, transfer
 from .. import reflink as reflinks
-from ..errors import ReshardError, param
+from ..errors import JSON_ERRORS, ReshardError, param
 from ..ondisk import (
     ALIGNED,
     CLONE,
@@ -591,15 +591,15 @@ def _header(
 def _read_journal(path: Path) -> dict[str, dict[str, str]]:
     entries: dict[str, dict[str, str]] = {}
     try:
-        lines = path.read_text().splitlines()
+        lines = path.read_bytes().splitlines()
     except FileNotFoundError:
         return entries
     for line in lines:
         try:
             rec = json.loads(line)
             entries[rec["file"]] = rec["digests"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            continue  # a line torn by a crash: that file is simply redone
+        except (*JSON_ERRORS, KeyError, TypeError):
+            continue  # a line torn by a crash (bytes of any kind): that file is simply redone
     return entries
 
 
