@@ -561,13 +561,19 @@ def _parse_tensor(name: str, info: object, files: dict) -> StageTensor | str:
     return StageTensor(name, info["file"], dtype, tuple(shape), nbytes, -1, digest)
 
 
+def is_plain_name(name: str) -> bool:
+    """Whether ``name`` names a file directly inside a directory (no path, no '..', no NUL,
+    which os calls refuse with ValueError)."""
+    return (
+        bool(name) and "/" not in name and "\\" not in name and "\0" not in name and name not in (".", "..")
+    )
+
+
 def _plain_safetensors_name(name: object) -> bool:
     return (
         isinstance(name, str)
+        and is_plain_name(name)
         and name.endswith(".safetensors")
-        and "/" not in name
-        and "\\" not in name
-        and "\0" not in name  # no file has such a name: os calls refuse it (ValueError)
         and not name.startswith(".")
     )
 

@@ -39,6 +39,7 @@ from .ondisk import (
     CONFIG_NAME,
     INDEX_NAME,
     JOURNAL,
+    MTP_DROPPED,
     PARTIAL_SUFFIX,
     RUN_MANIFEST,
     RUN_MARKER,
@@ -52,7 +53,7 @@ from .ondisk import (
     stage_dir_rank,
     stage_dirname,
 )
-from .plan.planner import MTP_DROPPED, Plan, make_plan
+from .plan.planner import Plan, make_plan
 from .source.checkpoint import Checkpoint
 from .source.header import DTYPE_SIZES, Header
 from .source.hub import HubFetcher, HubRepo, HubSettings, fetch_files, open_model

@@ -35,9 +35,10 @@ from ..model.runtimes import (
     servable,
 )
 from ..model.schema import layer_types, mtp_layers, text_config
+from ..ondisk import MTP_ABSENT, MTP_DROPPED, MTP_KEPT
 from ..source.checkpoint import Checkpoint
 from .capacity import Capacity, Serving, serving_costs
-from .planner import MTP_ABSENT, MTP_DROPPED, MTP_KEPT, _check_roles
+from .planner import check_roles
 
 # A function of one stage: (rank, first layer, end layer exclusive).
 StageFn = Callable[[int, int, int], int]
@@ -283,7 +284,7 @@ def stage_costs(ckpt: Checkpoint, *, pp: int, runtime: str, keep_mtp: bool) -> t
     # The plan's own checks first: one per-layer list below is num_hidden_layers long.
     tensor_names = list(ckpt.tensors)
     keys, key_roles = names.classify_all(tensor_names)
-    _check_roles(tensor_names, keys, key_roles, ckpt.num_layers)
+    check_roles(tensor_names, keys, key_roles, ckpt.num_layers)
     roles = dict(zip(tensor_names, map(key_roles.__getitem__, keys), strict=True))
     has_mtp = any(r.kind == names.MTP for r in roles.values())
     mtp = MTP_ABSENT if not has_mtp else MTP_KEPT if keep_mtp else MTP_DROPPED

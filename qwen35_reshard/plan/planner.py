@@ -228,7 +228,7 @@ def make_plan(
     # that decides a role: a few hundred), not per tensor.
     tensor_names, sources = list(ckpt.tensors), list(ckpt.tensors.values())
     keys, roles = names.classify_all(tensor_names)
-    _check_roles(tensor_names, keys, roles, ckpt.num_layers)
+    check_roles(tensor_names, keys, roles, ckpt.num_layers)
     required = schema.required_tensors(ckpt.config, ckpt.tensors)
     schema.check_complete(required, ckpt.tensors, str(ckpt.root))
     # After the checks above, so that a config that does not match the weights is told as such.
@@ -290,7 +290,7 @@ def make_plan(
     )
 
 
-def _check_roles(
+def check_roles(
     tensor_names: list[str], keys: list[str], roles: dict[str, names.Role | None], num_layers: int
 ) -> None:
     """Every tensor has a role, and the decoder layers are exactly 0..num_layers-1.

@@ -26,6 +26,7 @@ from ..ondisk import (
     PICKLE_SUFFIXES,
     SINGLE_FILE_NAME,
     allowed_roots,
+    is_plain_name,
     parse_json_object,
 )
 from .header import Header, read_header
@@ -275,11 +276,6 @@ def _weight_map(index: object, where: str) -> tuple[dict[str, str], list[str]]:
                 "loads; convert the checkpoint to safetensors first"
             )
     return wm, sorted(set(wm.values()))
-
-
-def is_plain_name(name: str) -> bool:
-    """Whether ``name`` names a file directly inside a directory (no path, no '..')."""
-    return bool(name) and "/" not in name and "\\" not in name and name not in (".", "..")
 
 
 def _checked_path(root: Path, name: str, allowed: tuple[Path, ...], *, what: str) -> Path:

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 
 from .._version import __version__
 from ..errors import JSON_ERRORS, ReshardError, param
+from ..ondisk import is_plain_name
 from .checkpoint import CONFIG_NAME, INDEX_NAME, PICKLE_SUFFIXES, SINGLE_FILE_NAME
 from .header import Header, parse_header
 from .ranged import RangeReader
@@ -290,7 +291,7 @@ def _transport_cause(e: BaseException) -> str | None:
 def read_hub_checkpoint(repo: HubRepo, *, traffic: Traffic | None = None) -> Checkpoint:
     """The checkpoint at ``repo`` as plain data: config and index through huggingface_hub,
     each shard's header by ranged reads (or from the kept headers / the cache)."""
-    from .checkpoint import assemble_checkpoint, is_plain_name, load_config
+    from .checkpoint import assemble_checkpoint, load_config
 
     traffic = traffic if traffic is not None else Traffic()
     listing = _listing(repo)

@@ -17,6 +17,7 @@ from pathlib import Path
 from ..errors import ReshardError
 from ..ondisk import (
     INDEX_NAME,
+    MTP_DROPPED,
     RUN_MANIFEST,
     RUN_MARKER,
     STAGE_MANIFEST,
@@ -24,7 +25,7 @@ from ..ondisk import (
     source_identity,
     stage_dir_rank,
 )
-from ..plan.planner import MTP_DROPPED, Plan, make_plan
+from ..plan.planner import Plan, make_plan
 from ..source.checkpoint import Checkpoint, read_checkpoint
 from ..stage import Finding, read_manifest, read_run_record
 from ..verify import VerifyReport, verify
