@@ -73,6 +73,22 @@ class StageDir:
     problems: list[Finding]
 
 
+def stage_dirs(run_dir: Path) -> dict[int, Path]:
+    """The stage directories (``ppN``, directories or links to one) in ``run_dir``, by rank.
+
+    Args:
+        run_dir: A run directory OUT.
+
+    Returns:
+        Rank -> stage directory, in rank order.
+
+    Raises:
+        OSError: ``run_dir`` cannot be listed.
+    """
+    found = {rank: p for p in run_dir.iterdir() if (rank := stage_dir_rank(p)) is not None and p.is_dir()}
+    return dict(sorted(found.items()))
+
+
 def read_stage(root: Path, display: str, run: tuple[str, RunIdentity] | None = None) -> StageDir:
     """Check the stage directory ``root`` (``display`` in messages) against its manifest.
 

@@ -68,6 +68,7 @@ from .stage import (
     Finding,
     read_run_record,
     read_stage,
+    stage_dirs,
 )
 from .transfer import CHUNK_BYTES, Segment, copy_segments
 
@@ -195,11 +196,6 @@ def _is_stage_dir(root: Path) -> bool:
     return any(p.name in names or p.name.endswith(".safetensors") for p in root.iterdir())
 
 
-def _stage_dirs(root: Path) -> dict[int, Path]:
-    found = {int(p.name[2:]): p for p in root.iterdir() if STAGE_DIR.fullmatch(p.name) and p.is_dir()}
-    return dict(sorted(found.items()))
-
-
 def _check_run_dir(root: Path, display: str, report: VerifyReport) -> list[_Stage]:
     """Run-level checks; returns the stage directories to check.
 
@@ -241,7 +237,7 @@ def _check_run_dir(root: Path, display: str, report: VerifyReport) -> list[_Stag
             )
         )
 
-    dirs = _stage_dirs(root)
+    dirs = stage_dirs(root)
     pp = identity.pp if identity else None
     complete = _recorded_complete(run)
     for rank in sorted(complete - set(dirs)):

@@ -24,7 +24,7 @@ from safetensors import safe_open
 
 import qwen35_reshard
 from qwen35_reshard import ReshardError
-from qwen35_reshard.write import writer
+from qwen35_reshard.write import finish
 
 CLI = Path(sys.executable).with_name("qwen35-reshard")
 INDEX = "model.safetensors.index.json"
@@ -209,9 +209,9 @@ def test_small_copy_chunks(ref, make_checkpoint, tmp_path, monkeypatch, kind, ru
     # Real tensors are far larger than the copy chunk: cut the tiny ones across many chunks,
     # with replicated tensors (several destinations) and gaps between the runs a stage reads.
     from qwen35_reshard.transfer import copy_segments
-    from qwen35_reshard.write import writer as write
+    from qwen35_reshard.write import assemble
 
-    monkeypatch.setattr(write, "copy_segments", functools.partial(copy_segments, chunk_bytes=chunk))
+    monkeypatch.setattr(assemble, "copy_segments", functools.partial(copy_segments, chunk_bytes=chunk))
     model = make_checkpoint(**CASES[kind], **ref.servable_attention(runtime, pp))
     qwen35_reshard.reshard(model, tmp_path / "out", pp=pp, runtime=runtime, ranks=ranks, workers=2)
     check_split(ref, model, tmp_path / "out", pp=pp, runtime=runtime, ranks=ranks)
@@ -336,7 +336,7 @@ def test_large_side_files_are_copied_not_read_whole(ref, make_checkpoint, tmp_pa
     """Every side file above the in-memory limit (here: all of them) is copied file to file, once
     per copy, with the same bytes in OUT and in every stage."""
     model = make_checkpoint(layout="fused")
-    monkeypatch.setattr(writer, "SIDE_FILE_IN_MEMORY", 0)
+    monkeypatch.setattr(finish, "SIDE_FILE_IN_MEMORY", 0)
     calls, copyfile = [], shutil.copyfile
     monkeypatch.setattr(shutil, "copyfile", lambda *a: calls.append(a) or copyfile(*a))
     out = tmp_path / "out"

@@ -14,22 +14,32 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import ondisk
 from ..errors import ReshardError
 from ..ondisk import (
     INDEX_NAME,
+    JOURNAL,
     MTP_DROPPED,
     RUN_MANIFEST,
     RUN_MARKER,
     STAGE_MANIFEST,
     RunIdentity,
+    dumps,
     source_identity,
     stage_dir_rank,
+    stage_is_complete,
 )
-from ..plan.planner import Plan, make_plan
+from ..plan.planner import OutputFile, Plan, StagePlan, make_plan
 from ..source.checkpoint import Checkpoint, read_checkpoint
 from ..stage import Finding, read_manifest, read_run_record
+from ..transfer import Segment, copy_segments
 from ..verify import VerifyReport, verify
-from .writer import DEFAULT_WORKERS, repair_files
+from .assemble import Reporter, copy_files
+from .datafile import header, matches
+from .durability import Durability, fsync_dir, remove, remove_partials, write_atomic, write_error
+from .finish import finish_stages, prepare_stages
+from .journal import Digests
+from .writer import DEFAULT_WORKERS
 
 
 @dataclass(frozen=True)
@@ -127,3 +137,112 @@ def _damaged(report: VerifyReport, plan: Plan) -> tuple[dict[int, set[str]], boo
     if (Path(report.target) / RUN_MARKER).exists():
         run_manifest = False  # an unfinished run: the same command finishes it
     return {r: n for r, n in files.items() if n}, run_manifest
+
+
+def repair_files(
+    plan: Plan,
+    out_dir: str | os.PathLike[str],
+    files: dict[int, set[str]],
+    *,
+    rewrite_run_manifest: bool = False,
+    workers: int = DEFAULT_WORKERS,
+    reporter: Reporter | None = None,
+) -> list[str]:
+    """Rewrite from the source exactly ``files`` of a finished split in ``out_dir``.
+
+    Every other file is left untouched; each rewritten one is replaced atomically, so a stage
+    whose manifest and index are intact stays consistent throughout.
+
+    Args:
+        plan: The plan the split was made with (rebuilt from the settings it records).
+        out_dir: The run directory OUT.
+        files: Stage rank -> names in its directory: its data files (rewritten from the plan),
+            or its index, manifest, config.json or another side file (then the stage's
+            non-weight files, manifest and index are written again, the manifest's digests
+            taken from the data files, and those that are not the source's rewritten too).
+        rewrite_run_manifest: Rewrite ``reshard.json`` too.
+        workers: Source shards copied at once.
+        reporter: Progress callbacks; none by default.
+
+    Returns:
+        The paths rewritten, relative to OUT.
+
+    Raises:
+        ReshardError: A write failed (a full disk, no permission).
+    """
+    reporter = reporter or Reporter()
+    out = Path(out_dir)
+    stages = [plan.stages[r] for r in sorted(files)]
+    digests: dict[int, Digests] = {s.rank: {} for s in stages}
+    try:
+        # Temporaries left by an earlier run are replaced, never written through (one may be a
+        # symlink out of OUT), as a resumed split clears them.
+        remove_partials(out, stages)
+        to_write, redo_meta = _files_to_rewrite(plan, out, files, stages, digests)
+        # Mended files are copied, not shared: their bytes are read and get their digests.
+        durable = Durability(out, whole_fs=False)
+        copy_files(plan, out, to_write, digests, workers, reporter, share=False, durable=durable)
+        for stage in stages:
+            if stage not in redo_meta:
+                remove(out / stage.dirname / JOURNAL)  # a finished stage holds none
+        finish_stages(out, redo_meta, digests, durable, prepare_stages(plan, out, redo_meta))
+        meta = (*plan.checkpoint.extra_files, STAGE_MANIFEST, INDEX_NAME)
+        done = [f"{s.dirname}/{f.name}" for s, f in to_write]
+        done += [f"{s.dirname}/{name}" for s in redo_meta for name in meta]
+        if rewrite_run_manifest:
+            complete = [s.rank for s in plan.stages if stage_is_complete(out / s.dirname)]
+            write_atomic(out / RUN_MANIFEST, dumps(ondisk.run_manifest(plan, complete)))
+            done.append(RUN_MANIFEST)
+        fsync_dir(out)
+    except OSError as e:
+        raise write_error(e, out, 0) from e
+    finally:
+        remove_partials(out, stages)
+    return done
+
+
+def _files_to_rewrite(
+    plan: Plan, out: Path, files: dict[int, set[str]], stages: list[StagePlan], digests: dict[int, Digests]
+) -> tuple[list[tuple[StagePlan, OutputFile]], list[StagePlan]]:
+    """The data files to rewrite, and the stages whose side files, manifest and index are
+    written again (their index removed now); fills ``digests`` with those of the files kept."""
+    to_write: list[tuple[StagePlan, OutputFile]] = []
+    redo_meta: list[StagePlan] = []
+    for stage in stages:
+        stage_dir = out / stage.dirname
+        names = files[stage.rank]
+        data = [f for f in stage.files if f.name in names]
+        stage_dir.mkdir(exist_ok=True)
+        if names - {f.name for f in stage.files}:
+            redo_meta.append(stage)
+            remove(stage_dir / INDEX_NAME)  # not a complete-looking stage while it is mended
+            # The new manifest records the digests of the data files kept, which nothing
+            # vouched for (a damaged manifest is no measure): a file is kept only if its
+            # header and tensors are the plan's and the source's, else it is rewritten too.
+            for f in stage.files:
+                if f.name not in names:
+                    found = _source_digests(plan, stage_dir / f.name, f)
+                    data += [f] if found is None else []
+                    digests[stage.rank].update(found or {})
+        to_write += [(stage, f) for f in data]
+    return to_write, redo_meta
+
+
+def _source_digests(plan: Plan, path: Path, f: OutputFile) -> Digests | None:
+    """sha256 of each tensor of the stage's data file ``path`` when the file is ``f`` exactly:
+    its size and header the plan's, each tensor's bytes its source's. None otherwise (also
+    when it is missing or short)."""
+    if not matches(path, f, header(plan, f)):
+        return None
+    segments = [Segment(t.name, f.data_start + t.out_offset, t.source.nbytes) for t in f.tensors]
+    by_source: dict[str, list[Segment]] = {}
+    for t in f.tensors:
+        by_source.setdefault(t.source.file, []).append(Segment(t.name, t.source.offset, t.source.nbytes))
+    try:
+        found = copy_segments(str(path), segments)
+        want = {}
+        for file, of_source in by_source.items():
+            want.update(copy_segments(str(plan.checkpoint.path(file)), of_source))
+    except (OSError, ReshardError):  # changed since it was measured: rewritten all the same
+        return None
+    return found if found == want else None

@@ -1,0 +1,245 @@
+"""Assembling the data files: every file of a run made under its temporary name (cloned,
+or created with its header), filled by one worker per source shard, then finished (made
+durable, renamed, journaled) in batches as the shards that complete them are copied."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .. import transfer
+from ..ondisk import ALIGNED, CLONE, JOURNAL
+from ..plan.planner import OutputFile, Plan, StagePlan
+from ..transfer import RangeSource, Segment, copy_segments, drop_pages
+from .datafile import OpenFile, clone, create, header
+from .durability import Durability, partial_path, remove
+from .journal import Digests, append_journal
+
+# Copied bytes a run that syncs its filesystem whole may hold unfinished (lost to a crash).
+PROGRESS_BYTES = 1 << 30
+
+OpenSource = Callable[[str], str | RangeSource]
+
+
+class Reporter:
+    """Progress callbacks of a write; the default reports nothing. May be called from threads."""
+
+    def start(self, total_bytes: int) -> None:
+        """Called once before copying, with the bytes that will be copied or shared."""
+
+    def advance(self, nbytes: int) -> None:
+        """Called as ``nbytes`` more bytes are copied or shared."""
+
+    def stage_done(self, stage: StagePlan) -> None:
+        """Called when ``stage`` is complete in OUT."""
+
+
+@dataclass
+class _Copy:
+    """The data files of one copy, open under their temporary names, and what each source
+    shard gives them."""
+
+    opened: list[OpenFile] = field(default_factory=list)
+    segments: dict[str, dict[str, Segment]] = field(default_factory=dict)  # source file -> tensor -> run
+    share_fds: dict[str, set[int]] = field(default_factory=dict)  # source file -> files sharing its blocks
+    shared: int = 0  # bytes sharing the source's blocks
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def on_shared(self, n: int) -> None:
+        with self.lock:
+            self.shared += n
+
+    def open(
+        self,
+        plan: Plan,
+        stage: StagePlan,
+        f: OutputFile,
+        final: Path,
+        share: bool,
+        open_source: OpenSource | None,
+    ) -> Digests:
+        """Make ``f`` under its temporary name; returns the digests it has already (a clone's)."""
+        tmp = partial_path(final)
+        if share and f.layout == CLONE and clone(plan, f, tmp):
+            self.opened.append(OpenFile(stage, f, tmp, final, os.open(tmp, os.O_RDONLY), set()))
+            self.on_shared(f.size)
+            return dict.fromkeys(f.tensor_names)
+        sharing = share and f.layout in (CLONE, ALIGNED)
+        o = create(stage, f, tmp, final, header(plan, f, open_source), preallocate=not sharing)
+        self.opened.append(o)
+        if sharing:
+            self.share_fds.setdefault(f.source_file, set()).add(o.fd)
+        for t in f.tensors:
+            s = t.source
+            seg = self.segments.setdefault(s.file, {}).setdefault(s.name, Segment(s.name, s.offset, s.nbytes))
+            seg.dests.append((o.fd, f.data_start + t.out_offset))
+        return {}
+
+    def source_done(self, file: str, found: Digests, digests: dict[int, Digests]) -> list[OpenFile]:
+        """Record the digests the source shard ``file`` gave; returns the files it completed."""
+        completed = []
+        for o in self.opened:
+            if file in o.pending_sources:
+                digests[o.stage.rank].update(
+                    {t.name: found[t.name] for t in o.plan.tensors if t.source.file == file}
+                )
+                o.pending_sources.discard(file)
+                if not o.pending_sources:
+                    completed.append(o)
+                    _write_back_now(o.fd)
+        return completed
+
+    def close(self) -> None:
+        """Close and delete the files not finished (a run stopped by an error or a signal)."""
+        for o in self.opened:
+            if o.fd >= 0:
+                os.close(o.fd)
+                remove(o.tmp)
+
+
+def copy_files(
+    plan: Plan,
+    out: Path,
+    to_write: list[tuple[StagePlan, OutputFile]],
+    digests: dict[int, Digests],
+    workers: int,
+    reporter: Reporter,
+    open_source: OpenSource | None = None,
+    *,
+    share: bool,
+    durable: Durability,
+    deferred: list[tuple[Path, Path]] | None = None,
+    meanwhile: Callable[[], None] | None = None,
+) -> tuple[int, int]:
+    """Copy (or share) the data of ``to_write``, one worker per source shard; fills ``digests``.
+
+    Returns how many of the files' bytes were copied and how many share the source's blocks.
+    When the filesystem is synced whole and ``deferred`` is given, the files finished last are
+    left under their temporary names, closed, their (temporary, final) names added to it: the
+    stages' first barrier makes them durable with everything else. ``meanwhile()`` runs in
+    this thread while the workers copy.
+    """
+    copy = _Copy()
+    try:
+        for stage, f in to_write:
+            digests[stage.rank].update(
+                copy.open(plan, stage, f, out / stage.dirname / f.name, share, open_source)
+            )
+        reporter.start(sum(seg.nbytes for segs in copy.segments.values() for seg in segs.values()))
+        # Clones are finished with the next files that are: redoing one costs nothing, so it
+        # is not worth a barrier of its own. Synced file by file, they are finished now.
+        ready = [o for o in copy.opened if not o.pending_sources]  # not yet durable
+        if not durable.whole_fs:
+            finish_files(ready, digests, durable)
+            ready = []
+        ready = _copy_sources(plan, copy, digests, ready, workers, reporter, open_source, durable, meanwhile)
+        if durable.whole_fs and deferred is not None:
+            deferred.extend(_close_for_barrier(ready))
+        else:
+            finish_files(ready, digests, durable)
+        return sum(f.size for _, f in to_write) - copy.shared, copy.shared
+    finally:
+        copy.close()
+
+
+def _copy_sources(
+    plan: Plan,
+    copy: _Copy,
+    digests: dict[int, Digests],
+    ready: list[OpenFile],
+    workers: int,
+    reporter: Reporter,
+    open_source: OpenSource | None,
+    durable: Durability,
+    meanwhile: Callable[[], None] | None,
+) -> list[OpenFile]:
+    """Copy every source shard's runs, finishing files in batches as shards complete them;
+    returns the completed files not finished yet (``ready`` and those after it)."""
+    stop = threading.Event()
+
+    def run(file: str) -> Digests:
+        src = open_source(file) if open_source is not None else str(plan.checkpoint.path(file))
+        return copy_segments(
+            src,
+            list(copy.segments[file].values()),
+            on_progress=reporter.advance,
+            should_stop=stop.is_set,
+            share_fds=frozenset(copy.share_fds.get(file, ())),
+            on_shared=copy.on_shared,
+        )
+
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        futures: dict[Future[Digests], str] = {pool.submit(run, file): file for file in sorted(copy.segments)}
+        try:
+            if meanwhile is not None:
+                meanwhile()
+            while futures:
+                done, _ = wait(futures, return_when=FIRST_COMPLETED)
+                for fut in done:
+                    ready += copy.source_done(futures.pop(fut), fut.result(), digests)
+                if futures and _batch_due(ready, durable):
+                    finish_files(ready, digests, durable)
+                    ready = []
+        except BaseException:
+            stop.set()
+            for fut in futures:
+                fut.cancel()
+            raise
+    return ready
+
+
+def _batch_due(ready: list[OpenFile], durable: Durability) -> bool:
+    """Whether the completed files ``ready`` are to be finished now, before the copy ends."""
+    if not durable.whole_fs:
+        return True
+    # A barrier of the whole filesystem costs the same for one file or many: then files are
+    # finished once enough copied bytes would be lost to a crash.
+    return sum(o.plan.size - o.plan.shareable_bytes for o in ready) >= PROGRESS_BYTES
+
+
+def _write_back_now(fd: int) -> None:
+    """Start writing a completed file back and drop its pages (``transfer.DROP_BEHIND``): its
+    dirty data then goes to disk as the copy goes, not all at the barrier."""
+    if transfer.DROP_BEHIND:
+        drop_pages(fd, 0, 0)
+
+
+def _close_for_barrier(files: list[OpenFile]) -> list[tuple[Path, Path]]:
+    """Close ``files``, left under their temporary names for the stages' first barrier, which
+    makes them durable with everything else; returns their (temporary, final) names."""
+    for o in files:
+        os.close(o.fd)
+        o.fd = -1
+    return [(o.tmp, o.final) for o in files]
+
+
+def finish_files(files: list[OpenFile], digests: dict[int, Digests], durable: Durability) -> None:
+    """Make finished data files durable, give them their final names, and journal them.
+
+    Files finished together (the clones, made before any copying; the files a source shard
+    completes) share one barrier, one directory sync and one journal write per stage. The
+    journal may lag behind the renames (a file found without its entry is redone), never
+    ahead of the bytes: each entry names a file whose bytes were durable before it was renamed.
+    """
+    if not files:
+        return
+    for o in files:
+        os.close(o.fd)
+        o.fd = -1
+    durable.files([o.tmp for o in files])
+    for o in files:
+        os.replace(o.tmp, o.final)
+    stage_dirs = list(dict.fromkeys(o.final.parent for o in files))
+    durable.dirs(stage_dirs, lazy=True)
+    for stage_dir in stage_dirs:
+        finished = {
+            o.plan.name: {t.name: digests[o.stage.rank][t.name] for t in o.plan.tensors}
+            for o in files
+            if o.final.parent == stage_dir
+        }
+        append_journal(stage_dir, finished)
+    durable.files([d / JOURNAL for d in stage_dirs], lazy=True)

@@ -1,0 +1,202 @@
+"""Deciding what a write does with an existing OUT, before anything is written: start anew,
+nothing (complete), resume an unfinished run with the same settings, or replace a split made
+with other settings; or refuse (OUT is a file, holds files this tool did not write, ...).
+
+The one decision both a real run and a preview (``plan``, ``--dry-run``) take. Reads only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .. import reflink as reflinks
+from ..errors import ReshardError, param
+from ..ondisk import (
+    PARTIAL_SUFFIX,
+    RUN_MANIFEST,
+    RUN_MARKER,
+    STAGE_DIR,
+    RunIdentity,
+    describe_differences,
+    stage_is_complete,
+)
+from ..plan.planner import Plan
+from ..stage import Finding, read_run_record
+from .durability import partial_name, write_error
+from .journal import Digests, keepable
+
+
+@dataclass(frozen=True)
+class OutState:
+    """What a write of a plan does in OUT, decided before anything is written (:func:`assess_out`).
+
+    ``action`` is "new" (OUT is absent or empty), "complete" (nothing to do), "resume" (an
+    unfinished run with the same settings: its finished stages and data files are kept) or
+    "replace" (a split made with other settings, replaced as ``overwrite`` allows).
+    """
+
+    action: str
+    complete: tuple[int, ...] = ()  # stages of the split (selected or not) already complete
+    kept: dict[int, dict[str, Digests]] = field(default_factory=dict)  # rank -> file -> digests
+    differences: str = ""  # "replace": the settings that differ, old -> new
+
+    @property
+    def files_kept(self) -> int:
+        """How many finished data files of an earlier run the write keeps."""
+        return sum(len(files) for files in self.kept.values())
+
+
+def check_out_dir(model_dir: Path, out_dir: Path) -> None:
+    """Refuse an OUT that is MODEL itself or lies inside it.
+
+    Args:
+        model_dir: The checkpoint's directory.
+        out_dir: The output directory a split would be written to.
+
+    Raises:
+        ReshardError: ``out_dir`` is ``model_dir`` or inside it.
+    """
+    model, out = model_dir.resolve(), out_dir.resolve()
+    if out == model or out.is_relative_to(model):
+        raise ReshardError(
+            f"{param('out_dir')} {out_dir} is inside {param('model_dir')} {model_dir}; choose an output "
+            "directory outside the checkpoint"
+        )
+
+
+def assess_out(plan: Plan, out_dir: str | os.PathLike[str], *, overwrite: bool = False) -> OutState:
+    """What writing ``plan`` into ``out_dir`` would do there, without writing anything.
+
+    The one decision both a real run (``write_plan``) and a preview (``plan``, ``--dry-run``)
+    take.
+
+    Args:
+        plan: The plan to be written.
+        out_dir: The output directory OUT (it need not exist).
+        overwrite: Whether a split made with other settings may be replaced.
+
+    Returns:
+        The :class:`OutState`: the action, the stages complete and the files kept.
+
+    Raises:
+        ReshardError: Where a run refuses: OUT is MODEL or inside it, is a file, cannot be read,
+            holds files this tool did not write, or a split made with other settings (or an
+            interrupted one whose source changed) and not ``overwrite``.
+    """
+    out = Path(out_dir)
+    check_out_dir(plan.checkpoint.root, out)
+    try:
+        return _assess_out(plan, out, overwrite)
+    except OSError as e:  # e.g. OUT or a stage directory unreadable: as the real run says it
+        raise write_error(e, out, 0) from e
+
+
+def _assess_out(plan: Plan, out: Path, overwrite: bool) -> OutState:
+    _check_creatable(out)
+    # A run killed while writing its marker or run manifest, or while probing for sharing, leaves
+    # only temporary files: ours, never worth keeping, and they must not make OUT look foreign.
+    entries = sorted(p for p in out.iterdir() if not run_temporary(p.name)) if out.is_dir() else []
+    if not entries:
+        return OutState("new")
+    identity = RunIdentity.of_plan(plan)
+    record = read_run_record(out, str(out))
+    if isinstance(record, Finding):
+        raise ReshardError(record.message)
+    recorded = record[1] if record is not None else None
+    if recorded != identity:
+        return _other_split(plan, out, entries, recorded, identity, overwrite)
+    changed = _changed_source_files(plan, out) if record[0] == RUN_MARKER else []
+    if changed:
+        return _source_changed(plan, out, changed[0], overwrite)
+    complete = tuple(s.rank for s in plan.stages if stage_is_complete(out / s.dirname, identity))
+    if all(s.rank in complete for s in plan.selected) and (out / RUN_MANIFEST).exists():
+        return OutState("complete", complete)
+    kept = {
+        s.rank: keepable(plan, out / s.dirname, s)
+        for s in plan.selected
+        if s.rank not in complete and (out / s.dirname).is_dir()
+    }
+    return OutState("resume", complete, {rank: files for rank, files in kept.items() if files})
+
+
+def _check_creatable(out: Path) -> None:
+    """Refuse an OUT that is a file, or cannot be made because a parent is one."""
+    if out.exists() and not out.is_dir():
+        raise ReshardError(f"{param('out_dir')} {out} exists and is not a directory")
+    if not out.exists():
+        parent = next(p for p in out.absolute().parents if p.exists())
+        if not parent.is_dir():
+            raise ReshardError(
+                f"{param('out_dir')} {out} cannot be created: {parent} is not a directory; choose "
+                "another path"
+            )
+
+
+def _other_split(
+    plan: Plan,
+    out: Path,
+    entries: list[Path],
+    recorded: RunIdentity | None,
+    identity: RunIdentity,
+    overwrite: bool,
+) -> OutState:
+    """OUT holds no split of these settings: "replace" a split of others where allowed."""
+    foreign = [
+        p.name
+        for p in entries
+        if not (STAGE_DIR.fullmatch(p.name) and p.is_dir())
+        and p.name not in (RUN_MARKER, RUN_MANIFEST, *plan.checkpoint.extra_files)
+    ]
+    if foreign or recorded is None:
+        name = foreign[0] if foreign else entries[0].name
+        raise ReshardError(
+            f"{param('out_dir')} {out} holds {name!r}, which qwen35-reshard did not write; it is "
+            "never deleted for you: choose an empty or new directory"
+        )
+    differences = describe_differences(recorded, identity)
+    if not overwrite:
+        raise ReshardError(
+            f"{param('out_dir')} {out} holds a split made with other settings ({differences}); "
+            f"choose another directory, or pass {param('overwrite', True)} to replace that split"
+        )
+    return OutState("replace", differences=differences)
+
+
+def _source_changed(plan: Plan, out: Path, changed: str, overwrite: bool) -> OutState:
+    """An interrupted run whose source file ``changed`` since: "replace" it where allowed."""
+    if not overwrite:
+        raise ReshardError(
+            f"{param('out_dir')} {out} holds an interrupted split of {plan.checkpoint.display}, and "
+            f"{changed} changed since it started: the files it finished hold the old bytes; "
+            f"pass {param('overwrite', True)} to split again from the start"
+        )
+    return OutState("replace", differences=f"source {changed} changed since the interrupted run started")
+
+
+def source_stamps(plan: Plan) -> dict:
+    """What tells that the source's bytes changed while its sizes, index and config did not (the
+    run identity's fingerprint): each shard's size and modification time, or a Hub commit."""
+    ckpt = plan.checkpoint
+    if ckpt.hub is not None:
+        return {"commit": ckpt.hub.get("commit")}
+    return {f: [st.st_size, st.st_mtime_ns] for f in ckpt.files for st in [os.stat(ckpt.path(f))]}
+
+
+def _changed_source_files(plan: Plan, out: Path) -> list[str]:
+    """Source files (or the Hub commit) that changed since the interrupted run in ``out`` began;
+    none when its marker records no stamps."""
+    recorded = json.loads((out / RUN_MARKER).read_bytes()).get("source_files")
+    if not isinstance(recorded, dict):
+        return []
+    now = source_stamps(plan)
+    return [name for name in sorted({*recorded, *now}) if recorded.get(name) != now.get(name)]
+
+
+def run_temporary(name: str) -> bool:
+    """A temporary file a killed run may leave in OUT itself: its marker's or run manifest's, or
+    the probe for sharing."""
+    ours = {partial_name(n) for n in (RUN_MARKER, RUN_MANIFEST)}
+    return name in ours or (name.startswith(reflinks.PROBE_PREFIX) and name.endswith(PARTIAL_SUFFIX))

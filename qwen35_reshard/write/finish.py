@@ -1,0 +1,127 @@
+"""Finishing stages: each stage's non-weight files, manifest and, last, its index, written
+under temporary names and renamed behind barriers, so that a stage looks complete only when
+everything in it is durable; then the run record."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..ondisk import (
+    INDEX_NAME,
+    JOURNAL,
+    RUN_MANIFEST,
+    RUN_MARKER,
+    STAGE_MANIFEST,
+    ManifestDraft,
+    dumps,
+    stage_index,
+    stage_manifest,
+)
+from ..plan.planner import Plan, StagePlan
+from ..transfer import pwrite_all
+from .durability import FILE_MODE, Durability, partial_path, remove, write_tmp
+from .journal import Digests
+
+# Non-weight files (config, tokenizer) up to this size are read once for all their copies.
+SIDE_FILE_IN_MEMORY = 64 << 20
+
+
+@dataclass
+class Prepared:
+    """What finishing stages writes before it knows any digest, under temporary names."""
+
+    dirs: list[Path]
+    first: list[tuple[Path, Path]]  # (temporary, final): side files, renamed before any index
+    indexes: list[tuple[Path, Path]]
+    manifests: list[ManifestDraft]
+    side_files_of_out: bool
+
+
+def prepare_stages(
+    plan: Plan, out: Path, stages: list[StagePlan], *, side_files_of_out: bool = False
+) -> Prepared:
+    """Write each of ``stages``' non-weight files and index (and OUT's own non-weight files,
+    when asked) under temporary names, and make their manifests but for the digests."""
+    dirs = [out / s.dirname for s in stages]
+    first: list[tuple[Path, Path]] = []
+    indexes, manifests = [], []
+    side_dirs = [*dirs, out] if side_files_of_out else dirs
+    for name in plan.checkpoint.extra_files:
+        first += _copy_side_file(plan.checkpoint.path(name), [d / name for d in side_dirs])
+    for stage, stage_dir in zip(stages, dirs, strict=True):
+        index_bytes = dumps(stage_index(stage))
+        indexes.append(write_tmp(stage_dir / INDEX_NAME, index_bytes))
+        manifests.append(stage_manifest(plan, stage, index_bytes))
+    return Prepared(dirs, first, indexes, manifests, side_files_of_out)
+
+
+def finish_stages(
+    out: Path,
+    stages: list[StagePlan],
+    digests: dict[int, Digests],
+    durable: Durability,
+    prepared: Prepared,
+    *,
+    run_record: bytes | None = None,
+    data: list[tuple[Path, Path]] | None = None,
+) -> None:
+    """Give each of ``stages`` its non-weight files, manifest and, last, its index (all but
+    the manifests ``prepared``); then the run record, when given. ``data``: (temporary,
+    final) names of data files written but not yet made durable; the rest are finished.
+
+    Everything is written under temporary names first, then made durable and renamed in two
+    steps, each behind a barrier: data, side files and manifests (and the journals removed: a
+    finished stage never holds one, and later runs skip finished stages); then the indexes,
+    which make the stages complete, and the run record. A last barrier makes those durable.
+    The run record shares its step with the indexes: nothing trusts it alone (the next run
+    and ``verify`` check every stage it records as complete), so a crash that kept it and lost
+    an index costs a stage redone, not a wrong answer.
+    """
+    dirs, indexes = prepared.dirs, prepared.indexes
+    first = [*(data or []), *prepared.first]  # (temporary, final) renamed before any index
+    for stage, stage_dir, draft in zip(stages, dirs, prepared.manifests, strict=True):
+        first.append(write_tmp(stage_dir / STAGE_MANIFEST, draft.encode(digests[stage.rank])))
+    last = [write_tmp(out / RUN_MANIFEST, run_record)] if run_record is not None else []
+    if not first and not last:
+        return
+    # Barrier 1: every byte written so far (and, synced whole, the data files' final names).
+    durable.files([tmp for tmp, _ in (*first, *indexes, *last)])
+    for stage_dir in dirs:
+        remove(stage_dir / JOURNAL)
+    for tmp, final in first:
+        os.replace(tmp, final)
+    durable.dirs([*dirs, out] if prepared.side_files_of_out else dirs)  # 2: all of a stage but its index
+    for tmp, final in indexes:
+        os.replace(tmp, final)
+    if last:
+        os.replace(*last[0])
+        remove(out / RUN_MARKER)
+    durable.dirs([*dirs, out] if last else dirs)  # barrier 3: the stages complete, the run recorded
+
+
+def _copy_side_file(src: Path, finals: list[Path]) -> list[tuple[Path, Path]]:
+    """Copy the non-weight file ``src`` to the temporary names of ``finals``; returns
+    (temporary, final) pairs."""
+    pairs = [(partial_path(final), final) for final in finals]
+    if not pairs:
+        return pairs
+    if os.path.getsize(src) > SIDE_FILE_IN_MEMORY:
+        for tmp, _ in pairs:
+            shutil.copyfile(src, tmp)
+    else:
+        _write_copies(src.read_bytes(), [tmp for tmp, _ in pairs])
+    return pairs
+
+
+def _write_copies(data: bytes, paths: list[Path]) -> None:
+    """Write ``data`` to each of ``paths``: a small file (all but rare ones) is read once for
+    all its copies instead of once per stage."""
+    for path in paths:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+        try:
+            pwrite_all(fd, memoryview(data), 0)
+        finally:
+            os.close(fd)

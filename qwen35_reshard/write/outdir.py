@@ -1,0 +1,149 @@
+"""Making OUT ready for a run: creating it (and undoing that when the run cannot start),
+checking its free space and whether it can share blocks with the source, clearing a split
+made with other settings, and clearing what an unfinished stage will rewrite."""
+
+from __future__ import annotations
+
+import shutil
+import stat
+from pathlib import Path
+
+from .. import reflink as reflinks
+from ..errors import ReshardError, param
+from ..ondisk import (
+    ALIGNED,
+    CLONE,
+    CONFIG_NAME,
+    INDEX_NAME,
+    PARTIAL_SUFFIX,
+    RUN_MANIFEST,
+    RUN_MARKER,
+    STAGE_MANIFEST,
+    dumps,
+)
+from ..plan.planner import OutputFile, Plan, StagePlan
+from ..stage import read_run_record, stage_dirs
+from ..units import format_bytes
+from .assess import run_temporary
+from .durability import remove, write_atomic
+from .journal import Digests
+
+STAT_BLOCK_BYTES = 512  # the unit of ``st_blocks`` (POSIX), whatever the filesystem's block size
+
+
+def make_out(out: Path) -> list[Path]:
+    """Create OUT if needed, without the temporary run files a killed run may have left.
+
+    Returns the directories created (OUT and any missing parents, outermost first).
+    """
+    created = _make_dirs(out)
+    for p in list(out.iterdir()):
+        if run_temporary(p.name):
+            remove(p)
+    return created
+
+
+def _make_dirs(path: Path) -> list[Path]:
+    """``mkdir -p path``, returning the directories it created, outermost first."""
+    missing = []
+    p = path
+    while not p.exists():
+        missing.append(p)
+        p = p.parent
+    created = []
+    try:
+        for d in reversed(missing):
+            d.mkdir()
+            created.append(d)
+    except OSError:
+        undo(created)
+        raise
+    return created
+
+
+def undo(created: list[Path]) -> None:
+    """Remove what a run that could not start created (files and empty directories), newest first."""
+    for p in reversed(created):
+        try:
+            p.rmdir() if p.is_dir() and not p.is_symlink() else p.unlink()
+        except OSError:
+            pass  # not empty (another writer?) or already gone: leave it
+
+
+def can_share(plan: Plan, out: Path, to_write: list[tuple[StagePlan, OutputFile]], reflink: str) -> bool:
+    """Whether this run shares blocks; refuses ``reflink="always"`` where OUT cannot."""
+    shareable = [f.source_file for _, f in to_write if f.layout in (CLONE, ALIGNED)]
+    if reflink == "never" or not to_write or (not shareable and reflink == "auto"):
+        return False
+    src = plan.checkpoint.path(shareable[0] if shareable else plan.checkpoint.files[0])
+    ok = reflinks.probe(src, out)
+    if not ok and reflink == "always":
+        raise ReshardError(
+            f"{param('out_dir')} {out} cannot share blocks with {src} (another filesystem, or one "
+            f"without reflinks such as ext4 or tmpfs) and {param('reflink', 'always')} forbids "
+            f"copying; use {param('reflink', 'auto')} to copy where sharing is impossible, or an "
+            "output directory on the checkpoint's XFS/Btrfs filesystem"
+        )
+    return ok and bool(shareable)
+
+
+def side_file_bytes(plan: Plan) -> int:
+    """Bytes of config.json and the other non-weight files that every stage gets a copy of."""
+    root = plan.checkpoint.root
+    return sum((root / name).stat().st_size for name in plan.checkpoint.extra_files)
+
+
+def check_free_space(out: Path, needed: int, *, freed: int = 0) -> None:
+    """Refuse a run that needs more than OUT's free space (plus ``freed``: what it deletes first)."""
+    free = shutil.disk_usage(out).free + freed
+    if needed > free:
+        raise ReshardError(
+            f"{param('out_dir')} {out} has {format_bytes(free)} free but this run writes "
+            f"{format_bytes(needed)}; free {format_bytes(needed - free)} or choose another directory"
+        )
+
+
+def _own_stage_dirs(out: Path) -> list[Path]:
+    """The stage directories in OUT that are real directories: a link's target is not ours to
+    delete from."""
+    return [p for p in stage_dirs(out).values() if not p.is_symlink()]
+
+
+def split_bytes(out: Path) -> int:
+    """Disk bytes of the split in OUT that a replacing run deletes (its stage directories)."""
+    sizes = (f.lstat() for d in _own_stage_dirs(out) for f in d.iterdir())
+    return sum(st.st_blocks * STAT_BLOCK_BYTES for st in sizes if stat.S_ISREG(st.st_mode))
+
+
+def clear_split(out: Path) -> None:
+    """Delete the split with other settings that OUT holds (``assess_out`` said "replace")."""
+    entries = sorted(out.iterdir())
+    # The old split stays recorded, by a run marker, until its last file is gone (the new run's
+    # marker then replaces it): a run killed while deleting leaves what the next run still sees
+    # as a split with other settings, not files "qwen35-reshard did not write".
+    record = read_run_record(out, str(out))
+    if isinstance(record, tuple) and record[0] == RUN_MANIFEST:
+        write_atomic(out / RUN_MARKER, dumps({"identity": record[1].to_json()}))
+    # What makes a directory look complete goes first, so that a run killed while deleting
+    # leaves no run manifest and no stage index beside half-deleted data.
+    remove(out / RUN_MANIFEST)
+    for p in _own_stage_dirs(out):
+        remove(p / INDEX_NAME)
+    for p in entries:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        elif p.name not in (RUN_MANIFEST, RUN_MARKER):
+            p.unlink()
+
+
+def resume_stage(stage_dir: Path, stage: StagePlan, kept: dict[str, Digests]) -> None:
+    """Prepare an unfinished stage: keep the ``kept`` data files, clear what will be rewritten."""
+    stage_dir.mkdir(exist_ok=True)
+    # Index first: without it no server loads the directory. Without config.json neither
+    # does one that globs *.safetensors, while files are being replaced.
+    for name in (INDEX_NAME, STAGE_MANIFEST, CONFIG_NAME):
+        remove(stage_dir / name)
+    planned = {f.name for f in stage.files}
+    for p in sorted(stage_dir.iterdir()):
+        if p.name not in kept and (p.name.endswith(PARTIAL_SUFFIX) or p.name in planned):
+            p.unlink()
