@@ -38,7 +38,7 @@ from ..plan.planner import OutputFile, Plan, StagePlan
 from .assemble import OpenSource, Reporter, copy_files
 from .assess import OutState, assess_out, check_out_dir, source_stamps
 from .durability import Durability, remove, remove_partials, write_atomic, write_error
-from .finish import finish_stages, prepare_stages
+from .finish import Prepared, finish_stages, prepare_stages
 from .journal import Digests
 from .outdir import (
     can_share,
@@ -214,7 +214,7 @@ def _write_stages(
     # before the first data file gets its name covers it.
     durable.dirs([out], lazy=True)
     deferred: list[tuple[Path, Path]] = []
-    prepared = []
+    prepared: list[Prepared] = []
     result.bytes_copied, result.bytes_shared = copy_files(
         plan,
         out,
