@@ -192,14 +192,12 @@ def reshard(
 
     Example:
         >>> from qwen35_reshard import reshard
-        >>> result = reshard(MODEL, OUT, pp=3, partition="balanced", dry_run=True)
-        >>> result.choice.partition == tuple(result.plan.partition)
-        True
-        >>> result.out_state.action, result.written
-        ('new', None)
+        >>> preview = reshard(MODEL, OUT, pp=3, partition="balanced", dry_run=True)
+        >>> preview.choice.partition, preview.out_state.action, preview.written
+        ((3, 3, 2), 'new', None)
         >>> result = reshard(MODEL, OUT, pp=4)
-        >>> result.launch_env, result.written.built
-        ('SGLANG_PP_LAYER_PARTITION=2,2,2,2', [0, 1, 2, 3])
+        >>> result.launch_env, result.written.built, result.bytes_copied > 0
+        ('SGLANG_PP_LAYER_PARTITION=2,2,2,2', [0, 1, 2, 3], True)
     """
     out = None if out_dir is None else Path(out_dir)
     if out is None and not dry_run:
@@ -356,6 +354,17 @@ def repair(
     Raises:
         ReshardError: ``source`` is not a directory, the split records no readable settings,
             or it was made from another checkpoint.
+
+    Example:
+        >>> import os
+        >>> from qwen35_reshard import repair, reshard
+        >>> _ = reshard(MODEL, OUT, pp=2)
+        >>> stage = os.path.join(OUT, "pp1")
+        >>> data = sorted(f for f in os.listdir(stage) if f.endswith(".safetensors"))[0]
+        >>> os.truncate(os.path.join(stage, data), 100)  # damaged: truncated
+        >>> result = repair(OUT, MODEL)
+        >>> result.before.ok, result.rewritten == [os.path.join(stage, data)], result.after.ok
+        (False, True, True)
     """
     if not Path(source).is_dir():
         raise ReshardError(

@@ -148,7 +148,27 @@ def verify(
 ) -> VerifyReport:
     """Check the run directory or single stage directory ``path``; compare with ``source`` if given.
 
-    Raises ReshardError only for bad input; everything wrong with the split is a finding.
+    Args:
+        path: the run directory OUT, or one stage directory OUT/ppN.
+        source: the checkpoint the split was made from (a directory, cache folder or Hub repo
+            id): then every tensor must be where the plan puts it, with identical bytes.
+        chunk_bytes: read size for hashing.
+        hub_settings: revision, token and offline mode for a Hub repo id ``source``.
+
+    Returns:
+        A :class:`VerifyReport`: ``ok``, the findings (missing, extra, different, corrupt,
+        incomplete), per-stage summaries and bytes hashed.
+
+    Raises:
+        ReshardError: only for bad input (``path`` is no split, a bad ``source``); everything
+            wrong with the split is a finding.
+
+    Example:
+        >>> from qwen35_reshard import reshard
+        >>> from qwen35_reshard.verify import verify
+        >>> _ = reshard(MODEL, OUT, pp=2)
+        >>> verify(OUT, source=MODEL).ok
+        True
     """
     display = os.fspath(path)
     root = Path(display)

@@ -139,12 +139,36 @@ def write_plan(
     """Write the stages ``plan.ranks`` of ``plan`` under ``out_dir``.
 
     Resumes an interrupted run with the same settings; refuses a non-empty ``out_dir``
-    holding anything else unless ``overwrite``. ``workers`` source shards are copied at
-    once, each read by exactly one worker. ``open_source(file)`` gives the source of a data
-    file that still has bytes to copy (a local path or a range source; it may download the
-    file first); by default each file is read from the checkpoint's directory. ``reflink`` is
-    "auto" (share the source's blocks where the filesystem can), "always" (refuse to run where
-    it cannot) or "never" (copy).
+    holding anything else unless ``overwrite``.
+
+    Args:
+        plan: the plan, from :func:`make_plan`.
+        out_dir: the output directory; the stages go to ``out_dir``/pp0, pp1, ...
+        overwrite: replace a split made with other settings.
+        workers: source shards copied at once, each read by exactly one worker.
+        reporter: progress callbacks (default: none).
+        open_source: ``open_source(file)`` gives the source of a data file that still has
+            bytes to copy (a local path or a range source; it may download the file first);
+            by default each file is read from the checkpoint's directory.
+        reflink: "auto" (share the source's blocks where the filesystem can), "always"
+            (refuse to run where it cannot) or "never" (copy).
+
+    Returns:
+        A :class:`WriteResult`: the stages built now and already complete, bytes copied and
+        shared.
+
+    Raises:
+        ReshardError: ``out_dir`` is inside the checkpoint, a file, or holds something else
+            (see :func:`assess_out`); ``reflink="always"`` where blocks cannot be shared; a
+            source that changed; a failed write (full disk, permissions), its partial files
+            removed.
+
+    Example:
+        >>> from qwen35_reshard import make_plan, read_checkpoint, write_plan
+        >>> plan = make_plan(read_checkpoint(MODEL), pp=2)
+        >>> result = write_plan(plan, OUT)
+        >>> result.built, write_plan(plan, OUT).nothing_to_do
+        ([0, 1], True)
     """
     if reflink not in REFLINK_MODES:
         raise ReshardError(f"reflink must be one of {', '.join(REFLINK_MODES)}, not {reflink!r}")
