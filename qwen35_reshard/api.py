@@ -200,23 +200,14 @@ def reshard(
         ('SGLANG_PP_LAYER_PARTITION=2,2,2,2', [0, 1, 2, 3], True)
     """
     out = None if out_dir is None else Path(out_dir)
-    if out is None and not dry_run:
-        raise ReshardError(f"{param('out_dir')} is needed to write the split; or pass {param('dry_run')}")
-    if out is not None and Path(model).is_dir():
-        check_out_dir(Path(model), out)
-    if workers < 1:
-        raise ReshardError(f"{param('workers')} must be at least 1, got {workers}")
+    _check_run(model, out, dry_run=dry_run, workers=workers)
     capacity = _capacity(partition, gpu_memory, context_length, tp, mem_fraction)
     events = progress if isinstance(progress, ReshardProgress) else ReshardProgress()
     traffic = hub.Traffic()
-    settings = hub.HubSettings(revision=revision, token=token, offline=offline)
     with _collector_paused():
-        ckpt, repo = hub.open_model(os.fspath(model), settings, traffic=traffic)
-        for name in ckpt.unlisted:
-            events.warning(
-                f"{ckpt.display}/{name} is not listed in the checkpoint's index: ignored, as the "
-                "servers ignore it"
-            )
+        ckpt, repo = _open(
+            model, hub.HubSettings(revision=revision, token=token, offline=offline), traffic, events
+        )
         choice, sizes = _partition(
             ckpt, partition, pp=pp, runtime=runtime, keep_mtp=keep_mtp, capacity=capacity
         )
@@ -230,23 +221,74 @@ def reshard(
             max_file_bytes=max_file_bytes,
         )
     events.planned(plan, choice)
-    done = ReshardResult(plan, out, choice, tuple(ckpt.unlisted))
+    planned = ReshardResult(plan, out, choice, tuple(ckpt.unlisted))
     if dry_run:
-        fetch = None
-        if repo is not None:
-            fetch = hub.fetch_report(plan, hub.HubFetcher(repo, ckpt, hub.needed_by(plan), traffic=traffic))
-        # What a real run would do in OUT: the writer's own decision, refusals included.
-        state = assess_out(plan, out, overwrite=overwrite) if out is not None else None
-        return replace(done, out_state=state, fetch=fetch)
+        return _preview(planned, repo, traffic, overwrite=overwrite)
+    return _write(
+        planned, repo, traffic, progress, events, overwrite=overwrite, workers=workers, reflink=reflink
+    )
+
+
+def _check_run(model: str | os.PathLike[str], out: Path | None, *, dry_run: bool, workers: int) -> None:
+    """Refuse, before reading anything, a run with no OUT or one inside MODEL, or no workers."""
+    if out is None and not dry_run:
+        raise ReshardError(f"{param('out_dir')} is needed to write the split; or pass {param('dry_run')}")
+    if out is not None and Path(model).is_dir():
+        check_out_dir(Path(model), out)
+    if workers < 1:
+        raise ReshardError(f"{param('workers')} must be at least 1, got {workers}")
+
+
+def _open(
+    model: str | os.PathLike[str], settings: hub.HubSettings, traffic: hub.Traffic, events: ReshardProgress
+) -> tuple[Checkpoint, hub.HubRepo | None]:
+    """MODEL's checkpoint (and its Hub repo, for a repo id), its unlisted shard files warned of."""
+    ckpt, repo = hub.open_model(os.fspath(model), settings, traffic=traffic)
+    for name in ckpt.unlisted:
+        events.warning(
+            f"{ckpt.display}/{name} is not listed in the checkpoint's index: ignored, as the "
+            "servers ignore it"
+        )
+    return ckpt, repo
+
+
+def _preview(
+    planned: ReshardResult, repo: hub.HubRepo | None, traffic: hub.Traffic, *, overwrite: bool
+) -> ReshardResult:
+    """A dry run's result: what a split would fetch, and what it would do in OUT (the writer's
+    own decision, refusals included)."""
+    plan, out = planned.plan, planned.out_dir
+    fetch = None
+    if repo is not None:
+        fetcher = hub.HubFetcher(repo, plan.checkpoint, hub.needed_by(plan), traffic=traffic)
+        fetch = hub.fetch_report(plan, fetcher)
+    state = assess_out(plan, out, overwrite=overwrite) if out is not None else None
+    return replace(planned, out_state=state, fetch=fetch)
+
+
+def _write(
+    planned: ReshardResult,
+    repo: hub.HubRepo | None,
+    traffic: hub.Traffic,
+    progress: Reporter | None,
+    events: ReshardProgress,
+    *,
+    overwrite: bool,
+    workers: int,
+    reflink: str,
+) -> ReshardResult:
+    """A real run's result: the plan written into OUT, its Hub shards fetched as it goes."""
+    plan = planned.plan
     started = time.monotonic()
     fetcher = None
     if repo is not None:
-        fetcher = hub.HubFetcher(repo, ckpt, hub.needed_by(plan), traffic=traffic, on_fetched=events.fetched)
+        needed = hub.needed_by(plan)
+        fetcher = hub.HubFetcher(repo, plan.checkpoint, needed, traffic=traffic, on_fetched=events.fetched)
         events.expect_downloads(fetcher.download_bytes)
         fetcher.prepare()
     written = write_plan(
         plan,
-        out,
+        planned.out_dir,
         overwrite=overwrite,
         workers=workers,
         reporter=progress,
@@ -255,7 +297,7 @@ def reshard(
     )
     seconds = time.monotonic() - started
     fetch = hub.fetch_report(plan, fetcher) if fetcher is not None else None
-    return replace(done, written=written, seconds=seconds, fetch=fetch)
+    return replace(planned, written=written, seconds=seconds, fetch=fetch)
 
 
 @contextmanager
