@@ -3,6 +3,8 @@ that returns what the CLI shows, with errors in the library's own parameter name
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -60,9 +62,6 @@ def test_the_result_is_the_cli_json(model, tmp_path):
     out = tmp_path / "out"
     result = reshard(model, out, pp=2, dry_run=True)
     args = ["plan", "--json", "--pp", "2", str(model), str(out)]
-    import contextlib
-    import io
-
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(io.StringIO()):
         assert main(args) == 0
