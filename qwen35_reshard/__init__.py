@@ -3,7 +3,8 @@
 The package follows the pipeline, one folder per step: ``source`` reads the checkpoint (index,
 config, shard headers) into plain data; ``plan`` places every tensor (pure, no I/O); ``write``
 executes a plan; ``verify`` and ``stage`` check what was written; ``loader`` hands a server
-exactly its stage. ``model`` holds the model's names, schema and the servers' rules, ``ondisk``
+exactly its stage; ``api`` is the one orchestrator of them all (:func:`reshard`, :func:`repair`),
+which the ``cli`` renders. ``model`` holds the model's names, schema and the servers' rules, ``ondisk``
 every file name and the manifest schemas. Readers (``stage``, ``verify``, ``loader``) never
 import the writer.
 
@@ -13,7 +14,9 @@ no planner or writer.
 Example::
 
     >>> import qwen35_reshard
-    >>> plan, result = qwen35_reshard.reshard("MODEL", "OUT", pp=4)  # doctest: +SKIP
+    >>> result = qwen35_reshard.reshard("MODEL", "OUT", pp=4)  # doctest: +SKIP
+    >>> result.launch_env  # doctest: +SKIP
+    'SGLANG_PP_LAYER_PARTITION=10,10,10,10'
 """
 
 from __future__ import annotations
@@ -25,13 +28,22 @@ from ._version import __version__
 from .errors import ReshardError
 
 if TYPE_CHECKING:
-    from .pipeline import reshard
+    from .api import RepairResult, ReshardProgress, ReshardResult, repair, reshard
+    from .loader import open_stage
+    from .plan.balance import Choice, choose
     from .plan.planner import Plan, make_plan
     from .source.checkpoint import Checkpoint, read_checkpoint
     from .write.writer import Reporter, WriteResult, write_plan
 
 _LAZY = {
-    "reshard": ".pipeline",
+    "reshard": ".api",
+    "ReshardResult": ".api",
+    "ReshardProgress": ".api",
+    "repair": ".api",
+    "RepairResult": ".api",
+    "Choice": ".plan.balance",
+    "choose": ".plan.balance",
+    "open_stage": ".loader",
     "Checkpoint": ".source.checkpoint",
     "read_checkpoint": ".source.checkpoint",
     "Plan": ".plan.planner",
@@ -43,13 +55,20 @@ _LAZY = {
 
 __all__ = [
     "Checkpoint",
+    "Choice",
     "Plan",
+    "RepairResult",
     "Reporter",
     "ReshardError",
+    "ReshardProgress",
+    "ReshardResult",
     "WriteResult",
     "__version__",
+    "choose",
     "make_plan",
+    "open_stage",
     "read_checkpoint",
+    "repair",
     "reshard",
     "write_plan",
 ]

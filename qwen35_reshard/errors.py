@@ -25,8 +25,11 @@ def param(name: str, value: object = None) -> str:
     return f"{_MARK}{name}{'' if value is None else _SEP + repr(value)}{_MARK}"
 
 
-class ReshardError(Exception):
-    """Bad input or an unrecoverable condition, explained in one line for the user."""
+class ReshardError(ValueError):
+    """Bad input or an unrecoverable condition, explained in one line for the user.
+
+    A ValueError, so that ``except ValueError`` catches the library's bad-argument errors too.
+    """
 
     exit_code = 2
 

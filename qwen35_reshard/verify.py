@@ -27,13 +27,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .errors import JSON_ERRORS, ReshardError
 from .model.names import LAYER, classify
-from .model.runtimes import parse_partition
 from .ondisk import (
     CLONE,
     CONFIG_NAME,
@@ -53,7 +52,7 @@ from .ondisk import (
     stage_dir_rank,
     stage_dirname,
 )
-from .plan.planner import Plan, make_plan
+from .plan.planner import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_HEADER_BYTES, Plan, make_plan
 from .source.checkpoint import Checkpoint
 from .source.header import DTYPE_SIZES, Header
 from .source.hub import HubFetcher, HubRepo, HubSettings, fetch_files, open_model
@@ -150,7 +149,27 @@ def verify(
 ) -> VerifyReport:
     """Check the run directory or single stage directory ``path``; compare with ``source`` if given.
 
-    Raises ReshardError only for bad input; everything wrong with the split is a finding.
+    Args:
+        path: the run directory OUT, or one stage directory OUT/ppN.
+        source: the checkpoint the split was made from (a directory, cache folder or Hub repo
+            id): then every tensor must be where the plan puts it, with identical bytes.
+        chunk_bytes: read size for hashing.
+        hub_settings: revision, token and offline mode for a Hub repo id ``source``.
+
+    Returns:
+        A :class:`VerifyReport`: ``ok``, the findings (missing, extra, different, corrupt,
+        incomplete), per-stage summaries and bytes hashed.
+
+    Raises:
+        ReshardError: only for bad input (``path`` is no split, a bad ``source``); everything
+            wrong with the split is a finding.
+
+    Example:
+        >>> from qwen35_reshard import reshard
+        >>> from qwen35_reshard.verify import verify
+        >>> _ = reshard(MODEL, OUT, pp=2)
+        >>> verify(OUT, source=MODEL).ok
+        True
     """
     display = os.fspath(path)
     root = Path(display)
@@ -394,11 +413,9 @@ def _check_data_file(
     path = stage.path / file
     where = f"{stage.display}/{file}"
     layout = m.layouts[file]
-    try:
-        if layout["layout"] != CLONE:
-            _strict_extras(path, header, where)
-    except ReshardError as e:
-        add(CORRUPT, str(e), file=file)
+    problem = _strict_extras(path, header, where) if layout["layout"] != CLONE else None
+    if problem is not None:
+        add(CORRUPT, problem, file=file)
         return
     if layout["sha256"] is not None:
         _check_file_digest(path, layout["sha256"], where, add, file)
@@ -438,30 +455,31 @@ def _check_file_digest(path: Path, recorded: str, where: str, add: _Add, file: s
         )
 
 
-def _strict_extras(path: Path, header: Header, where: str) -> None:
+def _strict_extras(path: Path, header: Header, where: str) -> str | None:
     """Rules beyond :func:`header.read_header` that every file qwen35-reshard writes obeys.
 
     The header is padded with spaces only, so that the data buffer starts at a multiple of 8;
     its metadata names a format transformers accepts; every tensor starts at a multiple of its
-    element size.
+    element size. Returns what breaks the first rule broken, or None.
     """
     with open(path, "rb") as f:
         raw = os.pread(f.fileno(), header.data_start - 8, 8)
     if not raw.rstrip(b" ").endswith(b"}"):
-        raise ReshardError(f"{where}: header is padded with bytes other than spaces")
+        return f"{where}: header is padded with bytes other than spaces"
     if header.data_start % 8:
-        raise ReshardError(f"{where}: data buffer starts at byte {header.data_start}, not a multiple of 8")
+        return f"{where}: data buffer starts at byte {header.data_start}, not a multiple of 8"
     if header.metadata.get("format") not in METADATA_FORMATS:
-        raise ReshardError(
+        return (
             f"{where}: __metadata__ format is {header.metadata.get('format')!r}, not one of "
             f"{', '.join(METADATA_FORMATS)}; transformers refuses such files"
         )
     for t in header.tensors:
         if t.begin % DTYPE_SIZES[t.dtype]:
-            raise ReshardError(
+            return (
                 f"{where}: tensor {t.name!r} starts at data offset {t.begin}, not a multiple of its "
                 f"{DTYPE_SIZES[t.dtype]}-byte {t.dtype} elements"
             )
+    return None
 
 
 def _check_layers(stage: _Stage, m: StageManifest, add: _Add) -> None:
@@ -486,6 +504,7 @@ def _check_layers(stage: _Stage, m: StageManifest, add: _Add) -> None:
                 MISSING,
                 f"{stage.display}: layer {layer} of this stage's layers {start}-{end - 1} has no tensors",
             )
+    return None
 
 
 # --------------------------------------------------------------------------- against the source
@@ -543,14 +562,8 @@ def _plan_for(ckpt: Checkpoint, m: StageManifest, plans: dict, add: _Add, displa
     key = (m.pp, m.runtime, m.partition, m.mtp, tuple(sorted(limits.items())))
     if key not in plans:
         try:
-            partition = parse_partition(",".join(map(str, m.partition)), pp=m.pp, num_layers=ckpt.num_layers)
-            plans[key] = make_plan(
-                ckpt,
-                pp=m.pp,
-                runtime=m.runtime,
-                partition=partition,
-                keep_mtp=m.mtp != MTP_DROPPED,
-                **limits,
+            plans[key] = recorded_plan(
+                ckpt, pp=m.pp, runtime=m.runtime, partition=m.partition, mtp=m.mtp, **limits
             )
         except ReshardError as e:
             plans[key] = None
@@ -560,6 +573,30 @@ def _plan_for(ckpt: Checkpoint, m: StageManifest, plans: dict, add: _Add, displa
                 f"{list(m.partition)}) does not fit the source: {e}",
             )
     return plans[key]
+
+
+def recorded_plan(
+    ckpt: Checkpoint,
+    *,
+    pp: int,
+    runtime: str,
+    partition: Sequence[int],
+    mtp: str,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+) -> Plan:
+    """The plan of ``ckpt`` that a split's recorded settings (its manifests' ``pp``, ``runtime``,
+    ``partition``, ``mtp`` and file limits) give: what ``verify`` compares with, and what a repair
+    rewrites from. Raises ReshardError when they do not fit ``ckpt``."""
+    return make_plan(
+        ckpt,
+        pp=pp,
+        runtime=runtime,
+        partition=list(partition),
+        keep_mtp=mtp != MTP_DROPPED,
+        max_file_bytes=max_file_bytes,
+        max_header_bytes=max_header_bytes,
+    )
 
 
 def _recorded_limits(m: StageManifest) -> dict[str, int] | None:

@@ -12,7 +12,7 @@ import pytest
 
 WRITERS = ("qwen35_reshard.write", "qwen35_reshard.transfer", "qwen35_reshard.reflink")
 PLANNERS = ("qwen35_reshard.plan",)
-FRONT = ("qwen35_reshard.cli", "qwen35_reshard.pipeline")
+FRONT = ("qwen35_reshard.cli", "qwen35_reshard.api")
 
 
 def loaded_after(statement: str) -> set[str]:

@@ -183,7 +183,8 @@ CASES = {
 def test_split_matches_source_and_facts_doc(ref, make_checkpoint, tmp_path, kind, pp, runtime):
     model = make_checkpoint(**CASES[kind], **ref.servable_attention(runtime, pp))
     out = tmp_path / "out"
-    plan, result = qwen35_reshard.reshard(model, out, pp=pp, runtime=runtime)
+    done = qwen35_reshard.reshard(model, out, pp=pp, runtime=runtime)
+    plan, result = done.plan, done.written
     assert result.built == list(range(pp))
     expected = check_split(ref, model, out, pp=pp, runtime=runtime)
     assert [{t.name for t in s.tensors} for s in plan.stages] == expected
@@ -276,7 +277,7 @@ def test_source_on_another_filesystem(ref, make_checkpoint, tmp_path, other_fs_d
 @pytest.mark.parametrize("runtime", ["sglang", "vllm"])
 def test_no_mtp_drops_mtp_on_purpose(ref, make_checkpoint, tmp_path, runtime):
     model = make_checkpoint(layout="fused", **ref.servable_attention(runtime, 3))
-    plan, _ = qwen35_reshard.reshard(model, tmp_path / "out", pp=3, runtime=runtime, keep_mtp=False)
+    plan = qwen35_reshard.reshard(model, tmp_path / "out", pp=3, runtime=runtime, keep_mtp=False).plan
     expected = check_split(ref, model, tmp_path / "out", pp=3, runtime=runtime, keep_mtp=False)
     assert not any(n.startswith("mtp.") for names in expected for n in names)
     embed = "model.language_model.embed_tokens.weight"

@@ -10,33 +10,37 @@ with 1, an interrupt with 130; a traceback only with ``--debug``.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import enum
-import gc
 import json
 import os
 import signal
 import sys
-import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Annotated, NoReturn
+from typing import TYPE_CHECKING, Annotated, NoReturn
 
 import typer
 
-# typer (>= 0.26) carries its own click and no longer re-exports these (fastapi/typer#1832).
-from typer._click.exceptions import ClickException, NoSuchOption, UsageError
-
-from .. import ondisk
 from .._version import __version__
 from ..errors import ReshardError
-from ..model.runtimes import RUNTIMES, parse_partition
-from ..plan.balance import Choice, choose
-from ..plan.capacity import Capacity
-from ..plan.planner import DEFAULT_MAX_FILE_BYTES, Plan, make_plan
+from ..model.runtimes import RUNTIMES
+from ..plan.planner import DEFAULT_MAX_FILE_BYTES
 from ..units import parse_size
-from ..write.writer import DEFAULT_WORKERS, REFLINK_MODES, WriteResult, assess_out, write_plan
+from ..write.writer import DEFAULT_WORKERS, REFLINK_MODES
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from ..api import ReshardResult
+
+# typer (0.26 to 0.28) runs on its own copy of click, typer._click (private; click itself is no
+# dependency of typer, and click.exceptions' classes are others that catch none of these), and
+# re-exports only BadParameter: its bases are the usage error and the error of every command line.
+UsageError = typer.BadParameter.__mro__[1]
+ClickException = UsageError.__mro__[1]
 
 PROG = "qwen35-reshard"
 
@@ -45,9 +49,16 @@ FLAGS = {
     "pp": "--pp",
     "runtime": "--runtime",
     "partition": "--partition",
+    "gpu_memory": "--gpu-memory",
+    "context_length": "--context-length",
+    "tp": "--tp",
+    "mem_fraction": "--mem-fraction",
     "ranks": "--rank",
+    "max_file_bytes": "--max-file-size",
+    "workers": "--workers",
     "overwrite": "--overwrite",
     "reflink": "--reflink",
+    "dry_run": "--dry-run",
     "model_dir": "MODEL",
     "model": "MODEL",
     "revision": "--revision",
@@ -56,7 +67,13 @@ FLAGS = {
 
 
 # verify names the checkpoint with --source.
-VERIFY_FLAGS = {**FLAGS, "model": "--source", "model_dir": "--source"}
+VERIFY_FLAGS = {
+    **FLAGS,
+    "model": "--source",
+    "model_dir": "--source",
+    "source": "--source",
+    "repair": "--repair",
+}
 
 
 # What a run made (its plan, which holds the checkpoint) when this process is the command
@@ -123,7 +140,7 @@ def _with_command(argv: list[str]) -> list[str]:
 
 
 def _usage_message(e: ClickException) -> str:
-    if isinstance(e, NoSuchOption):  # click lists every close match: name the closest
+    if hasattr(e, "possibilities"):  # NoSuchOption: click lists every close match; name the closest
         message = e.message + (f". Did you mean {e.possibilities[0]}?" if e.possibilities else "")
     else:
         message = e.format_message()
@@ -142,9 +159,62 @@ def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+@dataclass(frozen=True)
+class Output:
+    """How a command shows its results: ``--quiet``, ``--json``, ``--debug``."""
+
+    quiet: bool
+    json: bool
+    debug: bool
+
+
+@dataclass(frozen=True)
+class PlanArgs:
+    """``plan``'s arguments, named as :func:`qwen35_reshard.reshard`'s parameters."""
+
+    model: str
+    out_dir: Path | None
+    pp: int
+    runtime: str
+    partition: str | None
+    gpu_memory: int | None
+    context_length: int | None
+    tp: int | None
+    mem_fraction: float | None
+    ranks: list[int] | None
+    keep_mtp: bool
+    max_file_bytes: int
+    revision: str | None
+    token: str | None
+    offline: bool
+
+
+@dataclass(frozen=True)
+class SplitArgs(PlanArgs):
+    """``split``'s arguments: ``plan``'s and how to write."""
+
+    dry_run: bool
+    overwrite: bool
+    workers: int
+    reflink: str
+
+
+@dataclass(frozen=True)
+class VerifyArgs:
+    """``verify``'s arguments."""
+
+    out: Path
+    source: str | None
+    repair: bool
+    revision: str | None
+    token: str | None
+    offline: bool
+
+
 def _run_guarded(
-    command: Callable[[SimpleNamespace], int],
-    args: SimpleNamespace,
+    command: Callable[[object, Output], int],
+    args: object,
+    output: Output,
     interrupted: str,
     flags: dict[str, str] = FLAGS,
 ) -> None:
@@ -156,14 +226,14 @@ def _run_guarded(
     """
     previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        code = command(args)
+        code = command(args, output)
     except ReshardError as e:
-        if args.debug:
+        if output.debug:
             raise
-        _fail(args.json, f"error: {e.render(flags)}")
+        _fail(output.json, f"error: {e.render(flags)}")
         code = e.exit_code
     except KeyboardInterrupt:
-        _fail(args.json, f"interrupted: {interrupted}")
+        _fail(output.json, f"interrupted: {interrupted}")
         code = 130
     except BrokenPipeError:
         # The reader of our output went away (e.g. `| head`): nothing left to say to anyone.
@@ -372,10 +442,14 @@ def split(
 ) -> None:
     """Split MODEL into OUT/pp0, OUT/pp1, ...: one Hugging Face directory per pipeline stage,
     byte for byte, resumable. Prints the launch line for the server."""
-    args = SimpleNamespace(**{k: v for k, v in locals().items() if k != "json_"}, json=json_)
+    args = SplitArgs(
+        model, out, pp, runtime.value, partition, gpu_memory, context_length, tp, mem_fraction, rank,
+        not no_mtp, max_file_size, revision, token, offline, dry_run, overwrite, workers, reflink.value,
+    )  # fmt: skip
     _run_guarded(
         _reshard,
         args,
+        Output(quiet, json_, debug),
         "nothing was written"
         if dry_run
         else "unfinished files were removed; run the same command again to resume",
@@ -412,15 +486,11 @@ def plan(
     version: Version = False,
 ) -> None:
     """Show how MODEL splits into pipeline stages (from its index and headers); write nothing."""
-    args = SimpleNamespace(
-        **{k: v for k, v in locals().items() if k != "json_"},
-        json=json_,
-        dry_run=True,
-        overwrite=False,
-        workers=DEFAULT_WORKERS,
-        reflink=Reflink.auto,
-    )
-    _run_guarded(_reshard, args, "nothing was written")
+    args = PlanArgs(
+        model, out, pp, runtime.value, partition, gpu_memory, context_length, tp, mem_fraction, rank,
+        not no_mtp, max_file_size, revision, token, offline,
+    )  # fmt: skip
+    _run_guarded(_reshard, args, Output(quiet, json_, debug), "nothing was written")
 
 
 @app.command(epilog=_VERIFY_EXAMPLES)
@@ -457,10 +527,11 @@ def verify(
     and every tensor's bytes. With --source, also that every source tensor is exactly where the
     plan puts it, with identical bytes. Exit 0 when all is well, 1 when something is missing,
     extra, different, corrupt or incomplete, 2 for bad input."""
-    args = SimpleNamespace(**{k: v for k, v in locals().items() if k != "json_"}, json=json_)
+    args = VerifyArgs(out, source, repair, revision, token, offline)
     _run_guarded(
         _verify,
         args,
+        Output(quiet, json_, debug),
         "files rewritten so far are complete; run the same command again to finish the repair"
         if repair
         else "nothing was written",
@@ -471,228 +542,82 @@ def verify(
 # --------------------------------------------------------------------------- split and plan
 
 
-def _capacity(args: SimpleNamespace) -> Capacity | None:
-    """Capacity mode's settings, or None; each of its options needs --gpu-memory and balanced."""
-    given = [
-        f"--{k.replace('_', '-')}"
-        for k in ("tp", "context_length", "mem_fraction")
-        if getattr(args, k) is not None
-    ]
-    if args.gpu_memory is None:
-        if given:
-            raise ReshardError(f"{given[0]} sizes capacity mode: it needs --gpu-memory")
-        return None
-    if args.partition != "balanced":
-        raise ReshardError("--gpu-memory sizes --partition balanced for serving: add --partition balanced")
-    if args.context_length is None:
-        raise ReshardError("--gpu-memory needs --context-length, the tokens each request may hold")
-    if args.mem_fraction is not None and not 0 < args.mem_fraction <= 1:
-        raise ReshardError(f"--mem-fraction must be in (0, 1], got {args.mem_fraction}")
-    for flag, value in (("--tp", args.tp), ("--context-length", args.context_length)):
-        if value is not None and value < 1:
-            raise ReshardError(f"{flag} must be at least 1, got {value}")
-    return Capacity(
-        gpu_bytes=args.gpu_memory,
-        mem_fraction=0.9 if args.mem_fraction is None else args.mem_fraction,
-        tp=1 if args.tp is None else args.tp,
-        context_length=args.context_length,
-    )
-
-
-def _consoles(args: SimpleNamespace) -> tuple[object, object]:
+def _consoles(output: Output) -> tuple[Console, Console]:
     """(results, progress): results on stdout, or on stderr beside ``--json``; progress on stderr."""
     from rich.console import Console
 
     progress = Console(stderr=True)
-    return (progress if args.json else Console(soft_wrap=False)), progress
+    return (progress if output.json else Console(soft_wrap=False)), progress
 
 
-def _reshard(args: SimpleNamespace) -> int:
-    """``split`` and ``plan``: plan, show the plan, and (unless a dry run) write it."""
-    from ..source import hub
-    from ..write.writer import Reporter, check_out_dir
-    from .report import (
-        RichReporter,
-        balance_table,
-        balance_verdict,
-        fetch_line,
-        out_line,
-        plan_table,
-        shares_line,
-        summary,
-    )
+def _reshard(args: PlanArgs, output: Output) -> int:
+    """``split`` and ``plan``: the library's reshard, its plan shown once made, then its result."""
+    from ..api import reshard
+    from .report import QuietView, SplitView, dry_run_lines, fetch_line, summary
 
-    results, progress = _consoles(args)
-    say = (lambda *a, **k: None) if args.quiet else results.print
-
-    if args.out is not None and Path(args.model).is_dir():
-        check_out_dir(Path(args.model), args.out)
-    if args.workers < 1:
-        raise ReshardError(f"--workers must be at least 1, got {args.workers}")
-    capacity = _capacity(args)
-    # Reading and planning make a few small objects per tensor (~190,000 tensors for a
-    # 397B FP8 checkpoint), none of them cyclic: the garbage collector would only slow this.
-    gc.disable()
+    results, progress = _consoles(output)
+    view = QuietView() if output.quiet else SplitView(results, progress)
+    # plan is a dry run of split.
+    kwargs = {"dry_run": True, **{f.name: getattr(args, f.name) for f in dataclasses.fields(args)}}
     try:
-        traffic = hub.Traffic()
-        settings = hub.HubSettings(revision=args.revision, token=args.token, offline=args.offline)
-        ckpt, repo = hub.open_model(args.model, settings, traffic=traffic)
-        for name in ckpt.unlisted:
-            print(
-                f"warning: {ckpt.display}/{name} is not listed in the checkpoint's index: ignored, as the "
-                "servers ignore it",
-                file=sys.stderr,
-            )
-        choice = None
-        if args.partition == "balanced":
-            choice = choose(
-                ckpt, pp=args.pp, runtime=args.runtime.value, keep_mtp=not args.no_mtp, capacity=capacity
-            )
-            partition = list(choice.partition)
-        elif args.partition is not None:
-            partition = parse_partition(args.partition, pp=args.pp, num_layers=ckpt.num_layers)
-        else:
-            partition = None
-        plan = make_plan(
-            ckpt,
-            pp=args.pp,
-            runtime=args.runtime.value,
-            partition=partition,
-            ranks=args.rank,
-            keep_mtp=not args.no_mtp,
-            max_file_bytes=args.max_file_size,
-        )
-        if _kept is not None:
-            _kept.append(plan)
+        result = reshard(**kwargs, progress=view)
     finally:
-        # What reading and planning made lives until the end: frozen, so that no collection
-        # walks it again (the first one after enable() would take ~0.2 s at 190,000 tensors).
-        gc.freeze()
-        gc.enable()
-    say(plan_table(plan))
-    if choice is not None:
-        say(balance_table(choice, plan.runtime))
-        for line in balance_verdict(choice):
-            say(line, highlight=False)
-    if args.dry_run:
-        say(shares_line(plan), highlight=False)
-        fetch = None
-        if repo is not None:
-            fetch = hub.fetch_report(plan, hub.HubFetcher(repo, ckpt, hub.needed_by(plan), traffic=traffic))
-            say(fetch_line(fetch, planned=True), highlight=False)
-        state = None
-        if args.out is not None:
-            # What a real run would do in OUT: the writer's own decision. A refusal fails the
-            # preview as it would fail the run (exit 2, the same line), so CI can gate on it.
-            state = assess_out(plan, args.out, overwrite=args.overwrite)
-            say(out_line(plan, args.out, state), highlight=False, soft_wrap=True)
-        launch = f"dry run: nothing written. Launch with [bold]{plan.launch_env}[/]"
-        say(launch, highlight=False, soft_wrap=True)
-        if args.quiet:
-            results.print(plan.launch_env, highlight=False, markup=False, soft_wrap=True)
-        complete = list(state.complete) if state is not None else []
-        _print_json(args, "dry_run", plan, complete, None, 0.0, fetch=fetch, choice=choice)
-        return 0
-    reporter = Reporter() if args.quiet else RichReporter(progress)
-    started = time.monotonic()
-    fetcher = None
-    if repo is not None:
-        needed = hub.needed_by(plan)
-        on_fetched = reporter.fetched if isinstance(reporter, RichReporter) else None
-        fetcher = hub.HubFetcher(repo, ckpt, needed, traffic=traffic, on_fetched=on_fetched)
-        if isinstance(reporter, RichReporter):
-            reporter.expect_downloads(fetcher.download_bytes)
-    try:
-        if fetcher is not None:
-            fetcher.prepare()
-        result = write_plan(
-            plan,
-            args.out,
-            overwrite=args.overwrite,
-            workers=args.workers,
-            reporter=reporter,
-            open_source=fetcher.open if fetcher is not None else None,
-            reflink=args.reflink.value,
-        )
-    finally:
-        if isinstance(reporter, RichReporter):
-            reporter.close()
-    seconds = time.monotonic() - started
-    fetch = hub.fetch_report(plan, fetcher) if fetcher is not None else None
-    if args.quiet:
+        if isinstance(view, SplitView):
+            view.close()
+    if _kept is not None:
+        _kept.append(result.plan)
+    plan = result.plan
+    if result.dry_run:
+        if not output.quiet:
+            for line, wrap in dry_run_lines(result):
+                results.print(line, highlight=False, soft_wrap=wrap)
+    elif not output.quiet:
+        summary(results, plan, result.written, str(args.out_dir), result.seconds)
+        if result.fetch is not None:
+            results.print(fetch_line(result.fetch), highlight=False)
+    if output.quiet:
         results.print(plan.launch_env, highlight=False, markup=False, soft_wrap=True)
-    else:
-        summary(results, plan, result, str(args.out), seconds)
-        if fetch is not None:
-            results.print(fetch_line(fetch), highlight=False)
-    status = "nothing_to_do" if result.nothing_to_do else "ok"
-    _print_json(args, status, plan, result.complete, result, seconds, fetch=fetch, choice=choice)
+    if output.json:
+        print(json.dumps(_json_doc(result), indent=2))
     return 0
 
 
-def _print_json(
-    args: SimpleNamespace,
-    status: str,
-    plan: Plan,
-    complete: list[int],
-    result: WriteResult | None,
-    seconds: float,
-    fetch: dict | None = None,
-    choice: Choice | None = None,
-) -> None:
-    if not args.json:
-        return
-    doc = {"status": status, "out": str(args.out) if args.out else None}
-    doc.update(ondisk.run_manifest(plan, complete=complete))
-    if choice is not None:
-        doc["balanced"] = choice.to_dict()
-    if result is not None:
-        doc["result"] = {
-            "built": result.built,
-            "already_complete": result.already_complete,
-            "files_kept": result.files_kept,
-            "bytes_copied": result.bytes_copied,
-            "bytes_shared": result.bytes_shared,
-            "seconds": round(seconds, 3),
-        }
-    if fetch is not None:
-        doc["fetch"] = fetch
-    print(json.dumps(doc, indent=2))
+def _json_doc(result: ReshardResult) -> dict:
+    """``--json``'s summary: the status, then the result's own record."""
+    if result.dry_run:
+        status = "dry_run"
+    else:
+        status = "nothing_to_do" if result.written.nothing_to_do else "ok"
+    return {"status": status, **result.to_dict()}
 
 
 # --------------------------------------------------------------------------- verify
 
 
-def _verify(args: SimpleNamespace) -> int:
+def _verify(args: VerifyArgs, output: Output) -> int:
     """``verify``: the report on stdout (stderr beside ``--json``), the JSON report with ``--json``."""
-    from ..source import hub
+    from ..source.hub import HubSettings
     from ..verify import verify
     from .report import verify_lines
 
-    out = sys.stderr if args.json else sys.stdout
+    out = sys.stderr if output.json else sys.stdout
     if args.repair:
         if args.source is None:
             raise ReshardError("--repair rewrites files from the checkpoint: pass --source MODEL")
-        if not Path(args.source).is_dir():
-            raise ReshardError(
-                f"--repair rewrites files from a local checkpoint, and {args.source} is not a directory: "
-                "download the checkpoint (or the shards verify names) and pass its directory as --source"
-            )
-        from ..write.repair import repair
+        from ..api import repair
 
-        result = repair(args.out, Path(args.source))
+        result = repair(args.out, args.source)
         if not result.before.ok:
-            for line in verify_lines(result.before, problems_only=args.quiet)[:-1]:
+            for line in verify_lines(result.before, problems_only=output.quiet)[:-1]:
                 print(line, file=out)
             for path in result.rewritten:
                 print(f"repaired: {path}", file=out)
         report = result.after
     else:
-        settings = hub.HubSettings(revision=args.revision, token=args.token, offline=args.offline)
+        settings = HubSettings(revision=args.revision, token=args.token, offline=args.offline)
         report = verify(args.out, args.source, hub_settings=settings)
-    for line in verify_lines(report, problems_only=args.quiet):
+    for line in verify_lines(report, problems_only=output.quiet):
         print(line, file=out)
-    if args.json:
+    if output.json:
         print(json.dumps(report.to_dict(), indent=2))
     return 0 if report.ok else 1
-

@@ -7,6 +7,7 @@ verify alike); counts through :func:`units.plural`. Tables fit an 80-column term
 from __future__ import annotations
 
 import shlex
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -16,13 +17,14 @@ from rich.progress import BarColumn, Progress, ProgressColumn, Task, TextColumn,
 from rich.table import Table
 from rich.text import Text
 
+from ..api import ReshardProgress, ReshardResult
 from ..model import names
 from ..ondisk import stage_dirname
 from ..plan.balance import Choice, StageLoad
 from ..plan.planner import Plan, StagePlan
 from ..units import format_bytes, plural
 from ..verify import Finding, VerifyReport
-from ..write.writer import OutState, Reporter, WriteResult
+from ..write.writer import OutState, WriteResult
 
 
 def _table(title: str) -> Table:
@@ -85,7 +87,7 @@ class _RateColumn(ProgressColumn):
         return Text("?" if speed is None else f"{format_bytes(speed)}/s", style="progress.data.speed")
 
 
-class RichReporter(Reporter):
+class RichReporter(ReshardProgress):
     """A byte progress bar (rate, ETA) over all source bytes copied by this run."""
 
     def __init__(self, console: Console) -> None:
@@ -129,6 +131,42 @@ class RichReporter(Reporter):
     def close(self) -> None:
         if self.progress.live.is_started:
             self.progress.stop()
+
+
+class QuietView(ReshardProgress):
+    """What ``--quiet`` shows as a run goes: its warnings only (on stderr)."""
+
+    def warning(self, message: str) -> None:
+        print(f"warning: {message}", file=sys.stderr)
+
+
+class SplitView(QuietView, RichReporter):
+    """What ``split`` and ``plan`` show as a run goes: warnings, the plan (and the balanced
+    choice) on ``results`` once made, then the progress bar on ``progress``."""
+
+    def __init__(self, results: Console, progress: Console) -> None:
+        super().__init__(progress)
+        self.results = results
+
+    def planned(self, plan: Plan, choice: Choice | None) -> None:
+        self.results.print(plan_table(plan))
+        if choice is not None:
+            self.results.print(balance_table(choice, plan.runtime))
+            for line in balance_verdict(choice):
+                self.results.print(line, highlight=False)
+
+
+def dry_run_lines(result: ReshardResult) -> list[tuple[str, bool | None]]:
+    """What a dry run says after its plan, each line with its ``soft_wrap``: the shareable
+    bytes, what a split would fetch from the Hub, what it would do in OUT, the launch line."""
+    plan = result.plan
+    lines: list[tuple[str, bool | None]] = [(shares_line(plan), None)]
+    if result.fetch is not None:
+        lines.append((fetch_line(result.fetch, planned=True), None))
+    if result.out_state is not None:
+        lines.append((out_line(plan, result.out_dir, result.out_state), True))
+    lines.append((f"dry run: nothing written. Launch with [bold]{plan.launch_env}[/]", True))
+    return lines
 
 
 def launch_lines(plan: Plan, out: str) -> list[str]:
@@ -191,9 +229,7 @@ def summary(console: Console, plan: Plan, result: WriteResult, out: str, seconds
         )
     else:
         rate = result.bytes_copied / seconds if seconds > 0 else 0.0
-        kept = (
-            f", {plural(result.files_kept, 'file')} kept from an earlier run" if result.files_kept else ""
-        )
+        kept = f", {plural(result.files_kept, 'file')} kept from an earlier run" if result.files_kept else ""
         shared = f", {format_bytes(result.bytes_shared)} shared with the source" if result.sharing else ""
         console.print(
             f"[bold green]wrote[/] {', '.join(f'pp{r}' for r in result.built)} in {seconds:.1f} s: "
@@ -271,6 +307,8 @@ def repair_command(report: VerifyReport) -> str:
     """The command that mends what ``report`` found, with the source it names or the split records."""
     source = report.source or report.recorded_source or "MODEL"
     return f"qwen35-reshard verify {shlex.quote(report.target)} --source {shlex.quote(source)} --repair"
+
+
 def balance_table(choice: Choice, runtime: str) -> Table:
     """The balanced split per stage (resident GB by part; capacity columns in capacity mode),
     the bottleneck stage marked; narrow enough for an 80-column terminal up to pp=16."""

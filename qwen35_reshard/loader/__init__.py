@@ -286,11 +286,26 @@ def _no_stage_dir(root: Path, given: str, pp_rank: int) -> str:
 
 
 def open_stage(path: str | os.PathLike[str], pp_rank: int | None = None) -> Stage:
-    """Open and validate a stage directory.
+    """Open and validate a stage directory: what a server's loader reads its weights through.
 
-    ``path`` is either a stage directory (``OUT/pp2``) or the run directory ``OUT`` together
-    with ``pp_rank``. Raises StageError, with what to do, for a missing or interrupted stage,
-    files that do not match the manifest, or a stage that belongs to another split.
+    Args:
+        path: a stage directory (``OUT/pp2``), or the run directory ``OUT`` with ``pp_rank``.
+        pp_rank: the server's pipeline rank, checked against the stage's.
+
+    Returns:
+        The :class:`Stage`: its manifest's facts (rank, layers, partition); its tensors are
+        read only when iterated (``iter_weights``).
+
+    Raises:
+        StageError: a missing or interrupted stage, files that do not match the manifest, or a
+            stage that belongs to another split; each says what to do.
+
+    Example:
+        >>> from qwen35_reshard import open_stage, reshard
+        >>> _ = reshard(MODEL, OUT, pp=2)
+        >>> stage = open_stage(OUT, pp_rank=1)
+        >>> stage.rank, stage.start_layer, stage.end_layer
+        (1, 4, 8)
     """
     given = os.fspath(path)
     root = Path(given)

@@ -238,8 +238,28 @@ def choose(
     """The balanced split of ``ckpt`` over ``pp`` stages for ``runtime``.
 
     Stage bytes come from the headers, placed by the plan's own rules (``assign``); with
-    ``capacity`` the split first maximises the requests the worst stage holds. Raises
-    ReshardError when no split over ``pp`` stages is one the runtime can serve.
+    ``capacity`` the split first maximises the requests the worst stage holds.
+
+    Args:
+        ckpt: the checkpoint, from :func:`read_checkpoint`.
+        pp: number of pipeline stages.
+        runtime: ``"sglang"`` or ``"vllm"``.
+        keep_mtp: whether the ``mtp.*`` tensors (on the last stage) count.
+        capacity: size the split for serving on these GPUs (KV cache, linear-attention state).
+
+    Returns:
+        The :class:`Choice`: the balanced ``partition`` (pass it to :func:`make_plan`) and the
+        runtime's ``default`` split, each with its stages' loads.
+
+    Raises:
+        ReshardError: ``pp`` or ``runtime`` is invalid, the config lacks what ``capacity``
+            needs, or no split over ``pp`` stages is one the runtime can serve.
+
+    Example:
+        >>> from qwen35_reshard import choose, read_checkpoint
+        >>> choice = choose(read_checkpoint(MODEL), pp=3, runtime="sglang")
+        >>> choice.partition, choice.default
+        ((3, 3, 2), (2, 3, 3))
     """
     check_pp(ckpt.num_layers, pp)
     check_runtime(runtime)

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import ReshardError
+from ..errors import ReshardError, param
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _CACHE_BYTES = 2  # BF16 KV cache and conv state
 _DEFAULT_SSM_DTYPE = {"sglang": "float32", "vllm": "bfloat16"}
+# The share of GPU memory assumed when none is given: vLLM's --gpu-memory-utilization default.
+DEFAULT_MEM_FRACTION = 0.9
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,13 @@ class Capacity:
     mem_fraction: float  # share of it the server uses for weights and cache
     tp: int  # tensor-parallel size of each stage
     context_length: int  # tokens per request
+
+    def __post_init__(self) -> None:
+        if not 0 < self.mem_fraction <= 1:
+            raise ReshardError(f"{param('mem_fraction')} must be in (0, 1], got {self.mem_fraction}")
+        for name in ("tp", "context_length"):
+            if getattr(self, name) < 1:
+                raise ReshardError(f"{param(name)} must be at least 1, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -47,11 +56,6 @@ class Serving:
 
 def serving_costs(text_config: dict, runtime: str, capacity: Capacity, *, draft_layers: int) -> Serving:
     """The per-GPU budget and per-request state of a stage, from the model's config."""
-    if not 0 < capacity.mem_fraction <= 1 or capacity.tp < 1 or capacity.context_length < 1:
-        raise ReshardError(
-            "capacity: the memory fraction must be in (0, 1], the tensor-parallel size and the "
-            "context length at least 1"
-        )
     tp = capacity.tp
     kv = 2 * max(1, _int(text_config, "num_key_value_heads") // tp) * _int(text_config, "head_dim")
     return Serving(

@@ -201,12 +201,33 @@ def make_plan(
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
 ) -> Plan:
-    """Assign every tensor of ``ckpt`` to stages and lay out each stage's files.
+    """Assign every tensor of ``ckpt`` to stages and lay out each stage's files. Pure: no I/O.
 
-    Raises ReshardError for a tensor no rule places, layer ids that are not exactly
-    0..num_layers-1, a tensor the config requires that is missing or has another shape (see
-    ``schema``), a split that does not fit the model, or one the runtime cannot serve (any
-    stage of it, selected by ``ranks`` or not: see ``model.runtimes.servable``).
+    Args:
+        ckpt: the checkpoint, from :func:`read_checkpoint`.
+        pp: number of pipeline stages.
+        runtime: ``"sglang"`` or ``"vllm"``, the server whose split and placement rules apply.
+        partition: decoder layers per stage (default: the runtime's own split).
+        keep_mtp: False leaves the ``mtp.*`` tensors out (recorded in the manifests).
+        ranks: the stages to write (default: all); the plan still describes every stage.
+        max_file_bytes: largest output data file.
+        max_header_bytes: largest safetensors header of an output file.
+
+    Returns:
+        The :class:`Plan`: every stage's files, each tensor's source and offset, and the
+        ``launch_env`` that starts the servers with this split.
+
+    Raises:
+        ReshardError: a tensor no rule places, layer ids that are not exactly 0..num_layers-1,
+            a tensor the config requires that is missing or has another shape (see ``schema``),
+            a split that does not fit the model, or one the runtime cannot serve (any stage of
+            it, selected by ``ranks`` or not: see ``model.runtimes.servable``).
+
+    Example:
+        >>> from qwen35_reshard import make_plan, read_checkpoint
+        >>> plan = make_plan(read_checkpoint(MODEL), pp=2, runtime="vllm")
+        >>> plan.partition, plan.launch_env
+        ((4, 4), 'VLLM_PP_LAYER_PARTITION=4,4')
     """
     check_pp(ckpt.num_layers, pp)
     check_runtime(runtime)

@@ -83,7 +83,26 @@ class Checkpoint:
 
 
 def read_checkpoint(model_dir: str | os.PathLike[str]) -> Checkpoint:
-    """Read config, index and shard headers of the checkpoint in ``model_dir``."""
+    """Read config, index and shard headers of the checkpoint in ``model_dir``; no tensor data.
+
+    Args:
+        model_dir: the checkpoint's directory (``config.json``, the safetensors index and
+            shards, or one ``model.safetensors``); a Hugging Face cache snapshot too.
+
+    Returns:
+        The :class:`Checkpoint`: its config, every tensor's file, dtype, shape and byte range,
+        and the side files (tokenizer, ...) every stage gets.
+
+    Raises:
+        ReshardError: ``model_dir`` is no directory, or a file in it is missing, malformed,
+            unsafe (a path out of the directory, a pickle) or disagrees with the others.
+
+    Example:
+        >>> from qwen35_reshard import read_checkpoint
+        >>> ckpt = read_checkpoint(MODEL)
+        >>> ckpt.num_layers, len(ckpt.files), len(ckpt.tensors)
+        (8, 4, 203)
+    """
     root = Path(model_dir)
     if not root.is_dir():
         raise ReshardError(

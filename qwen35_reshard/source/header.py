@@ -136,6 +136,8 @@ def parse_header(raw: bytes, *, file_size: int, where: str) -> Header:
         raise ReshardError(f"{where}: header is not valid UTF-8") from e
     except json.JSONDecodeError as e:
         raise ReshardError(f"{where}: header is not valid JSON ({e.msg} at byte {e.pos})") from e
+    except ReshardError:  # a repeated key, already named: a ValueError, but no JSON error
+        raise
     except JSON_ERRORS as e:
         why = "nested too deep or a number too long"
         raise ReshardError(f"{where}: header is not JSON this tool reads ({why})") from e

@@ -1,17 +1,15 @@
-"""Mend a damaged split from its source: verify, rewrite exactly what is wrong, verify again.
+"""Mend a damaged split from its source: the files a verify's findings name, rewritten.
 
-``verify`` (with the source) says which files are damaged, missing or truncated; the plan is
-rebuilt from the settings the split records (as ``verify --source`` does), and the writer
-rewrites those files from the source, and a stage's index and manifest only when they are
-among them. Files verify finds fine are never rewritten. What a rewrite cannot mend (stray
-files, a split from another checkpoint, an unfinished run) is left for the second verify to
-report.
+:func:`qwen35_reshard.api.repair` verifies with the source, rebuilds the plan from
+:func:`recorded_identity`, has :func:`repair_files` rewrite the :func:`damaged_files` from the
+source (a stage's index and manifest only when they are among them), and verifies again. Files
+verify finds fine are never rewritten; what a rewrite cannot mend (stray files, a split from
+another checkpoint, an unfinished run) is left for the second verify to report.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 from .. import ondisk
@@ -19,21 +17,17 @@ from ..errors import ReshardError
 from ..ondisk import (
     INDEX_NAME,
     JOURNAL,
-    MTP_DROPPED,
     RUN_MANIFEST,
     RUN_MARKER,
     STAGE_MANIFEST,
     RunIdentity,
     dumps,
-    source_identity,
     stage_dir_rank,
     stage_is_complete,
 )
-from ..plan.planner import OutputFile, Plan, StagePlan, make_plan
-from ..source.checkpoint import Checkpoint, read_checkpoint
+from ..plan.planner import OutputFile, Plan, StagePlan
 from ..stage import Finding, read_manifest, read_run_record
 from ..transfer import Segment, copy_segments
-from ..verify import VerifyReport, verify
 from .assemble import Reporter, copy_files
 from .datafile import header, matches
 from .durability import Durability, fsync_dir, remove, remove_partials, write_atomic, write_error
@@ -42,44 +36,7 @@ from .journal import Digests
 from .writer import DEFAULT_WORKERS
 
 
-@dataclass(frozen=True)
-class RepairResult:
-    """What a repair did: the first report, the paths of the files rewritten, the last report."""
-
-    before: VerifyReport
-    rewritten: list[str]
-    after: VerifyReport
-
-
-def repair(
-    out_dir: str | os.PathLike[str], source: str | os.PathLike[str], *, workers: int = DEFAULT_WORKERS
-) -> RepairResult:
-    """Verify the split in ``out_dir`` against ``source``, rewrite what is damaged, verify again.
-
-    ``out_dir`` is the run directory OUT or one stage directory OUT/ppN. Raises ReshardError
-    when the split's settings cannot be read or it was made from another checkpoint.
-    """
-    target = Path(out_dir)
-    before = verify(target, source)
-    if before.ok:
-        return RepairResult(before, [], before)
-    single = stage_dir_rank(target) is not None and not (target / RUN_MANIFEST).exists()
-    out = target.parent if single else target
-    ckpt = read_checkpoint(source)
-    identity = _recorded_identity(out, target if single else None)
-    if identity.source_fingerprint != source_identity(ckpt)["fingerprint"]:
-        raise ReshardError(
-            f"{target} was split from another checkpoint than {source} (or the source changed since); "
-            "repair rewrites files from the checkpoint the split was made from: pass that one"
-        )
-    plan = _plan(ckpt, identity)
-    files, redo_run_manifest = _damaged(before, plan)
-    done = repair_files(plan, out, files, rewrite_run_manifest=redo_run_manifest, workers=workers)
-    rewritten = [str(out / p) for p in done]
-    return RepairResult(before, rewritten, verify(target, source))
-
-
-def _recorded_identity(out: Path, stage_dir: Path | None) -> RunIdentity:
+def recorded_identity(out: Path, stage_dir: Path | None) -> RunIdentity:
     """The split's settings: from the run record beside the stages, else from a stage manifest."""
     record = read_run_record(out, str(out)) if stage_dir is None else None
     if isinstance(record, tuple):
@@ -96,19 +53,7 @@ def _recorded_identity(out: Path, stage_dir: Path | None) -> RunIdentity:
     )
 
 
-def _plan(ckpt: Checkpoint, identity: RunIdentity) -> Plan:
-    return make_plan(
-        ckpt,
-        pp=identity.pp,
-        runtime=identity.runtime,
-        partition=list(identity.partition),
-        keep_mtp=identity.mtp != MTP_DROPPED,
-        max_file_bytes=identity.max_file_bytes,
-        max_header_bytes=identity.max_header_bytes,
-    )
-
-
-def _damaged(report: VerifyReport, plan: Plan) -> tuple[dict[int, set[str]], bool]:
+def damaged_files(findings: list[Finding], target: Path, plan: Plan) -> tuple[dict[int, set[str]], bool]:
     """Files to rewrite per stage rank, and whether reshard.json is one of them.
 
     A finding about a stage file names it; one about a tensor only (missing from the stage)
@@ -118,7 +63,7 @@ def _damaged(report: VerifyReport, plan: Plan) -> tuple[dict[int, set[str]], boo
     files: dict[int, set[str]] = {}
     run_manifest = False
     side = {*plan.checkpoint.extra_files, INDEX_NAME, STAGE_MANIFEST}
-    for f in report.findings:
+    for f in findings:
         if f.stage is None:
             run_manifest |= f.file == RUN_MANIFEST
             continue
@@ -134,10 +79,9 @@ def _damaged(report: VerifyReport, plan: Plan) -> tuple[dict[int, set[str]], boo
             names |= {planned[f.tensor], "reshard-stage.json"}
         elif f.file is None and f.tensor is None:
             names |= {*planned.values(), *side}
-    if (Path(report.target) / RUN_MARKER).exists():
+    if (target / RUN_MARKER).exists():
         run_manifest = False  # an unfinished run: the same command finishes it
     return {r: n for r, n in files.items() if n}, run_manifest
-
 
 def repair_files(
     plan: Plan,

@@ -1,0 +1,440 @@
+"""The one orchestrator: what the command line does, as library calls that return what it shows.
+
+:func:`reshard` opens MODEL (a directory, a Hugging Face cache folder or a Hub repo id), picks
+the balanced split if asked, plans, and writes the plan into OUT (or, as a dry run, says what a
+run would do there); :func:`repair` verifies a split against its source, rewrites what is
+damaged and verifies again. Checking alone is :func:`qwen35_reshard.verify.verify`. The CLI
+parses its flags into these calls and renders their results; nothing here prints.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from .errors import ReshardError, param
+from .model.runtimes import parse_partition
+from .ondisk import RUN_MANIFEST, run_manifest, source_identity, stage_dir_rank
+from .plan.balance import Choice, choose
+from .plan.capacity import DEFAULT_MEM_FRACTION, Capacity
+from .plan.planner import DEFAULT_MAX_FILE_BYTES, Plan, make_plan
+from .source import hub
+from .source.checkpoint import Checkpoint, read_checkpoint
+from .verify import VerifyReport, recorded_plan, verify
+from .write.repair import damaged_files, recorded_identity, repair_files
+from .write.writer import (
+    DEFAULT_WORKERS,
+    OutState,
+    Reporter,
+    WriteResult,
+    assess_out,
+    check_out_dir,
+    write_plan,
+)
+
+__all__ = ["RepairResult", "ReshardProgress", "ReshardResult", "repair", "reshard"]
+
+
+class ReshardProgress(Reporter):
+    """What :func:`reshard` reports as it goes: the writer's :class:`Reporter` callbacks plus the
+    orchestrator's own. Every method does nothing by default; override those you show.
+
+    May be called from the writer's threads (``advance``).
+    """
+
+    def warning(self, message: str) -> None:
+        """Something the run goes on despite (a shard file the index does not list)."""
+
+    def planned(self, plan: Plan, choice: Choice | None) -> None:
+        """The plan is made (and the balanced ``choice``, if asked); nothing is written yet."""
+
+    def expect_downloads(self, total_bytes: int) -> None:
+        """Before writing: the bytes of the Hub shards this run downloads whole."""
+
+    def fetched(self, nbytes: int) -> None:
+        """Bytes of a whole-shard Hub download, as they arrive."""
+
+
+@dataclass(frozen=True)
+class ReshardResult:
+    """What :func:`reshard` did, as the CLI shows it.
+
+    ``plan`` is the split (its ``launch_env`` is the launch line's partition); ``choice`` the
+    balanced split and the runtime's default beside it (``partition="balanced"`` only);
+    ``unlisted`` the shard files beside the checkpoint its index does not list (ignored, as the
+    servers ignore them). A dry run writes nothing: ``written`` is None and ``out_state`` says
+    what a real run would do in OUT (None without OUT). A real run's ``written`` says what it
+    did, in ``seconds``. ``fetch`` (a Hub repo id only) is what was fetched, or for a dry run
+    what a split would fetch (:func:`qwen35_reshard.source.hub.fetch_report`).
+    """
+
+    plan: Plan
+    out_dir: Path | None
+    choice: Choice | None = None
+    unlisted: tuple[str, ...] = ()
+    out_state: OutState | None = None
+    written: WriteResult | None = None
+    seconds: float = 0.0
+    fetch: dict | None = None
+
+    @property
+    def dry_run(self) -> bool:
+        return self.written is None
+
+    @property
+    def launch_env(self) -> str:
+        """The environment assignment each stage's server is launched with."""
+        return self.plan.launch_env
+
+    @property
+    def complete(self) -> list[int]:
+        """The stages of the split complete in OUT (after the run; before it for a dry run)."""
+        if self.written is not None:
+            return list(self.written.complete)
+        return list(self.out_state.complete) if self.out_state is not None else []
+
+    @property
+    def bytes_copied(self) -> int:
+        return self.written.bytes_copied if self.written is not None else 0
+
+    @property
+    def bytes_shared(self) -> int:
+        return self.written.bytes_shared if self.written is not None else 0
+
+    def to_dict(self) -> dict:
+        """Plain JSON-ready data (``--json``): OUT, the run manifest's record of the split, the
+        balanced choice, what the write did and what was fetched, where there is one."""
+        doc = {"out": None if self.out_dir is None else str(self.out_dir)}
+        doc.update(run_manifest(self.plan, complete=self.complete))
+        if self.choice is not None:
+            doc["balanced"] = self.choice.to_dict()
+        if self.written is not None:
+            w = self.written
+            doc["result"] = {
+                "built": w.built,
+                "already_complete": w.already_complete,
+                "files_kept": w.files_kept,
+                "bytes_copied": w.bytes_copied,
+                "bytes_shared": w.bytes_shared,
+                "seconds": round(self.seconds, 3),
+            }
+        if self.fetch is not None:
+            doc["fetch"] = self.fetch
+        return doc
+
+
+def reshard(
+    model: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str] | None,
+    *,
+    pp: int,
+    runtime: str = "sglang",
+    partition: Sequence[int] | str | None = None,
+    gpu_memory: int | None = None,
+    context_length: int | None = None,
+    tp: int | None = None,
+    mem_fraction: float | None = None,
+    ranks: Sequence[int] | None = None,
+    keep_mtp: bool = True,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    workers: int = DEFAULT_WORKERS,
+    reflink: str = "auto",
+    overwrite: bool = False,
+    dry_run: bool = False,
+    revision: str | None = None,
+    token: str | None = None,
+    offline: bool = False,
+    progress: Reporter | None = None,
+) -> ReshardResult:
+    """Split ``model`` into ``out_dir``/pp0, pp1, ...: what ``qwen35-reshard split`` does.
+
+    Args:
+        model: the checkpoint: its directory, a Hugging Face cache folder (``models--org--name``)
+            or a Hub repo id (``Qwen/Qwen3.5-35B-A3B``), read from its index and headers only.
+        out_dir: the output directory; None only with ``dry_run`` (the plan alone).
+        pp: number of pipeline stages.
+        runtime: ``"sglang"`` or ``"vllm"``, the server whose split and placement rules apply.
+        partition: decoder layers per stage (a list, or ``"15,15,15,15"``), ``"balanced"``
+            (the split whose fullest stage holds the fewest bytes), or None for the runtime's
+            own split.
+        gpu_memory: with ``partition="balanced"``: size the split for serving on GPUs of this
+            many bytes (maximise the requests the worst stage holds); needs ``context_length``.
+        context_length: with ``gpu_memory``: tokens per request.
+        tp: with ``gpu_memory``: tensor-parallel size of each stage (default 1).
+        mem_fraction: with ``gpu_memory``: share of GPU memory the server uses for weights and
+            cache (default 0.9).
+        ranks: build only these stages (default: all).
+        keep_mtp: False leaves the ``mtp.*`` tensors out on purpose (recorded in the manifest).
+        max_file_bytes: largest output data file.
+        workers: source shards copied at once.
+        reflink: ``"auto"`` shares the source's blocks where the filesystem can, ``"always"``
+            refuses where it cannot, ``"never"`` copies.
+        overwrite: replace an OUT that holds a split made with other settings.
+        dry_run: plan and assess OUT only; write (and download) nothing.
+        revision, token, offline: for a Hub repo id: branch, tag or commit; token (default:
+            ``HF_TOKEN`` or the saved login); use only the Hugging Face cache.
+        progress: progress callbacks: a :class:`Reporter`, or a :class:`ReshardProgress` to also
+            hear warnings, the plan before writing and Hub downloads.
+
+    Returns:
+        A :class:`ReshardResult`: the plan, the balanced choice, what was done to OUT (or would
+        be, for a dry run), bytes copied and shared, and the launch line's ``launch_env``.
+
+    Raises:
+        ReshardError: bad input (a parameter, the checkpoint, OUT) or a failed run, in one
+            line naming the parameter at fault; a ValueError, so ``except ValueError`` works.
+
+    Example:
+        >>> from qwen35_reshard import reshard
+        >>> preview = reshard(MODEL, OUT, pp=3, partition="balanced", dry_run=True)
+        >>> preview.choice.partition, preview.out_state.action, preview.written
+        ((3, 3, 2), 'new', None)
+        >>> result = reshard(MODEL, OUT, pp=4)
+        >>> result.launch_env, result.written.built, result.bytes_copied > 0
+        ('SGLANG_PP_LAYER_PARTITION=2,2,2,2', [0, 1, 2, 3], True)
+    """
+    out = None if out_dir is None else Path(out_dir)
+    _check_run(model, out, dry_run=dry_run, workers=workers)
+    capacity = _capacity(partition, gpu_memory, context_length, tp, mem_fraction)
+    events = progress if isinstance(progress, ReshardProgress) else ReshardProgress()
+    traffic = hub.Traffic()
+    with _collector_paused():
+        ckpt, repo = _open(
+            model, hub.HubSettings(revision=revision, token=token, offline=offline), traffic, events
+        )
+        choice, sizes = _partition(
+            ckpt, partition, pp=pp, runtime=runtime, keep_mtp=keep_mtp, capacity=capacity
+        )
+        plan = make_plan(
+            ckpt,
+            pp=pp,
+            runtime=runtime,
+            partition=sizes,
+            ranks=None if ranks is None else list(ranks),
+            keep_mtp=keep_mtp,
+            max_file_bytes=max_file_bytes,
+        )
+    events.planned(plan, choice)
+    planned = ReshardResult(plan, out, choice, tuple(ckpt.unlisted))
+    if dry_run:
+        return _preview(planned, repo, traffic, overwrite=overwrite)
+    return _write(
+        planned, repo, traffic, progress, events, overwrite=overwrite, workers=workers, reflink=reflink
+    )
+
+
+def _check_run(model: str | os.PathLike[str], out: Path | None, *, dry_run: bool, workers: int) -> None:
+    """Refuse, before reading anything, a run with no OUT or one inside MODEL, or no workers."""
+    if out is None and not dry_run:
+        raise ReshardError(f"{param('out_dir')} is needed to write the split; or pass {param('dry_run')}")
+    if out is not None and Path(model).is_dir():
+        check_out_dir(Path(model), out)
+    if workers < 1:
+        raise ReshardError(f"{param('workers')} must be at least 1, got {workers}")
+
+
+def _open(
+    model: str | os.PathLike[str], settings: hub.HubSettings, traffic: hub.Traffic, events: ReshardProgress
+) -> tuple[Checkpoint, hub.HubRepo | None]:
+    """MODEL's checkpoint (and its Hub repo, for a repo id), its unlisted shard files warned of."""
+    ckpt, repo = hub.open_model(os.fspath(model), settings, traffic=traffic)
+    for name in ckpt.unlisted:
+        events.warning(
+            f"{ckpt.display}/{name} is not listed in the checkpoint's index: ignored, as the "
+            "servers ignore it"
+        )
+    return ckpt, repo
+
+
+def _preview(
+    planned: ReshardResult, repo: hub.HubRepo | None, traffic: hub.Traffic, *, overwrite: bool
+) -> ReshardResult:
+    """A dry run's result: what a split would fetch, and what it would do in OUT (the writer's
+    own decision, refusals included)."""
+    plan, out = planned.plan, planned.out_dir
+    fetch = None
+    if repo is not None:
+        fetcher = hub.HubFetcher(repo, plan.checkpoint, hub.needed_by(plan), traffic=traffic)
+        fetch = hub.fetch_report(plan, fetcher)
+    state = assess_out(plan, out, overwrite=overwrite) if out is not None else None
+    return replace(planned, out_state=state, fetch=fetch)
+
+
+def _write(
+    planned: ReshardResult,
+    repo: hub.HubRepo | None,
+    traffic: hub.Traffic,
+    progress: Reporter | None,
+    events: ReshardProgress,
+    *,
+    overwrite: bool,
+    workers: int,
+    reflink: str,
+) -> ReshardResult:
+    """A real run's result: the plan written into OUT, its Hub shards fetched as it goes."""
+    plan = planned.plan
+    started = time.monotonic()
+    fetcher = None
+    if repo is not None:
+        needed = hub.needed_by(plan)
+        fetcher = hub.HubFetcher(repo, plan.checkpoint, needed, traffic=traffic, on_fetched=events.fetched)
+        events.expect_downloads(fetcher.download_bytes)
+        fetcher.prepare()
+    written = write_plan(
+        plan,
+        planned.out_dir,
+        overwrite=overwrite,
+        workers=workers,
+        reporter=progress,
+        open_source=fetcher.open if fetcher is not None else None,
+        reflink=reflink,
+    )
+    seconds = time.monotonic() - started
+    fetch = hub.fetch_report(plan, fetcher) if fetcher is not None else None
+    return replace(planned, written=written, seconds=seconds, fetch=fetch)
+
+
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Reading and planning make a few small objects per tensor (~190,000 for a 397B FP8
+    checkpoint), none of them cyclic: the garbage collector would only slow them, and what they
+    made lives on, frozen so that no collection walks it again (the first one after enable()
+    would take ~0.2 s at 190,000 tensors)."""
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        gc.enable()
+
+
+def _capacity(
+    partition: Sequence[int] | str | None,
+    gpu_memory: int | None,
+    context_length: int | None,
+    tp: int | None,
+    mem_fraction: float | None,
+) -> Capacity | None:
+    """Capacity mode's settings, or None; each of its options needs ``gpu_memory`` and balanced."""
+    options = (("tp", tp), ("context_length", context_length), ("mem_fraction", mem_fraction))
+    given = [name for name, value in options if value is not None]
+    if gpu_memory is None:
+        if given:
+            raise ReshardError(f"{param(given[0])} sizes capacity mode: it needs {param('gpu_memory')}")
+        return None
+    if partition != "balanced":
+        raise ReshardError(
+            f"{param('gpu_memory')} sizes {param('partition', 'balanced')} for serving: add "
+            f"{param('partition', 'balanced')}"
+        )
+    if context_length is None:
+        raise ReshardError(
+            f"{param('gpu_memory')} needs {param('context_length')}, the tokens each request may hold"
+        )
+    return Capacity(
+        gpu_bytes=gpu_memory,
+        mem_fraction=DEFAULT_MEM_FRACTION if mem_fraction is None else mem_fraction,
+        tp=1 if tp is None else tp,
+        context_length=context_length,
+    )
+
+
+def _partition(
+    ckpt: Checkpoint,
+    partition: Sequence[int] | str | None,
+    *,
+    pp: int,
+    runtime: str,
+    keep_mtp: bool,
+    capacity: Capacity | None,
+) -> tuple[Choice | None, list[int] | None]:
+    """The balanced choice (if asked) and the layers per stage to plan (None: the runtime's)."""
+    if partition == "balanced":
+        choice = choose(ckpt, pp=pp, runtime=runtime, keep_mtp=keep_mtp, capacity=capacity)
+        return choice, list(choice.partition)
+    if isinstance(partition, str):
+        return None, parse_partition(partition, pp=pp, num_layers=ckpt.num_layers)
+    return None, None if partition is None else list(partition)
+
+
+# --------------------------------------------------------------------------- repair
+
+
+@dataclass(frozen=True)
+class RepairResult:
+    """What a repair did: the first report, the paths of the files rewritten, the last report."""
+
+    before: VerifyReport
+    rewritten: list[str]
+    after: VerifyReport
+
+
+def repair(
+    out_dir: str | os.PathLike[str], source: str | os.PathLike[str], *, workers: int = DEFAULT_WORKERS
+) -> RepairResult:
+    """Verify the split in ``out_dir`` against ``source``, rewrite what is damaged, verify again.
+
+    The plan is rebuilt from the settings the split records (as ``verify`` with a source does);
+    only the files verify finds damaged, missing or truncated are rewritten, a stage's index and
+    manifest only when among them. What a rewrite cannot mend (stray files, an unfinished run)
+    is left for the second verify to report.
+
+    Args:
+        out_dir: the run directory OUT, or one stage directory OUT/ppN.
+        source: the local checkpoint directory the split was made from.
+        workers: source shards copied at once.
+
+    Returns:
+        A :class:`RepairResult`: the report before, the files rewritten, the report after.
+
+    Raises:
+        ReshardError: ``source`` is not a directory, the split records no readable settings,
+            or it was made from another checkpoint.
+
+    Example:
+        >>> import os
+        >>> from qwen35_reshard import repair, reshard
+        >>> _ = reshard(MODEL, OUT, pp=2)
+        >>> stage = os.path.join(OUT, "pp1")
+        >>> data = sorted(f for f in os.listdir(stage) if f.endswith(".safetensors"))[0]
+        >>> os.truncate(os.path.join(stage, data), 100)  # damaged: truncated
+        >>> result = repair(OUT, MODEL)
+        >>> result.before.ok, result.rewritten == [os.path.join(stage, data)], result.after.ok
+        (False, True, True)
+    """
+    if not Path(source).is_dir():
+        raise ReshardError(
+            f"{param('repair')} rewrites files from a local checkpoint, and {source} is not a directory: "
+            "download the checkpoint (or the shards verify names) and pass its directory as "
+            f"{param('source')}"
+        )
+    target = Path(out_dir)
+    before = verify(target, source)
+    if before.ok:
+        return RepairResult(before, [], before)
+    single = stage_dir_rank(target) is not None and not (target / RUN_MANIFEST).exists()
+    out = target.parent if single else target
+    ckpt = read_checkpoint(source)
+    identity = recorded_identity(out, target if single else None)
+    if identity.source_fingerprint != source_identity(ckpt)["fingerprint"]:
+        raise ReshardError(
+            f"{target} was split from another checkpoint than {source} (or the source changed since); "
+            "repair rewrites files from the checkpoint the split was made from: pass that one"
+        )
+    plan = recorded_plan(
+        ckpt,
+        pp=identity.pp,
+        runtime=identity.runtime,
+        partition=identity.partition,
+        mtp=identity.mtp,
+        max_file_bytes=identity.max_file_bytes,
+        max_header_bytes=identity.max_header_bytes,
+    )
+    files, redo_run_manifest = damaged_files(before.findings, Path(before.target), plan)
+    done = repair_files(plan, out, files, rewrite_run_manifest=redo_run_manifest, workers=workers)
+    return RepairResult(before, [str(out / p) for p in done], verify(target, source))
