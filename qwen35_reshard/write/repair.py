@@ -83,6 +83,7 @@ def damaged_files(findings: list[Finding], target: Path, plan: Plan) -> tuple[di
         run_manifest = False  # an unfinished run: the same command finishes it
     return {r: n for r, n in files.items() if n}, run_manifest
 
+
 def repair_files(
     plan: Plan,
     out_dir: str | os.PathLike[str],
