@@ -19,7 +19,8 @@ from safetensors import safe_open
 import qwen35_reshard
 from qwen35_reshard import loader
 from qwen35_reshard.errors import ReshardError
-from qwen35_reshard.source.header import DTYPE_SIZES, DTYPES, encode_header, read_header
+from qwen35_reshard.format.dtypes import DTYPE_SIZES, DTYPES
+from qwen35_reshard.source.header import encode_header, read_header
 from qwen35_reshard.write import writer as write
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -28,17 +28,18 @@ import typer
 # typer (>= 0.26) carries its own click and no longer re-exports these (fastapi/typer#1832).
 from typer._click.exceptions import ClickException, NoSuchOption, UsageError
 
-from .. import ondisk
 from .._version import __version__
 from ..errors import ReshardError
+from ..format.names import TOOL_NAME
 from ..model.runtimes import RUNTIMES, parse_partition
 from ..plan.balance import Choice, choose
 from ..plan.capacity import Capacity
 from ..plan.planner import DEFAULT_MAX_FILE_BYTES, Plan, make_plan
 from ..units import parse_size
+from ..write.manifest import run_manifest
 from ..write.writer import DEFAULT_WORKERS, REFLINK_MODES, WriteResult, assess_out, write_plan
 
-PROG = "qwen35-reshard"
+PROG = TOOL_NAME
 
 # The library's parameters, as this command line spells them.
 FLAGS = {
@@ -509,6 +510,7 @@ def _consoles(args: SimpleNamespace) -> tuple[object, object]:
 
 def _reshard(args: SimpleNamespace) -> int:
     """``split`` and ``plan``: plan, show the plan, and (unless a dry run) write it."""
+    from ..plan.fetch import fetch_report, needed_by
     from ..source import hub
     from ..write.writer import Reporter, check_out_dir
     from .report import (
@@ -578,7 +580,7 @@ def _reshard(args: SimpleNamespace) -> int:
         say(shares_line(plan), highlight=False)
         fetch = None
         if repo is not None:
-            fetch = hub.fetch_report(plan, hub.HubFetcher(repo, ckpt, hub.needed_by(plan), traffic=traffic))
+            fetch = fetch_report(plan, hub.HubFetcher(repo, ckpt, needed_by(plan), traffic=traffic))
             say(fetch_line(fetch, planned=True), highlight=False)
         state = None
         if args.out is not None:
@@ -597,7 +599,7 @@ def _reshard(args: SimpleNamespace) -> int:
     started = time.monotonic()
     fetcher = None
     if repo is not None:
-        needed = hub.needed_by(plan)
+        needed = needed_by(plan)
         on_fetched = reporter.fetched if isinstance(reporter, RichReporter) else None
         fetcher = hub.HubFetcher(repo, ckpt, needed, traffic=traffic, on_fetched=on_fetched)
         if isinstance(reporter, RichReporter):
@@ -618,7 +620,7 @@ def _reshard(args: SimpleNamespace) -> int:
         if isinstance(reporter, RichReporter):
             reporter.close()
     seconds = time.monotonic() - started
-    fetch = hub.fetch_report(plan, fetcher) if fetcher is not None else None
+    fetch = fetch_report(plan, fetcher) if fetcher is not None else None
     if args.quiet:
         results.print(plan.launch_env, highlight=False, markup=False, soft_wrap=True)
     else:
@@ -643,7 +645,7 @@ def _print_json(
     if not args.json:
         return
     doc = {"status": status, "out": str(args.out) if args.out else None}
-    doc.update(ondisk.run_manifest(plan, complete=complete))
+    doc.update(run_manifest(plan, complete=complete))
     if choice is not None:
         doc["balanced"] = choice.to_dict()
     if result is not None:

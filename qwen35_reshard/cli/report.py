@@ -16,8 +16,8 @@ from rich.progress import BarColumn, Progress, ProgressColumn, Task, TextColumn,
 from rich.table import Table
 from rich.text import Text
 
+from ..format.names import stage_dirname
 from ..model import names
-from ..ondisk import stage_dirname
 from ..plan.balance import Choice, StageLoad
 from ..plan.planner import Plan, StagePlan
 from ..units import format_bytes, plural

@@ -27,18 +27,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ReshardError
+from ..format.dtypes import DTYPES
+from ..format.names import INDEX_NAME, RUN_MANIFEST, STAGE_MANIFEST, stage_dir_rank, stage_dirname
 from ..model.runtimes import launch_env
-from ..ondisk import (
-    INDEX_NAME,
-    RUN_MANIFEST,
-    STAGE_MANIFEST,
-    StageManifest,
-    StageTensor,
-    stage_dir_rank,
-    stage_dirname,
-)
-from ..source.header import DTYPES
-from ..stage import REBUILD, Finding, read_run_record, read_stage
+from ..stage.findings import REBUILD, Finding
+from ..stage.manifest import StageManifest, StageTensor
+from ..stage.reader import read_run_record, read_stage
 
 # Device types safe_open(device=...) places tensors on by itself.
 SAFETENSORS_DEVICES = ("cpu", "cuda", "mps", "npu", "xpu", "hpu", "mlu", "musa")

@@ -32,7 +32,7 @@ from operator import add, attrgetter
 from typing import NamedTuple
 
 from ..errors import ReshardError
-from ..ondisk import CONFIG_NAME
+from ..format.names import CONFIG_NAME
 
 # --------------------------------------------------------------------------- shapes as data
 #

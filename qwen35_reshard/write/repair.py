@@ -15,19 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ReshardError
-from ..ondisk import (
-    INDEX_NAME,
-    MTP_DROPPED,
-    RUN_MANIFEST,
-    RUN_MARKER,
-    STAGE_MANIFEST,
-    RunIdentity,
-    source_identity,
-    stage_dir_rank,
-)
+from ..format.identity import RunIdentity
+from ..format.names import INDEX_NAME, MTP_DROPPED, RUN_MANIFEST, RUN_MARKER, STAGE_MANIFEST, stage_dir_rank
 from ..plan.planner import Plan, make_plan
-from ..source.checkpoint import Checkpoint, read_checkpoint
-from ..stage import Finding, read_manifest, read_run_record
+from ..source.checkpoint import Checkpoint, read_checkpoint, source_identity
+from ..stage.findings import Finding
+from ..stage.reader import read_manifest, read_run_record
 from ..verify import VerifyReport, verify
 from .writer import DEFAULT_WORKERS, repair_files
 

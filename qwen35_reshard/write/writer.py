@@ -35,10 +35,10 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import ondisk, transfer
-from .. import reflink as reflinks
 from ..errors import JSON_ERRORS, ReshardError, param
-from ..ondisk import (
+from ..format.identity import describe_differences
+from ..format.jsonio import dumps
+from ..format.names import (
     ALIGNED,
     CLONE,
     CONFIG_NAME,
@@ -49,18 +49,16 @@ from ..ondisk import (
     RUN_MARKER,
     STAGE_DIR,
     STAGE_MANIFEST,
-    ManifestDraft,
-    RunIdentity,
-    describe_differences,
-    dumps,
-    stage_index,
-    stage_is_complete,
-    stage_manifest,
 )
 from ..plan.planner import OutputFile, Plan, StagePlan
-from ..stage import Finding, read_run_record
-from ..transfer import RangeSource, Segment, copy_segments, drop_pages, pwrite_all
+from ..stage.findings import Finding
+from ..stage.manifest import stage_is_complete
+from ..stage.reader import read_run_record
+from ..transfer import copier
+from ..transfer import reflink as reflinks
+from ..transfer.copier import RangeSource, Segment, copy_segments, drop_pages, pwrite_all
 from ..units import format_bytes
+from .manifest import ManifestDraft, run_identity, run_manifest, stage_index, stage_manifest
 
 REFLINK_MODES = ("auto", "always", "never")
 DEFAULT_WORKERS = 2  # source shards copied at once: the library's default and the CLI's
@@ -150,7 +148,7 @@ def write_plan(
         raise ReshardError(f"reflink must be one of {', '.join(REFLINK_MODES)}, not {reflink!r}")
     reporter = reporter or Reporter()
     out = Path(out_dir)
-    identity = RunIdentity.of_plan(plan)
+    identity = run_identity(plan)
     try:
         state = assess_out(plan, out, overwrite=overwrite)
         created = _make_out(out)
@@ -226,7 +224,7 @@ def write_plan(
             digests,
             durable,
             prepared[0],  # made by _copy_files' meanwhile
-            run_record=dumps(ondisk.run_manifest(plan, result.complete)),
+            run_record=dumps(run_manifest(plan, result.complete)),
             data=deferred,
         )
         for stage in todo:
@@ -302,7 +300,7 @@ def repair_files(
         _finish_stages(plan, out, redo_meta, digests, durable, _prepare_stages(plan, out, redo_meta))
         if rewrite_run_manifest:
             complete = [s.rank for s in plan.stages if stage_is_complete(out / s.dirname)]
-            _write_atomic(out / RUN_MANIFEST, dumps(ondisk.run_manifest(plan, complete)))
+            _write_atomic(out / RUN_MANIFEST, dumps(run_manifest(plan, complete)))
             done.append(RUN_MANIFEST)
         _fsync_dir(out)
     except OSError as e:
@@ -389,7 +387,7 @@ def _assess_out(plan: Plan, out: Path, overwrite: bool) -> OutState:
     entries = sorted(p for p in out.iterdir() if not _run_temporary(p.name)) if out.is_dir() else []
     if not entries:
         return OutState("new")
-    identity = RunIdentity.of_plan(plan)
+    identity = run_identity(plan)
     record = read_run_record(out, str(out))
     if isinstance(record, Finding):
         raise ReshardError(record.message)
@@ -710,7 +708,7 @@ def _copy_files(
                                 o.pending_sources.discard(file)
                                 if not o.pending_sources:
                                     ready.append(o)
-                                    if transfer.DROP_BEHIND:  # written back now, not all at the barrier
+                                    if copier.DROP_BEHIND:  # written back now, not all at the barrier
                                         drop_pages(o.fd, 0, 0)
                     # A barrier of the whole filesystem costs the same for one file or many:
                     # then files are finished once enough copied bytes would be lost to a crash.

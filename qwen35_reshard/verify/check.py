@@ -31,10 +31,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .errors import JSON_ERRORS, ReshardError
-from .model.names import LAYER, classify
-from .model.runtimes import parse_partition
-from .ondisk import (
+from ..errors import JSON_ERRORS, ReshardError
+from ..format.dtypes import DTYPE_SIZES
+from ..format.identity import RunIdentity
+from ..format.jsonio import is_uint
+from ..format.names import (
     CLONE,
     CONFIG_NAME,
     INDEX_NAME,
@@ -45,31 +46,20 @@ from .ondisk import (
     RUN_MARKER,
     STAGE_DIR,
     STAGE_MANIFEST,
-    RunIdentity,
-    StageManifest,
-    checked_file,
-    is_uint,
-    source_identity,
     stage_dir_rank,
     stage_dirname,
 )
-from .plan.planner import Plan, make_plan
-from .source.checkpoint import Checkpoint
-from .source.header import DTYPE_SIZES, Header
-from .source.hub import HubFetcher, HubRepo, HubSettings, fetch_files, open_model
-from .stage import (
-    CORRUPT,
-    DIFFERENT,
-    EXTRA,
-    INCOMPLETE,
-    KINDS,
-    MISSING,
-    RERUN,
-    Finding,
-    read_run_record,
-    read_stage,
-)
-from .transfer import CHUNK_BYTES, Segment, copy_segments
+from ..format.paths import checked_file
+from ..model.names import LAYER, classify
+from ..model.runtimes import parse_partition
+from ..plan.planner import Plan, make_plan
+from ..source.checkpoint import Checkpoint, source_identity
+from ..source.header import Header
+from ..source.hub import HubFetcher, HubRepo, HubSettings, fetch_files, open_model
+from ..stage.findings import CORRUPT, DIFFERENT, EXTRA, INCOMPLETE, KINDS, MISSING, RERUN, Finding
+from ..stage.manifest import StageManifest
+from ..stage.reader import read_run_record, read_stage
+from ..transfer.copier import CHUNK_BYTES, Segment, copy_segments
 
 # transformers refuses safetensors files whose metadata lacks one of these formats.
 METADATA_FORMATS = ("pt", "tf", "flax", "mlx")
