@@ -20,8 +20,9 @@ from ..format.names import stage_dirname
 from ..model import names
 from ..plan.balance import Choice, StageLoad
 from ..plan.planner import Plan, StagePlan
+from ..stage.findings import Finding
 from ..units import format_bytes, plural
-from ..verify import Finding, VerifyReport
+from ..verify import VerifyReport
 from ..write.writer import OutState, Reporter, WriteResult
 
 

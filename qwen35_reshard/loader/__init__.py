@@ -8,7 +8,7 @@
 Opening a stage checks, without reading tensor data, that the directory is a finished stage
 (manifest and index present, the index being the one the manifest names), that it belongs to
 the split recorded beside it, and that every data file's header lists exactly the manifest's
-tensors with the same dtype, shape and size (``stage.read_stage``, which ``verify`` shares).
+tensors with the same dtype, shape and size (``stage.reader.read_stage``, which ``verify`` shares).
 ``iter_weights`` then reads only this stage's files, one tensor at a time in file-offset
 order, through safetensors' own memory-mapped reader; never pickle.
 

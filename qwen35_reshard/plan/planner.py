@@ -1,6 +1,6 @@
 """The plan: which source tensor goes to which stage, file and offset. Pure, no I/O.
 
-Placement follows the target server's rules (see the facts doc): decoder layer i goes to the
+Placement follows the target server's rules (see ``model.runtimes``): decoder layer i goes to the
 stage whose layer range holds it; embed_tokens, norm, lm_head, mtp.* and model.visual.* go
 where the runtime builds them, replicated on purpose where it builds them on several ranks.
 
@@ -125,7 +125,7 @@ class OutputFile:
 
     @property
     def tensor_names(self) -> list[str]:
-        """Its tensors' names, in data order (read in C: a file may hold ~50,000)."""
+        """Its tensors' names, in data order."""
         return list(map(_NAME, map(_SOURCE, self.tensors)))
 
     @property
@@ -237,7 +237,7 @@ def make_plan(
             )
 
     # What follows runs for every tensor (~190,000 for a 397B FP8 checkpoint): it works on
-    # whole columns in C (map, compress, list equality), and per role key (the name prefix
+    # whole columns (map, compress, list equality), and per role key (the name prefix
     # that decides a role: a few hundred), not per tensor.
     tensor_names, sources = list(ckpt.tensors), list(ckpt.tensors.values())
     keys, roles = names.classify_all(tensor_names)
@@ -354,7 +354,7 @@ def _layout_files(
     shared: list[tuple[str, str, list[SourceTensor], list[bool]]] = []
     rest: list[tuple[SourceTensor, bool]] = []
     pos = 0
-    for file, group in groupby(map(_FILE, sources)):  # runs of one source file, in C
+    for file, group in groupby(map(_FILE, sources)):  # runs of one source file
         end = pos + len(list(group))
         srcs, reps, pos = sources[pos:end], replicated[pos:end], end
         if len(srcs) == file_tensors[file]:

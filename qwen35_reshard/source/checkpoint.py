@@ -31,7 +31,7 @@ class SourceTensor(NamedTuple):
     """One tensor of the source: where its bytes are (absolute file offset) and what they are.
 
     A named tuple, not a dataclass: one is made per tensor (~190,000 for a 397B FP8
-    checkpoint), column by column in C.
+    checkpoint), column by column (see ``bulk.make_tuples``).
     """
 
     name: str
@@ -171,7 +171,7 @@ def assemble_checkpoint(
     if weight_map is not None:
         for i, file in enumerate(files):
             names = headers[file].columns.names
-            if names and set(map(weight_map.get, names)) != {file}:  # in bulk, in C
+            if names and set(map(weight_map.get, names)) != {file}:
                 _name_mismatch(display, files[:i], file, headers, weight_map)
     # Each tensor is in one shard: the index lists it in one file (without an index, there is
     # one shard), so all of them make one dict, in (file, offset) order.
@@ -223,7 +223,7 @@ def _name_mismatch(
 
 
 def _source_columns(files: list[str], headers: dict[str, Header]) -> tuple[list[str], list[SourceTensor]]:
-    """Every tensor's name and SourceTensor, shard by shard in offset order; in bulk, in C."""
+    """Every tensor's name and SourceTensor, shard by shard in offset order."""
     names: list[str] = []
     sources: list[SourceTensor] = []
     for file in files:

@@ -1,11 +1,11 @@
 """Check a split: every stage's data files, index, config and manifest, and optionally the source.
 
 ``verify(OUT)`` or ``verify(OUT/pp2)`` never trusts the manifest alone. Each stage directory
-gets the loader's checks (``stage.read_stage``: manifest, index, config.json, data file sizes
+gets the loader's checks (``stage.reader.read_stage``: manifest, index, config.json, data file sizes
 and headers) and more: headers must follow the writer's stricter rules (see
 :func:`_strict_extras`), no stray data file may lie beside them, every layer of the stage must
 have tensors, and every tensor's bytes are hashed (in bounded chunks, by
-``copy.copy_segments``) and compared with the manifest. With a
+``transfer.copier.copy_segments``) and compared with the manifest. With a
 source checkpoint, the plan is rebuilt from the settings each stage's manifest records, and
 every tensor's placement and bytes are compared with the source.
 
