@@ -94,6 +94,19 @@ def test_imports_go_strictly_down():
     assert upward == [], "imports that do not go down a layer:\n" + "\n".join(upward)
 
 
+def test_the_format_is_a_leaf():
+    """format imports nothing of the package but errors and the version."""
+    allowed = {"qwen35_reshard.errors", "qwen35_reshard._version"}
+    outside = sorted(
+        f"{name} imports {target} at line {line}"
+        for name, edges in import_graph().items()
+        if LAYER[name][1] == "format"
+        for target, line in edges
+        if LAYER[target][1] != "format" and target not in allowed
+    )
+    assert outside == []
+
+
 def find_cycle(graph: dict[str, list[tuple[str, int]]]) -> list[str] | None:
     done: set[str] = set()
     path: list[str] = []
