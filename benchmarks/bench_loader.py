@@ -43,7 +43,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from qwen35_reshard import loader, make_plan, read_checkpoint, write_plan  # noqa: E402
-from qwen35_reshard.source.header import DTYPES  # noqa: E402
+from qwen35_reshard.format.dtypes import DTYPES  # noqa: E402
 
 BUILDER = REPO / "examples" / "tiny_checkpoint.py"
 

@@ -178,7 +178,7 @@ def build(model: Path, target_bytes: int) -> None:
 
 
 _KEEP_CACHE = (
-    "import sys; import qwen35_reshard.transfer as c; c.DROP_BEHIND = False; "
+    "import sys; import qwen35_reshard.transfer.copier as c; c.DROP_BEHIND = False; "
     "from qwen35_reshard.cli import main; sys.exit(main(sys.argv[1:]))"
 )
 

@@ -4,8 +4,8 @@ The package follows the pipeline, one folder per step: ``source`` reads the chec
 config, shard headers) into plain data; ``plan`` places every tensor (pure, no I/O); ``write``
 executes a plan; ``verify`` and ``stage`` check what was written; ``loader`` hands a server
 exactly its stage; ``api`` is the one orchestrator of them all (:func:`reshard`, :func:`repair`),
-which the ``cli`` renders. ``model`` holds the model's names, schema and the servers' rules, ``ondisk``
-every file name and the manifest schemas. Readers (``stage``, ``verify``, ``loader``) never
+which the ``cli`` renders. ``model`` holds the model's names, schema and the servers' rules, ``format``
+every file name and the manifest fields. Readers (``stage``, ``verify``, ``loader``) never
 import the writer.
 
 Names below are imported on first use, so ``import qwen35_reshard.loader`` in a server loads

@@ -18,14 +18,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .errors import ReshardError, param
+from .format.names import RUN_MANIFEST, stage_dir_rank
 from .model.runtimes import parse_partition
-from .ondisk import RUN_MANIFEST, run_manifest, source_identity, stage_dir_rank
 from .plan.balance import Choice, choose
 from .plan.capacity import DEFAULT_MEM_FRACTION, Capacity
 from .plan.planner import DEFAULT_MAX_FILE_BYTES, Plan, make_plan
 from .source import hub
-from .source.checkpoint import Checkpoint, read_checkpoint
+from .source.checkpoint import Checkpoint, read_checkpoint, source_identity
 from .verify import VerifyReport, recorded_plan, verify
+from .write.manifest import run_manifest
 from .write.repair import damaged_files, recorded_identity, repair_files
 from .write.writer import (
     DEFAULT_WORKERS,

@@ -12,7 +12,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from qwen35_reshard.errors import ReshardError
-from qwen35_reshard.source.header import DTYPE_SIZES, encode_header, read_header
+from qwen35_reshard.format.dtypes import DTYPE_SIZES
+from qwen35_reshard.source.header import encode_header, read_header
 
 
 def _raw_file(path, header: dict | bytes, data: bytes = b"", *, pad: bool = True):

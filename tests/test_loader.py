@@ -19,7 +19,8 @@ from safetensors import safe_open
 import qwen35_reshard
 from qwen35_reshard import loader
 from qwen35_reshard.errors import ReshardError
-from qwen35_reshard.source.header import DTYPE_SIZES, DTYPES, encode_header, read_header
+from qwen35_reshard.format.dtypes import DTYPE_SIZES, DTYPES
+from qwen35_reshard.source.header import encode_header, read_header
 from qwen35_reshard.write import writer as write
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -313,6 +314,20 @@ DAMAGE = {
     "no index": (lambda d: (d / INDEX).unlink(), ["incomplete (no model.safetensors.index.json)", RERUN]),
     "index not the manifest's": (_reformat_index, ["incomplete", "not the one reshard-stage.json records"]),
     "manifest not JSON": (lambda d: (d / MANIFEST).write_text("{"), ["damaged", "run the same"]),
+    **{
+        f"index {what}": (
+            lambda d, text=text: (d / INDEX).write_text(text),
+            [f"{INDEX} is damaged", "run the same"],
+        )
+        for what, text in {
+            "not JSON": "{",
+            "a list": "[]",
+            "without weight_map": '{"metadata": {"total_size": 0}}',
+            "with a list for weight_map": '{"metadata": {"total_size": 0}, "weight_map": []}',
+            "with a list for metadata": '{"metadata": [], "weight_map": {}}',
+            "without total_size": '{"metadata": {}, "weight_map": {}}',
+        }.items()
+    },
     "other format": (lambda d: (d / MANIFEST).write_text(
         json.dumps({**json.loads((d / MANIFEST).read_text()), "format": "qwen35-reshard/stage-v9"})),
         ["stage-v9", "another version"]),

@@ -10,7 +10,8 @@ import random
 import pytest
 
 from qwen35_reshard import make_plan, read_checkpoint
-from qwen35_reshard.ondisk import ManifestDraft, dumps, stage_manifest
+from qwen35_reshard.format.jsonio import dumps
+from qwen35_reshard.write.manifest import ManifestDraft, stage_manifest
 
 # Names json has to escape (quote, backslash, control character) or keeps as they are
 # (non-ASCII, since manifests are written with ensure_ascii=False).

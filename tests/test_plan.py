@@ -14,8 +14,8 @@ import struct
 import pytest
 
 from qwen35_reshard import ReshardError, make_plan, read_checkpoint
+from qwen35_reshard.format.names import MTP_ABSENT, MTP_DROPPED, MTP_KEPT
 from qwen35_reshard.model.runtimes import servable
-from qwen35_reshard.ondisk import MTP_ABSENT, MTP_DROPPED, MTP_KEPT
 from qwen35_reshard.source.checkpoint import SourceTensor
 
 DSIZE = {"F32": 4, "BF16": 2, "F8_E4M3": 1}

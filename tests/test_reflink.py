@@ -26,8 +26,8 @@ import pytest
 from test_crash_resume import command, kill_when
 
 import qwen35_reshard
-from qwen35_reshard import transfer
-from qwen35_reshard.transfer import Segment
+from qwen35_reshard.transfer import copier
+from qwen35_reshard.transfer.copier import Segment
 from qwen35_reshard.verify import verify
 
 # linux/fiemap.h
@@ -376,8 +376,8 @@ def test_a_shared_run_is_shared_in_one_call_and_only_its_edges_copied(filesystem
     data = os.urandom(40 << 20)
     src.write_bytes(data)
     calls = []
-    clone_range = transfer.reflink.clone_range
-    monkeypatch.setattr(transfer.reflink, "clone_range", lambda *a: calls.append(a) or clone_range(*a))
+    clone_range = copier.reflink.clone_range
+    monkeypatch.setattr(copier.reflink, "clone_range", lambda *a: calls.append(a) or clone_range(*a))
     chunk = 1 << 20
     sizes = [3 << 20, 7 << 20, (5 << 20) + 12345, 2 << 20]  # the last one also goes to ``plain``
     offsets = [1000 + sum(sizes[:i]) for i in range(len(sizes))]
@@ -389,7 +389,7 @@ def test_a_shared_run_is_shared_in_one_call_and_only_its_edges_copied(filesystem
         places = enumerate(zip(offsets, sizes, strict=True))
         segments = [Segment(f"t{i}", o, n, [(out_fd, shift + o)]) for i, (o, n) in places]
         segments[-1].dests.append((plain_fd, 0))
-        digests = transfer.copy_segments(str(src), segments, chunk_bytes=chunk, share_fds=frozenset({out_fd}))
+        digests = copier.copy_segments(str(src), segments, chunk_bytes=chunk, share_fds=frozenset({out_fd}))
     finally:
         os.close(out_fd)
         os.close(plain_fd)

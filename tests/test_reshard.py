@@ -209,7 +209,7 @@ def data_order(path: Path) -> list[str]:
 def test_small_copy_chunks(ref, make_checkpoint, tmp_path, monkeypatch, kind, runtime, pp, ranks, chunk):
     # Real tensors are far larger than the copy chunk: cut the tiny ones across many chunks,
     # with replicated tensors (several destinations) and gaps between the runs a stage reads.
-    from qwen35_reshard.transfer import copy_segments
+    from qwen35_reshard.transfer.copier import copy_segments
     from qwen35_reshard.write import assemble
 
     monkeypatch.setattr(assemble, "copy_segments", functools.partial(copy_segments, chunk_bytes=chunk))

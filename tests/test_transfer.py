@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from qwen35_reshard.errors import ReshardError
-from qwen35_reshard.transfer import Segment, copy_segments
+from qwen35_reshard.transfer.copier import Segment, copy_segments
 
 
 def _random_case(rng: random.Random, src_dir: Path, out_dir: Path, trial: int):

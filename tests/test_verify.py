@@ -21,7 +21,7 @@ import pytest
 
 import qwen35_reshard
 from qwen35_reshard import cli, loader
-from qwen35_reshard.transfer import Segment, copy_segments
+from qwen35_reshard.transfer.copier import Segment, copy_segments
 from qwen35_reshard.verify import verify
 
 INDEX = "model.safetensors.index.json"

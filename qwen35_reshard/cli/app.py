@@ -26,6 +26,7 @@ import typer
 
 from .._version import __version__
 from ..errors import ReshardError
+from ..format.names import TOOL_NAME
 from ..model.runtimes import RUNTIMES
 from ..plan.planner import DEFAULT_MAX_FILE_BYTES
 from ..units import parse_size
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
 UsageError = typer.BadParameter.__mro__[1]
 ClickException = UsageError.__mro__[1]
 
-PROG = "qwen35-reshard"
+PROG = TOOL_NAME
 
 # The library's parameters, as this command line spells them.
 FLAGS = {

@@ -18,12 +18,13 @@ from rich.table import Table
 from rich.text import Text
 
 from ..api import ReshardProgress, ReshardResult
+from ..format.names import stage_dirname
 from ..model import names
-from ..ondisk import stage_dirname
 from ..plan.balance import Choice, StageLoad
 from ..plan.planner import Plan, StagePlan
+from ..stage.findings import Finding
 from ..units import format_bytes, plural
-from ..verify import Finding, VerifyReport
+from ..verify import VerifyReport
 from ..write.writer import OutState, WriteResult
 
 

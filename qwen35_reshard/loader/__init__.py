@@ -8,7 +8,7 @@
 Opening a stage checks, without reading tensor data, that the directory is a finished stage
 (manifest and index present, the index being the one the manifest names), that it belongs to
 the split recorded beside it, and that every data file's header lists exactly the manifest's
-tensors with the same dtype, shape and size (``stage.read_stage``, which ``verify`` shares).
+tensors with the same dtype, shape and size (``stage.reader.read_stage``, which ``verify`` shares).
 ``iter_weights`` then reads only this stage's files, one tensor at a time in file-offset
 order, through safetensors' own memory-mapped reader; never pickle.
 
@@ -27,18 +27,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ReshardError
+from ..format.dtypes import DTYPES
+from ..format.names import INDEX_NAME, RUN_MANIFEST, STAGE_MANIFEST, stage_dir_rank, stage_dirname
 from ..model.runtimes import launch_env
-from ..ondisk import (
-    INDEX_NAME,
-    RUN_MANIFEST,
-    STAGE_MANIFEST,
-    StageManifest,
-    StageTensor,
-    stage_dir_rank,
-    stage_dirname,
-)
-from ..source.header import DTYPES
-from ..stage import REBUILD, Finding, read_run_record, read_stage
+from ..stage.findings import REBUILD, Finding
+from ..stage.manifest import StageManifest, StageTensor
+from ..stage.reader import read_run_record, read_stage
 
 # Device types safe_open(device=...) places tensors on by itself.
 SAFETENSORS_DEVICES = ("cpu", "cuda", "mps", "npu", "xpu", "hpu", "mlu", "musa")

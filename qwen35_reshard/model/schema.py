@@ -32,7 +32,7 @@ from operator import add, attrgetter
 from typing import NamedTuple
 
 from ..errors import ReshardError
-from ..ondisk import CONFIG_NAME
+from ..format.names import CONFIG_NAME
 
 # --------------------------------------------------------------------------- shapes as data
 #
@@ -382,7 +382,7 @@ class _Walk:
             return
         # Every expert's gate, up and down weight in one go (~3 x 512 per layer of a 397B FP8):
         # when none is missing and their dtypes are all FP8 (each needs its scale) or none is,
-        # the names are the block's prefix on the walk's expert columns, all made in C.
+        # the names are the block's prefix on the walk's expert columns, made column-wise.
         columns = self.expert_columns
         weights = list(map(add, repeat(prefix), columns.weights))
         found = list(map(self.tensors.get, weights))
@@ -550,7 +550,7 @@ def _compare(
     """``found``: the tensor under each name, when already looked up in ``tensors``."""
     if found is None:
         found = list(map(tensors.get, names))
-    if None not in found:  # the common case, checked in C: every tensor, as tuples of the same ints
+    if None not in found:  # the common case, one comparison: every tensor, as tuples of the same ints
         shapes = list(map(_SHAPE, found))
         if None in wants:  # a shape the config cannot tell: whatever is found
             wants = [s if w is None else w for w, s in zip(wants, shapes, strict=True)]

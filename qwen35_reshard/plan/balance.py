@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 from ..errors import ReshardError
+from ..format.names import MTP_ABSENT, MTP_DROPPED, MTP_KEPT
 from ..model import names
 from ..model.runtimes import (
     FULL_ATTENTION,
@@ -35,7 +36,6 @@ from ..model.runtimes import (
     servable,
 )
 from ..model.schema import layer_types, mtp_layers, text_config
-from ..ondisk import MTP_ABSENT, MTP_DROPPED, MTP_KEPT
 from ..source.checkpoint import Checkpoint
 from .capacity import Capacity, Serving, serving_costs
 from .planner import check_roles

@@ -1,6 +1,6 @@
 """The plan: which source tensor goes to which stage, file and offset. Pure, no I/O.
 
-Placement follows the target server's rules (see the facts doc): decoder layer i goes to the
+Placement follows the target server's rules (see ``model.runtimes``): decoder layer i goes to the
 stage whose layer range holds it; embed_tokens, norm, lm_head, mtp.* and model.visual.* go
 where the runtime builds them, replicated on purpose where it builds them on several ranks.
 
@@ -31,7 +31,19 @@ from itertools import chain, compress, groupby, repeat
 from operator import itemgetter, sub
 from typing import NamedTuple
 
+from ..bulk import field_getters, make_tuples
 from ..errors import ReshardError, param
+from ..format.dtypes import DTYPE_SIZES
+from ..format.names import (
+    ALIGNED,
+    CLONE,
+    GATHERED,
+    MTP_ABSENT,
+    MTP_DROPPED,
+    MTP_KEPT,
+    SHARE_ALIGN,
+    stage_dirname,
+)
 from ..model import names, schema
 from ..model.runtimes import (
     check_partition,
@@ -43,23 +55,21 @@ from ..model.runtimes import (
     layer_ranges,
     placement_rules,
 )
-from ..ondisk import ALIGNED, CLONE, GATHERED, MTP_ABSENT, MTP_DROPPED, MTP_KEPT, SHARE_ALIGN, stage_dirname
 from ..source.checkpoint import Checkpoint, SourceTensor
-from ..source.header import DTYPE_SIZES, encode_header
+from ..source.header import DATA_ALIGN, encode_header
 
 DEFAULT_MAX_FILE_BYTES = 5 * 1024**3
 # The Hub reads remote headers only up to 25 MB; stay well below with room for long names.
 DEFAULT_MAX_HEADER_BYTES = 16 * 1024**2
+# What a header entry adds besides its name and shape, at most (shared/docs/safetensors-format.md,
+# Header): ',' ':{"dtype":' ',"shape":' ',"data_offsets":[' ',' ']}' are 40 bytes, the longest
+# dtype ("F8_E4M3") 9, two offsets of up to 15 digits (below 1 PB) 30: 79, rounded up.
+HEADER_ENTRY_OVERHEAD = 80
 
-# Builds a named tuple in C, without the Python-level __new__ of its class: once per tensor.
-_tuple_new = tuple.__new__
-# Fields of a SourceTensor and of a (source, replicated) pair, read in C (by index: faster
-# than by name on a named tuple).
-_NAME, _FILE, _OFFSET, _NBYTES = (
-    itemgetter(SourceTensor._fields.index(f)) for f in ("name", "file", "offset", "nbytes")
-)
+# Getters of every tensor's SourceTensor fields (see bulk.field_getters), and of a
+# (source, replicated) pair.
+_NAME, _FILE, _OFFSET, _NBYTES = field_getters(SourceTensor, "name", "file", "offset", "nbytes")
 _FIRST, _SECOND = itemgetter(0), itemgetter(1)
-_SOURCE = itemgetter(0)  # of a PlacedTensor
 # Non-layer roles, in the order reports list them.
 _EXTRA_KINDS = (names.EMBED, names.VISUAL, names.VISUAL_POS_EMBED, names.NORM, names.LM_HEAD, names.MTP)
 
@@ -82,6 +92,9 @@ class PlacedTensor(NamedTuple):
     @property
     def name(self) -> str:
         return self.source.name
+
+
+(_SOURCE,) = field_getters(PlacedTensor, "source")
 
 
 @dataclass(frozen=True)
@@ -112,7 +125,7 @@ class OutputFile:
 
     @property
     def tensor_names(self) -> list[str]:
-        """Its tensors' names, in data order (read in C: a file may hold ~50,000)."""
+        """Its tensors' names, in data order."""
         return list(map(_NAME, map(_SOURCE, self.tensors)))
 
     @property
@@ -245,7 +258,7 @@ def make_plan(
             )
 
     # What follows runs for every tensor (~190,000 for a 397B FP8 checkpoint): it works on
-    # whole columns in C (map, compress, list equality), and per role key (the name prefix
+    # whole columns (map, compress, list equality), and per role key (the name prefix
     # that decides a role: a few hundred), not per tensor.
     tensor_names, sources = list(ckpt.tensors), list(ckpt.tensors.values())
     keys, roles = names.classify_all(tensor_names)
@@ -362,7 +375,7 @@ def _layout_files(
     shared: list[tuple[str, str, list[SourceTensor], list[bool]]] = []
     rest: list[tuple[SourceTensor, bool]] = []
     pos = 0
-    for file, group in groupby(map(_FILE, sources)):  # runs of one source file, in C
+    for file, group in groupby(map(_FILE, sources)):  # runs of one source file
         end = pos + len(list(group))
         srcs, reps, pos = sources[pos:end], replicated[pos:end], end
         if len(srcs) == file_tensors[file]:
@@ -389,7 +402,7 @@ def _layout_files(
             )
         )
         offsets = map(sub, map(_OFFSET, srcs), repeat(start))
-        placed_tensors = tuple(map(_tuple_new, repeat(PlacedTensor), zip(srcs, offsets, reps, strict=True)))
+        placed_tensors = tuple(make_tuples(PlacedTensor, zip(srcs, offsets, reps, strict=True)))
         files.append(OutputFile(name, header, placed_tensors, layout, file))
     for name, group in zip(names[len(shared) :], gathered, strict=True):
         hdr = encode_header([(s.name, s.dtype, s.shape, s.nbytes) for s, _ in group])
@@ -443,7 +456,7 @@ def _aligned_runs(
             continue
         close()
         run, data, header, end = [], 0, 0, 0
-        if s.offset % 8 or entry > header_budget:
+        if s.offset % DATA_ALIGN or entry > header_budget:
             rest.append(item)
             continue
         run, data, header, end = [item], s.nbytes, entry, s.offset + s.nbytes
@@ -486,4 +499,5 @@ def _header_entry_bytes(src: SourceTensor) -> int:
     # Same value as len(json.dumps(name)) + len(json.dumps(list(shape))), without json for
     # the common plain-ASCII name: this runs for every tensor.
     plain = name.isascii() and name.isprintable() and '"' not in name and "\\" not in name
-    return (len(name) + 2 if plain else len(json.dumps(name))) + len(str(list(src.shape))) + 80
+    name_bytes = len(name) + 2 if plain else len(json.dumps(name))
+    return name_bytes + len(str(list(src.shape))) + HEADER_ENTRY_OVERHEAD

@@ -9,8 +9,8 @@ model directory (or, for a Hugging Face cache snapshot, out of the repo's ``blob
 from __future__ import annotations
 
 import hashlib
+import json
 import os
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from itertools import repeat
@@ -18,27 +18,20 @@ from operator import add, sub
 from pathlib import Path
 from typing import NamedTuple, NoReturn
 
+from ..bulk import make_tuples
 from ..errors import ReshardError, param
+from ..format.jsonio import is_sha256, parse_json_object
+from ..format.names import CONFIG_NAME, INDEX_NAME, PICKLE_SUFFIXES, SINGLE_FILE_NAME
+from ..format.paths import allowed_roots, is_plain_name
 from ..model import schema
-from ..ondisk import (
-    CONFIG_NAME,
-    INDEX_NAME,
-    PICKLE_SUFFIXES,
-    SINGLE_FILE_NAME,
-    allowed_roots,
-    is_plain_name,
-    parse_json_object,
-)
 from .header import Header, read_header
-
-_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 class SourceTensor(NamedTuple):
     """One tensor of the source: where its bytes are (absolute file offset) and what they are.
 
     A named tuple, not a dataclass: one is made per tensor (~190,000 for a 397B FP8
-    checkpoint), column by column in C.
+    checkpoint), column by column (see ``bulk.make_tuples``).
     """
 
     name: str
@@ -47,10 +40,6 @@ class SourceTensor(NamedTuple):
     shape: tuple[int, ...]
     offset: int
     nbytes: int
-
-
-# Builds a named tuple in C, without the Python-level __new__ of its class.
-_tuple_new = tuple.__new__
 
 
 @dataclass(frozen=True)
@@ -80,6 +69,21 @@ class Checkpoint:
     def display(self) -> str:
         """The source for people: its directory, or ``org/name@commit`` for a Hub repo."""
         return f"{self.hub['repo_id']}@{self.hub['commit'][:12]}" if self.hub else str(self.root)
+
+
+def source_identity(ckpt: Checkpoint) -> dict:
+    """What identifies the source: its path (or Hub repo id and commit) for people, digests and
+    sizes for the tool. A Hub source records no endpoint and no token."""
+    fingerprint = hashlib.sha256(
+        json.dumps([ckpt.config_sha256, ckpt.index_sha256, sorted(ckpt.file_sizes.items())]).encode()
+    ).hexdigest()
+    return {
+        **(ckpt.hub or {}),
+        "path": str(ckpt.root.resolve()),
+        "index_sha256": ckpt.index_sha256,
+        "config_sha256": ckpt.config_sha256,
+        "fingerprint": fingerprint,
+    }
 
 
 def read_checkpoint(model_dir: str | os.PathLike[str]) -> Checkpoint:
@@ -152,7 +156,7 @@ def _blob_sha256(path: Path) -> str | None:
     if not path.is_symlink():
         return None
     target = Path(os.readlink(path))
-    if target.parent.name != "blobs" or not _SHA256.fullmatch(target.name):
+    if target.parent.name != "blobs" or not is_sha256(target.name):
         return None
     return target.name
 
@@ -186,7 +190,7 @@ def assemble_checkpoint(
     if weight_map is not None:
         for i, file in enumerate(files):
             names = headers[file].columns.names
-            if names and set(map(weight_map.get, names)) != {file}:  # in bulk, in C
+            if names and set(map(weight_map.get, names)) != {file}:
                 _name_mismatch(display, files[:i], file, headers, weight_map)
     # Each tensor is in one shard: the index lists it in one file (without an index, there is
     # one shard), so all of them make one dict, in (file, offset) order.
@@ -238,7 +242,7 @@ def _name_mismatch(
 
 
 def _source_columns(files: list[str], headers: dict[str, Header]) -> tuple[list[str], list[SourceTensor]]:
-    """Every tensor's name and SourceTensor, shard by shard in offset order; in bulk, in C."""
+    """Every tensor's name and SourceTensor, shard by shard in offset order."""
     names: list[str] = []
     sources: list[SourceTensor] = []
     for file in files:
@@ -254,7 +258,7 @@ def _source_columns(files: list[str], headers: dict[str, Header]) -> tuple[list[
             map(sub, ends, begins),
             strict=False,  # repeat() is endless
         )
-        sources += map(_tuple_new, repeat(SourceTensor), columns)
+        sources += make_tuples(SourceTensor, columns)
     return names, sources
 
 

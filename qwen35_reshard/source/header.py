@@ -13,37 +13,18 @@ import os
 import struct
 from dataclasses import dataclass, field
 from functools import cached_property
-from itertools import accumulate, chain, repeat
+from itertools import accumulate, chain
 from operator import attrgetter, itemgetter, mul
 from typing import NamedTuple
 
+from ..bulk import make_tuple, make_tuples
 from ..errors import JSON_ERRORS, ReshardError
-
-# Every dtype the tool handles: safetensors name -> (bytes per element, torch dtype attribute;
-# the loader resolves it lazily, so torch is not imported here). Sub-byte float types (F4/F6)
-# are rejected: a byte-exact splitter must not guess how they pack.
-DTYPES: dict[str, tuple[int, str]] = {
-    "BOOL": (1, "bool"),
-    "U8": (1, "uint8"),
-    "I8": (1, "int8"),
-    "F8_E5M2": (1, "float8_e5m2"),
-    "F8_E4M3": (1, "float8_e4m3fn"),
-    "F8_E8M0": (1, "float8_e8m0fnu"),
-    "I16": (2, "int16"),
-    "U16": (2, "uint16"),
-    "F16": (2, "float16"),
-    "BF16": (2, "bfloat16"),
-    "I32": (4, "int32"),
-    "U32": (4, "uint32"),
-    "F32": (4, "float32"),
-    "C64": (8, "complex64"),
-    "F64": (8, "float64"),
-    "I64": (8, "int64"),
-    "U64": (8, "uint64"),
-}
-DTYPE_SIZES: dict[str, int] = {name: size for name, (size, _) in DTYPES.items()}
+from ..format.dtypes import DTYPE_SIZES
 
 MAX_HEADER_BYTES = 100_000_000  # the reference reader's limit
+# The reference writer pads the header so that the data buffer starts at a multiple of 8
+# (shared/docs/safetensors-format.md, Layout); the tool's own headers keep to it.
+DATA_ALIGN = 8
 METADATA_KEY = "__metadata__"
 # json's own string encoder (the C one when available): json.dumps(s, ensure_ascii=False).
 _json_str = json.encoder.encode_basestring
@@ -90,7 +71,7 @@ class Header:
     @cached_property
     def tensors(self) -> tuple[TensorEntry, ...]:
         """One entry per tensor, made on first use (a checkpoint reader takes the columns)."""
-        return tuple(map(_tuple_new, repeat(TensorEntry), zip(*self.columns, strict=True)))
+        return tuple(make_tuples(TensorEntry, zip(*self.columns, strict=True)))
 
 
 def read_header(path: str | os.PathLike[str], *, display: str | None = None) -> Header:
@@ -303,7 +284,7 @@ def _tensor_entry(name: str, info: object, where: str) -> TensorEntry:
         raise ReshardError(
             f"{where}: tensor {name!r} is {end - begin} bytes but {dtype} x {shape} needs {expected}"
         )
-    return _tuple_new(TensorEntry, (name, dtype, tuple(shape), begin, end))
+    return make_tuple(TensorEntry, (name, dtype, tuple(shape), begin, end))
 
 
 def _count_overflows(shape: list[int]) -> bool:
@@ -318,8 +299,6 @@ def _count_overflows(shape: list[int]) -> bool:
 
 
 _U64_MAX = 2**64 - 1
-# Builds a named tuple in C, without the Python-level __new__ of its class.
-_tuple_new = tuple.__new__
 _BEGIN_END = attrgetter("begin", "end")
 
 
@@ -346,7 +325,7 @@ def _check_tiling(tensors: list[TensorEntry], *, data_size: int, where: str) -> 
 
 
 def encode_header(
-    tensors: list[tuple[str, str, tuple[int, ...], int]], *, align: int = 8, offset: int = 0
+    tensors: list[tuple[str, str, tuple[int, ...], int]], *, align: int = DATA_ALIGN, offset: int = 0
 ) -> bytes:
     """Encode a header for ``(name, dtype, shape, nbytes)`` laid out back to back, in order.
 

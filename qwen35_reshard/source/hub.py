@@ -38,16 +38,13 @@ from typing import TYPE_CHECKING
 
 from .._version import __version__
 from ..errors import JSON_ERRORS, ReshardError, param
-from ..ondisk import is_plain_name
-from .checkpoint import CONFIG_NAME, INDEX_NAME, PICKLE_SUFFIXES, SINGLE_FILE_NAME
+from ..format.names import CONFIG_NAME, INDEX_NAME, PICKLE_SUFFIXES, SINGLE_FILE_NAME, TOOL_NAME
+from ..format.paths import is_plain_name
 from .header import Header, parse_header
 from .ranged import RangeReader
 
 if TYPE_CHECKING:
-    from ..plan.planner import Plan
     from .checkpoint import Checkpoint
-
-TOOL_NAME = "qwen35-reshard"
 
 REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 CACHE_REPO_PREFIX = "models--"
@@ -294,7 +291,7 @@ def read_hub_checkpoint(repo: HubRepo, *, traffic: Traffic | None = None) -> Che
     from .checkpoint import assemble_checkpoint, load_config
 
     traffic = traffic if traffic is not None else Traffic()
-    listing = _listing(repo)
+    listing = repo_listing(repo)
     config_bytes = _small_file(repo, CONFIG_NAME, listing, traffic)
     config = load_config(config_bytes, f"{repo.describe()}/{CONFIG_NAME}")
     _check_model_type(config, repo)
@@ -343,7 +340,7 @@ def read_hub_checkpoint(repo: HubRepo, *, traffic: Traffic | None = None) -> Che
     )
 
 
-def _listing(repo: HubRepo) -> dict[str, int]:
+def repo_listing(repo: HubRepo) -> dict[str, int]:
     """The repo's files and sizes at the commit: kept on disk once fetched."""
     kept = repo.assets / LISTING_NAME
     try:
@@ -563,15 +560,6 @@ class ShardFetch:
     needed: int  # data bytes of it that the stages built need (each tensor once)
 
 
-def needed_by(plan: Plan) -> dict[str, set[str]]:
-    """Per source shard, the tensors the plan's selected stages read from it. Pure."""
-    needed: dict[str, set[str]] = {}
-    for stage in plan.selected:
-        for t in stage.tensors:
-            needed.setdefault(t.source.file, set()).add(t.name)
-    return needed
-
-
 def fetch_plan(ckpt: Checkpoint, needed: dict[str, set[str]], cached: set[str]) -> dict[str, ShardFetch]:
     """Per shard of ``needed``: read from the cache (``cached``), downloaded whole (every tensor
     of it is needed), or only the needed ranges. Pure."""
@@ -583,48 +571,6 @@ def fetch_plan(ckpt: Checkpoint, needed: dict[str, set[str]], cached: set[str]) 
         how = FETCH_CACHE if file in cached else FETCH_WHOLE if len(names) == in_file[file] else FETCH_RANGES
         out[file] = ShardFetch(file, how, ckpt.file_sizes[file], sum(ckpt.tensors[n].nbytes for n in names))
     return out
-
-
-def stage_summary(plan: Plan, fetches: dict[str, ShardFetch]) -> list[dict]:
-    """Per stage built: bytes of its tensors that come over the network and from the cache,
-    and how each source shard it reads is fetched. Pure."""
-    out = []
-    for stage in plan.selected:
-        fetched = cache = 0
-        for t in stage.tensors:
-            if fetches[t.source.file].how == FETCH_CACHE:
-                cache += t.source.nbytes
-            else:
-                fetched += t.source.nbytes
-        out.append(
-            {
-                "stage": stage.rank,
-                "fetched_bytes": fetched,
-                "cache_bytes": cache,
-                "shards": {f: fetches[f].how for f in stage.source_files},
-            }
-        )
-    return out
-
-
-def fetch_report(plan: Plan, fetcher: HubFetcher) -> dict:
-    """The ``fetch`` section of the summary: what this process fetched against the whole
-    checkpoint, how each shard came, and per stage built the bytes fetched and from the cache."""
-    traffic = fetcher.traffic
-    return {
-        "repo_id": fetcher.repo.repo_id,
-        "commit": fetcher.repo.commit,
-        "fetched_bytes": traffic.bytes,
-        "requests": traffic.requests,
-        "checkpoint_bytes": sum(_listing(fetcher.repo).values()),
-        "shard_bytes_to_fetch": sum(
-            s.size if s.how == FETCH_WHOLE else s.needed
-            for s in fetcher.fetches.values()
-            if s.how != FETCH_CACHE
-        ),
-        "shards": {f: s.how for f, s in fetcher.fetches.items()},
-        "stages": stage_summary(plan, fetcher.fetches),
-    }
 
 
 class HubFetcher:
@@ -677,7 +623,7 @@ class HubFetcher:
 
 def fetch_files(repo: HubRepo, names: tuple[str, ...], traffic: Traffic | None = None) -> None:
     """Small files (tokenizer, configs, ...) into the cache, where the copy reads them."""
-    listing = _listing(repo)
+    listing = repo_listing(repo)
     for name in names:
         _hf_download(repo, name, traffic if traffic is not None else Traffic(), size=listing.get(name, 0))
 

@@ -11,10 +11,10 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import transfer
-from ..ondisk import ALIGNED, CLONE, JOURNAL
+from ..format.names import ALIGNED, CLONE, JOURNAL
 from ..plan.planner import OutputFile, Plan, StagePlan
-from ..transfer import RangeSource, Segment, copy_segments, drop_pages
+from ..transfer import copier
+from ..transfer.copier import RangeSource, Segment, copy_segments, drop_pages
 from .datafile import OpenFile, clone, create, header
 from .durability import Durability, partial_path, remove
 from .journal import Digests, append_journal
@@ -202,9 +202,9 @@ def _batch_due(ready: list[OpenFile], durable: Durability) -> bool:
 
 
 def _write_back_now(fd: int) -> None:
-    """Start writing a completed file back and drop its pages (``transfer.DROP_BEHIND``): its
+    """Start writing a completed file back and drop its pages (``copier.DROP_BEHIND``): its
     dirty data then goes to disk as the copy goes, not all at the barrier."""
-    if transfer.DROP_BEHIND:
+    if copier.DROP_BEHIND:
         drop_pages(fd, 0, 0)
 
 

@@ -12,19 +12,15 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import reflink as reflinks
 from ..errors import ReshardError, param
-from ..ondisk import (
-    PARTIAL_SUFFIX,
-    RUN_MANIFEST,
-    RUN_MARKER,
-    STAGE_DIR,
-    RunIdentity,
-    describe_differences,
-    stage_is_complete,
-)
+from ..format.identity import RunIdentity, describe_differences
+from ..format.names import PARTIAL_SUFFIX, RUN_MANIFEST, RUN_MARKER, STAGE_DIR
 from ..plan.planner import Plan
-from ..stage import Finding, read_run_record
+from ..stage.findings import Finding
+from ..stage.manifest import stage_is_complete
+from ..stage.reader import read_run_record
+from ..transfer import reflink as reflinks
+from ..write.manifest import run_identity
 from .durability import partial_name, write_error
 from .journal import Digests, keepable
 
@@ -101,7 +97,7 @@ def _assess_out(plan: Plan, out: Path, overwrite: bool) -> OutState:
     entries = sorted(p for p in out.iterdir() if not run_temporary(p.name)) if out.is_dir() else []
     if not entries:
         return OutState("new")
-    identity = RunIdentity.of_plan(plan)
+    identity = run_identity(plan)
     record = read_run_record(out, str(out))
     if isinstance(record, Finding):
         raise ReshardError(record.message)

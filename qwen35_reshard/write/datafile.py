@@ -9,10 +9,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import reflink as reflinks
-from ..ondisk import CLONE
+from ..format.names import CLONE
 from ..plan.planner import OutputFile, Plan, StagePlan
-from ..transfer import RangeSource
+from ..transfer import reflink as reflinks
+from ..transfer.copier import RangeSource
 from .durability import FILE_MODE, remove
 
 

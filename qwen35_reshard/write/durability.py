@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..errors import ReshardError, param
-from ..ondisk import PARTIAL_SUFFIX
+from ..format.names import PARTIAL_SUFFIX
 from ..plan.planner import StagePlan
 from ..units import format_bytes
 

@@ -9,19 +9,11 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..ondisk import (
-    INDEX_NAME,
-    JOURNAL,
-    RUN_MANIFEST,
-    RUN_MARKER,
-    STAGE_MANIFEST,
-    ManifestDraft,
-    dumps,
-    stage_index,
-    stage_manifest,
-)
+from ..format.jsonio import dumps
+from ..format.names import INDEX_NAME, JOURNAL, RUN_MANIFEST, RUN_MARKER, STAGE_MANIFEST
 from ..plan.planner import Plan, StagePlan
-from ..transfer import pwrite_all
+from ..transfer.copier import pwrite_all
+from ..write.manifest import ManifestDraft, stage_index, stage_manifest
 from .durability import FILE_MODE, Durability, partial_path, remove, write_tmp
 from .journal import Digests
 

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from ..errors import JSON_ERRORS
-from ..ondisk import CLONE, JOURNAL
+from ..format.names import CLONE, JOURNAL
 from ..plan.planner import Plan, StagePlan
 from .datafile import header, matches
 

@@ -8,9 +8,9 @@ import shutil
 import stat
 from pathlib import Path
 
-from .. import reflink as reflinks
 from ..errors import ReshardError, param
-from ..ondisk import (
+from ..format.jsonio import dumps
+from ..format.names import (
     ALIGNED,
     CLONE,
     CONFIG_NAME,
@@ -19,10 +19,10 @@ from ..ondisk import (
     RUN_MANIFEST,
     RUN_MARKER,
     STAGE_MANIFEST,
-    dumps,
 )
 from ..plan.planner import OutputFile, Plan, StagePlan
-from ..stage import read_run_record, stage_dirs
+from ..stage.reader import read_run_record, stage_dirs
+from ..transfer import reflink as reflinks
 from ..units import format_bytes
 from .assess import run_temporary
 from .durability import remove, write_atomic

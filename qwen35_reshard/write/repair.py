@@ -12,22 +12,16 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .. import ondisk
 from ..errors import ReshardError
-from ..ondisk import (
-    INDEX_NAME,
-    JOURNAL,
-    RUN_MANIFEST,
-    RUN_MARKER,
-    STAGE_MANIFEST,
-    RunIdentity,
-    dumps,
-    stage_dir_rank,
-    stage_is_complete,
-)
+from ..format.identity import RunIdentity
+from ..format.jsonio import dumps
+from ..format.names import INDEX_NAME, JOURNAL, RUN_MANIFEST, RUN_MARKER, STAGE_MANIFEST, stage_dir_rank
 from ..plan.planner import OutputFile, Plan, StagePlan
-from ..stage import Finding, read_manifest, read_run_record
-from ..transfer import Segment, copy_segments
+from ..stage.findings import Finding
+from ..stage.manifest import stage_is_complete
+from ..stage.reader import read_manifest, read_run_record
+from ..transfer.copier import Segment, copy_segments
+from ..write.manifest import run_manifest
 from .assemble import Reporter, copy_files
 from .datafile import header, matches
 from .durability import Durability, fsync_dir, remove, remove_partials, write_atomic, write_error
@@ -136,7 +130,7 @@ def repair_files(
         done += [f"{s.dirname}/{name}" for s in redo_meta for name in meta]
         if rewrite_run_manifest:
             complete = [s.rank for s in plan.stages if stage_is_complete(out / s.dirname)]
-            write_atomic(out / RUN_MANIFEST, dumps(ondisk.run_manifest(plan, complete)))
+            write_atomic(out / RUN_MANIFEST, dumps(run_manifest(plan, complete)))
             done.append(RUN_MANIFEST)
         fsync_dir(out)
     except OSError as e:

@@ -31,10 +31,11 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import ondisk
 from ..errors import ReshardError
-from ..ondisk import RUN_MANIFEST, RUN_MARKER, RunIdentity, dumps
+from ..format.jsonio import dumps
+from ..format.names import RUN_MANIFEST, RUN_MARKER
 from ..plan.planner import OutputFile, Plan, StagePlan
+from ..write.manifest import run_identity, run_manifest
 from .assemble import OpenSource, Reporter, copy_files
 from .assess import OutState, assess_out, check_out_dir, source_stamps
 from .durability import Durability, remove, remove_partials, write_atomic, write_error
@@ -192,7 +193,7 @@ def _start_run(
     if replaced:
         created[:] = [p for p in created if p != out / RUN_MARKER]  # the old split's record, until replaced
         clear_split(out)
-    marker = {"identity": RunIdentity.of_plan(plan).to_json(), "source_files": source_stamps(plan)}
+    marker = {"identity": run_identity(plan).to_json(), "source_files": source_stamps(plan)}
     write_atomic(out / RUN_MARKER, dumps(marker), sync_dir=False)
     digests: dict[int, Digests] = {}
     for stage in todo:
@@ -240,7 +241,7 @@ def _write_stages(
     # OUT itself is the model path of `vllm serve OUT --load-format qwen35-stages`: vLLM reads
     # the config and the tokenizer there (and refuses a split for SGLang in the plugin, with
     # the shim's message), each rank's weights from OUT/pp{rank}.
-    run_record = dumps(ondisk.run_manifest(plan, result.complete))
+    run_record = dumps(run_manifest(plan, result.complete))
     finish_stages(out, todo, digests, durable, prepared[0], run_record=run_record, data=deferred)
     for stage in todo:
         result.built.append(stage.rank)

@@ -15,53 +15,27 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .errors import JSON_ERRORS, ReshardError
-from .model import names, schema
-from .model.runtimes import placement_rules
-from .ondisk import (
+from ..errors import JSON_ERRORS, ReshardError
+from ..format.identity import RunIdentity, describe_differences
+from ..format.manifest import STAGE_FORMAT
+from ..format.names import (
     CONFIG_NAME,
     INDEX_NAME,
+    MTP_KEPT,
     RUN_MANIFEST,
     RUN_MARKER,
-    STAGE_FORMAT,
     STAGE_MANIFEST,
-    RunIdentity,
-    StageManifest,
-    StageTensor,
-    checked_file,
-    describe_differences,
-    parse_stage_manifest,
     stage_dir_rank,
 )
-from .source.header import Header, read_header
-
-# Kinds of problem.
-MISSING = "missing"  # something that must be there is not
-EXTRA = "extra"  # something is there that must not be
-DIFFERENT = "different"  # present, but not what the manifest or the source says
-CORRUPT = "corrupt"  # not a valid file of its kind
-INCOMPLETE = "incomplete"  # a stage or run that was not finished
-KINDS = (MISSING, EXTRA, DIFFERENT, CORRUPT, INCOMPLETE)
-
-RERUN = "run the same qwen35-reshard command again to resume"
-REBUILD = "delete it and run the same qwen35-reshard command again (or copy the stage again)"
-_SHA256 = re.compile(r"[0-9a-f]{64}")
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One thing wrong with a split: its kind, a one-line message, and where (stage directory,
-    file, tensor). ``read_stage`` leaves ``stage`` unset; ``verify`` fills it in."""
-
-    kind: str
-    message: str
-    file: str | None = None
-    tensor: str | None = None
-    stage: str | None = None  # stage directory name (pp0); None for the run directory
+from ..format.paths import checked_file
+from ..model import names, schema
+from ..model.runtimes import placement_rules
+from ..source.header import Header, read_header
+from .findings import CORRUPT, DIFFERENT, EXTRA, INCOMPLETE, MISSING, REBUILD, RERUN, Finding
+from .manifest import StageManifest, StageTensor, parse_stage_manifest
 
 
 @dataclass(frozen=True)
@@ -206,14 +180,11 @@ def _index_problems(root: Path, display: str, m: StageManifest) -> list[Finding]
         return [Finding(INCOMPLETE, why, INDEX_NAME)]
     except OSError as e:
         return [Finding(CORRUPT, f"{where}: cannot read ({e.strerror})", INDEX_NAME)]
-    try:
-        index = json.loads(raw)
-        weight_map, total = index["weight_map"], index["metadata"]["total_size"]
-        if not isinstance(weight_map, dict):
-            raise TypeError
-    except (*JSON_ERRORS, KeyError, TypeError):
+    index = _parse_index(raw)
+    if index is None:
         why = f"{where} is damaged (not an index with weight_map and metadata.total_size); {REBUILD}"
         return [Finding(CORRUPT, why, INDEX_NAME)]
+    weight_map, total = index
     listed = {n: t.file for n, t in m.tensors.items()}
     problems = [
         Finding(
@@ -254,6 +225,20 @@ def _index_problems(root: Path, display: str, m: StageManifest) -> list[Finding]
     return problems
 
 
+def _parse_index(raw: bytes) -> tuple[dict, object] | None:
+    """``(weight_map, metadata.total_size)`` of the index ``raw``, or None when it is not one."""
+    try:
+        index = json.loads(raw)
+    except JSON_ERRORS:
+        return None
+    metadata = index.get("metadata") if isinstance(index, dict) else None
+    if not (
+        isinstance(metadata, dict) and "total_size" in metadata and isinstance(index.get("weight_map"), dict)
+    ):
+        return None
+    return index["weight_map"], metadata["total_size"]
+
+
 def _config_problems(root: Path, display: str, m: StageManifest) -> list[Finding]:
     """config.json is the one the stage was split from."""
     try:
@@ -291,7 +276,7 @@ def _schema_problems(root: Path, display: str, m: StageManifest) -> list[Finding
         return []  # reported by _config_problems: config.json must be the source's
     if not isinstance(config, dict):
         return []
-    kept = m.mtp == "kept"
+    kept = m.mtp == MTP_KEPT
     try:
         required = schema.required_tensors(
             config, m.tensors, layers=range(m.start_layer, m.end_layer), mtp=kept

@@ -53,8 +53,8 @@ from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from ..errors import ReshardError
 from . import reflink
-from .errors import ReshardError
 
 CHUNK_BYTES = 8 * 1024 * 1024
 # Windows of runs that are only shared, never read, in chunks: they take no memory, and a

@@ -1,11 +1,11 @@
 """Check a split: every stage's data files, index, config and manifest, and optionally the source.
 
 ``verify(OUT)`` or ``verify(OUT/pp2)`` never trusts the manifest alone. Each stage directory
-gets the loader's checks (``stage.read_stage``: manifest, index, config.json, data file sizes
+gets the loader's checks (``stage.reader.read_stage``: manifest, index, config.json, data file sizes
 and headers) and more: headers must follow the writer's stricter rules (see
 :func:`_strict_extras`), no stray data file may lie beside them, every layer of the stage must
 have tensors, and every tensor's bytes are hashed (in bounded chunks, by
-``copy.copy_segments``) and compared with the manifest. With a
+``transfer.copier.copy_segments``) and compared with the manifest. With a
 source checkpoint, the plan is rebuilt from the settings each stage's manifest records, and
 every tensor's placement and bytes are compared with the source.
 
@@ -31,9 +31,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .errors import JSON_ERRORS, ReshardError
-from .model.names import LAYER, classify
-from .ondisk import (
+from ..errors import JSON_ERRORS, ReshardError
+from ..format.dtypes import DTYPE_SIZES
+from ..format.identity import RunIdentity
+from ..format.jsonio import is_uint
+from ..format.names import (
     CLONE,
     CONFIG_NAME,
     INDEX_NAME,
@@ -44,32 +46,19 @@ from .ondisk import (
     RUN_MARKER,
     STAGE_DIR,
     STAGE_MANIFEST,
-    RunIdentity,
-    StageManifest,
-    checked_file,
-    is_uint,
-    source_identity,
     stage_dir_rank,
     stage_dirname,
 )
-from .plan.planner import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_HEADER_BYTES, Plan, make_plan
-from .source.checkpoint import Checkpoint
-from .source.header import DTYPE_SIZES, Header
-from .source.hub import HubFetcher, HubRepo, HubSettings, fetch_files, open_model
-from .stage import (
-    CORRUPT,
-    DIFFERENT,
-    EXTRA,
-    INCOMPLETE,
-    KINDS,
-    MISSING,
-    RERUN,
-    Finding,
-    read_run_record,
-    read_stage,
-    stage_dirs,
-)
-from .transfer import CHUNK_BYTES, Segment, copy_segments
+from ..format.paths import checked_file
+from ..model.names import LAYER, classify
+from ..plan.planner import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_HEADER_BYTES, Plan, make_plan
+from ..source.checkpoint import Checkpoint, source_identity
+from ..source.header import Header
+from ..source.hub import HubFetcher, HubRepo, HubSettings, fetch_files, open_model
+from ..stage.findings import CORRUPT, DIFFERENT, EXTRA, INCOMPLETE, KINDS, MISSING, RERUN, Finding
+from ..stage.manifest import StageManifest
+from ..stage.reader import read_run_record, read_stage, stage_dirs
+from ..transfer.copier import CHUNK_BYTES, Segment, copy_segments
 
 # transformers refuses safetensors files whose metadata lacks one of these formats.
 METADATA_FORMATS = ("pt", "tf", "flax", "mlx")

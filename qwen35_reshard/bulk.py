@@ -1,0 +1,33 @@
+"""Building and reading named tuples in bulk, at C speed: the tricks the hot loops share.
+
+A 397B FP8 checkpoint has ~190,000 tensors; the source, the planner and the manifest make
+or read one named tuple per tensor, so a Python-level call per tensor shows in the plan time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from itertools import repeat
+from operator import itemgetter
+from typing import Any, TypeVar
+
+T = TypeVar("T", bound=tuple)
+
+
+def make_tuple(cls: type[T], values: Iterable[Any]) -> T:
+    """``cls(*values)`` for a named tuple ``cls``, without its Python-level ``__new__``."""
+    return tuple.__new__(cls, values)
+
+
+def make_tuples(cls: type[T], rows: Iterable[Iterable[Any]]) -> Iterator[T]:
+    """``cls(*row)`` for every row: ``tuple.__new__`` mapped over the rows, all in C."""
+    return map(tuple.__new__, repeat(cls), rows)
+
+
+def field_getters(cls: type[tuple], *fields: str) -> tuple[itemgetter, ...]:
+    """A getter of each named field of the named tuple ``cls``.
+
+    By position (an ``itemgetter``: faster than the field's attribute over a whole column),
+    the position looked up from the field's name, so no caller depends on the field order.
+    """
+    return tuple(itemgetter(cls._fields.index(f)) for f in fields)  # type: ignore[attr-defined]

@@ -1,0 +1,65 @@
+"""The run identity: the settings that decide every output byte of a split, as plain data."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from .jsonio import is_uint
+
+
+@dataclass(frozen=True)
+class RunIdentity:
+    """The settings that decide every output byte of a split; a resumed run must match them.
+
+    Recorded in the run marker, ``reshard.json`` and every stage manifest as ``identity``
+    (``write.manifest.run_identity`` makes the one of a plan).
+    """
+
+    source_fingerprint: str
+    pp: int
+    runtime: str
+    partition: tuple[int, ...]
+    mtp: str
+    max_file_bytes: int
+    max_header_bytes: int
+    tool_version: str
+
+    def to_json(self) -> dict:
+        """The identity as its JSON object (``partition`` a list)."""
+        return dataclasses.asdict(self) | {"partition": list(self.partition)}
+
+    @classmethod
+    def from_json(cls, obj: object) -> RunIdentity | None:
+        """The identity recorded as ``obj``, or None when it is not a well-formed one."""
+        if not isinstance(obj, dict) or set(obj) != {f.name for f in dataclasses.fields(cls)}:
+            return None
+        partition = obj["partition"]
+        ints = ("pp", "max_file_bytes", "max_header_bytes")
+        strs = ("source_fingerprint", "runtime", "mtp", "tool_version")
+        if not (
+            all(is_uint(obj[k]) for k in ints)
+            and all(isinstance(obj[k], str) for k in strs)
+            and isinstance(partition, list)
+            and all(is_uint(n) for n in partition)
+        ):
+            return None
+        return cls(**(obj | {"partition": tuple(partition)}))
+
+    def differences(self, other: RunIdentity) -> list[tuple[str, object, object]]:
+        """``(setting, self's value, other's value)`` for every setting where the two differ."""
+        return [
+            (f.name, getattr(self, f.name), getattr(other, f.name))
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) != getattr(other, f.name)
+        ]
+
+
+def describe_differences(old: RunIdentity, new: RunIdentity) -> str:
+    """``pp 4 -> 2, partition [4, 4] -> [3, 5]``: the settings where ``new`` differs from ``old``."""
+
+    def show(v: object) -> object:
+        return list(v) if isinstance(v, tuple) else v
+
+    differ = old.differences(new)
+    return ", ".join(f"{k} {show(a)} -> {show(b)}" for k, a, b in differ) or "no setting differs"

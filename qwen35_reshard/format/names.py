@@ -1,0 +1,53 @@
+"""Every file name and pattern the tool reads or writes, and the layouts of a stage's data files."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from .._version import __version__
+
+TOOL_NAME = "qwen35-reshard"
+TOOL = {"name": TOOL_NAME, "version": __version__}
+
+# A Hugging Face model directory, as read from the source and written for every stage.
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_FILE_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+# Weight formats that can only be read by unpickling: refused, never opened.
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+
+# The split: OUT/reshard.json and one OUT/pp{rank} per stage, each with its manifest.
+STAGE_MANIFEST = "reshard-stage.json"
+RUN_MANIFEST = "reshard.json"
+# A stage directory's name, pp{rank}; no leading zeros, so each rank has one spelling.
+STAGE_DIR = re.compile(r"pp(0|[1-9][0-9]*)")
+# Files of a run in progress: the marker (OUT, removed on success), the journal (a stage
+# directory, removed with the stage complete) and every file before its atomic rename.
+RUN_MARKER = ".reshard-run.json"  # identity of a run in progress; removed on success
+JOURNAL = ".reshard-journal.jsonl"  # finished data files of an unfinished stage, with digests
+PARTIAL_SUFFIX = ".partial"
+
+# How a stage's data file is laid out:
+# - CLONE: exactly the bytes of one source shard the stage needs whole, header included;
+# - ALIGNED: one run of a shard needed in part, its bytes at their source offsets modulo
+#   SHARE_ALIGN (the header's space padding makes up the difference), so that a filesystem
+#   can share the run's blocks with the source;
+# - GATHERED: short runs collected into an ordinary file.
+CLONE, ALIGNED, GATHERED = "clone", "aligned", "gathered"
+LAYOUTS = (CLONE, ALIGNED, GATHERED)
+# A multiple of every block size a filesystem shares by (4 KiB pages, ZFS records up to 1 MiB).
+SHARE_ALIGN = 1024 * 1024
+# What a split did with the checkpoint's MTP head (mtp.*), as manifests record it.
+MTP_KEPT, MTP_DROPPED, MTP_ABSENT = "kept", "dropped", "absent"
+
+
+def stage_dirname(rank: int) -> str:
+    """The directory of stage ``rank`` inside OUT: ``pp{rank}``."""
+    return f"pp{rank}"
+
+
+def stage_dir_rank(path: Path) -> int | None:
+    """N for a directory named ``ppN``; None for any other name."""
+    m = STAGE_DIR.fullmatch(path.name)
+    return int(m.group(1)) if m else None

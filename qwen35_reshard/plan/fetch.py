@@ -1,0 +1,57 @@
+"""What a plan's selected stages need from a Hub source, and how it came: pure summaries."""
+
+from __future__ import annotations
+
+from ..source.hub import FETCH_CACHE, FETCH_WHOLE, HubFetcher, ShardFetch, repo_listing
+from .planner import Plan
+
+
+def needed_by(plan: Plan) -> dict[str, set[str]]:
+    """Per source shard, the tensors the plan's selected stages read from it. Pure."""
+    needed: dict[str, set[str]] = {}
+    for stage in plan.selected:
+        for t in stage.tensors:
+            needed.setdefault(t.source.file, set()).add(t.name)
+    return needed
+
+
+def stage_summary(plan: Plan, fetches: dict[str, ShardFetch]) -> list[dict]:
+    """Per stage built: bytes of its tensors that come over the network and from the cache,
+    and how each source shard it reads is fetched. Pure."""
+    out = []
+    for stage in plan.selected:
+        fetched = cache = 0
+        for t in stage.tensors:
+            if fetches[t.source.file].how == FETCH_CACHE:
+                cache += t.source.nbytes
+            else:
+                fetched += t.source.nbytes
+        out.append(
+            {
+                "stage": stage.rank,
+                "fetched_bytes": fetched,
+                "cache_bytes": cache,
+                "shards": {f: fetches[f].how for f in stage.source_files},
+            }
+        )
+    return out
+
+
+def fetch_report(plan: Plan, fetcher: HubFetcher) -> dict:
+    """The ``fetch`` section of the summary: what this process fetched against the whole
+    checkpoint, how each shard came, and per stage built the bytes fetched and from the cache."""
+    traffic = fetcher.traffic
+    return {
+        "repo_id": fetcher.repo.repo_id,
+        "commit": fetcher.repo.commit,
+        "fetched_bytes": traffic.bytes,
+        "requests": traffic.requests,
+        "checkpoint_bytes": sum(repo_listing(fetcher.repo).values()),
+        "shard_bytes_to_fetch": sum(
+            s.size if s.how == FETCH_WHOLE else s.needed
+            for s in fetcher.fetches.values()
+            if s.how != FETCH_CACHE
+        ),
+        "shards": {f: s.how for f, s in fetcher.fetches.items()},
+        "stages": stage_summary(plan, fetcher.fetches),
+    }

@@ -1,0 +1,30 @@
+"""What is wrong with a split, as data: a checker returns findings, it does not raise them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..format.names import TOOL_NAME
+
+# Kinds of problem.
+MISSING = "missing"  # something that must be there is not
+EXTRA = "extra"  # something is there that must not be
+DIFFERENT = "different"  # present, but not what the manifest or the source says
+CORRUPT = "corrupt"  # not a valid file of its kind
+INCOMPLETE = "incomplete"  # a stage or run that was not finished
+KINDS = (MISSING, EXTRA, DIFFERENT, CORRUPT, INCOMPLETE)
+
+RERUN = f"run the same {TOOL_NAME} command again to resume"
+REBUILD = f"delete it and run the same {TOOL_NAME} command again (or copy the stage again)"
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One thing wrong with a split: its kind, a one-line message, and where (stage directory,
+    file, tensor). ``read_stage`` leaves ``stage`` unset; ``verify`` fills it in."""
+
+    kind: str
+    message: str
+    file: str | None = None
+    tensor: str | None = None
+    stage: str | None = None  # stage directory name (pp0); None for the run directory

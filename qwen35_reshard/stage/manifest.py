@@ -1,0 +1,176 @@
+"""A stage manifest read back: its structure checked, as plain data (see ``format.manifest``
+for what it records)."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import ReshardError
+from ..format.dtypes import DTYPE_SIZES
+from ..format.identity import RunIdentity
+from ..format.jsonio import is_sha256, is_uint, read_json
+from ..format.manifest import STAGE_FORMAT
+from ..format.names import (
+    ALIGNED,
+    CLONE,
+    GATHERED,
+    INDEX_NAME,
+    LAYOUTS,
+    MTP_ABSENT,
+    MTP_DROPPED,
+    MTP_KEPT,
+    STAGE_MANIFEST,
+)
+from ..format.paths import is_plain_safetensors_name
+from ..model.runtimes import RUNTIMES, layer_ranges
+
+
+@dataclass(frozen=True)
+class StageTensor:
+    """One tensor of a stage: where its bytes are and what they are."""
+
+    name: str
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    offset: int  # absolute offset of the tensor's bytes in ``file``; -1 until its header is read
+    sha256: str | None  # None: the split shared the bytes with the source and never read them
+
+
+@dataclass(frozen=True)
+class StageManifest:
+    """A structurally valid stage manifest, as plain data."""
+
+    rank: int
+    pp: int
+    runtime: str
+    partition: tuple[int, ...]
+    start_layer: int
+    end_layer: int  # exclusive
+    mtp: str | None
+    identity: RunIdentity | None  # of the split the stage belongs to; None if not recorded
+    source: dict  # what identifies the source checkpoint (config_sha256, fingerprint, ...)
+    index_sha256: str | None
+    files: dict[str, int]  # data file -> size in bytes
+    layouts: dict[str, dict]  # data file -> {"layout", "source", "sha256" (a clone's, if known)}
+    tensors: dict[str, StageTensor]  # in load order (file, then offset) once read by read_stage
+    raw: dict = field(repr=False)  # the manifest as read
+
+
+def parse_stage_manifest(m: dict) -> StageManifest | str:
+    """The manifest as plain data, or what is structurally wrong with it."""
+    rank, pp, runtime, partition = m.get("stage"), m.get("pp"), m.get("runtime"), m.get("partition")
+    if not (is_uint(pp) and pp >= 1 and is_uint(rank) and rank < pp):
+        return f"stage {rank!r} of pp {pp!r}"
+    if runtime not in RUNTIMES:
+        return f"unknown runtime {runtime!r}"
+    if not (
+        isinstance(partition, list) and len(partition) == pp and all(is_uint(n) and n >= 1 for n in partition)
+    ):
+        return f"partition {partition!r} is not {pp} positive layer counts"
+    start, end = layer_ranges(partition)[rank]
+    layers = m.get("layers")
+    if not isinstance(layers, dict) or (layers.get("start"), layers.get("end")) != (start, end):
+        return f"layers {layers!r} do not match partition {partition} at stage {rank}"
+    if m.get("mtp") not in (None, MTP_KEPT, MTP_DROPPED, MTP_ABSENT):
+        return f"mtp {m.get('mtp')!r} is not {MTP_KEPT!r}, {MTP_DROPPED!r} or {MTP_ABSENT!r}"
+    files, tensors = m.get("files"), m.get("tensors")
+    if not isinstance(files, dict) or not isinstance(tensors, dict) or not tensors:
+        return "no files or tensors"
+    for file, info in files.items():
+        if not is_plain_safetensors_name(file):
+            return f"file name {file!r} is not a plain *.safetensors name"
+        if not (isinstance(info, dict) and is_uint(info.get("bytes")) and is_uint(info.get("tensors"))):
+            return f"entry of file {file!r}"
+        layout, source, digest = info.get("layout", GATHERED), info.get("source"), info.get("sha256")
+        if layout not in LAYOUTS or (source is None) != (layout == GATHERED):
+            return f"layout of file {file!r}"
+        if source is not None and not is_plain_safetensors_name(source):
+            return f"source of file {file!r}"
+        if digest is not None and (layout != CLONE or not is_sha256(digest)):
+            return f"sha256 of file {file!r}"
+    entries: dict[str, StageTensor] = {}
+    for name, info in tensors.items():
+        t = _parse_tensor(name, info, files)
+        if isinstance(t, str):
+            return t
+        entries[name] = t
+    per_file = Counter(t.file for t in entries.values())
+    for file, info in files.items():
+        if not per_file[file]:  # the writer makes a file only to hold tensors
+            return f"file {file!r} holds no tensors"
+        if info["tensors"] != per_file[file]:
+            return f"file {file!r} should hold {per_file[file]} tensors, not {info['tensors']}"
+    identity, source = m.get("identity"), m.get("source")
+    return StageManifest(
+        rank=rank,
+        pp=pp,
+        runtime=runtime,
+        partition=tuple(partition),
+        start_layer=start,
+        end_layer=end,
+        mtp=m.get("mtp"),
+        identity=RunIdentity.from_json(identity),
+        source=source if isinstance(source, dict) else {},
+        index_sha256=m.get("index_sha256"),
+        files={f: info["bytes"] for f, info in files.items()},
+        layouts={
+            f: {k: info.get(k) for k in ("source", "sha256")} | {"layout": info.get("layout", GATHERED)}
+            for f, info in files.items()
+        },
+        tensors=entries,
+        raw=m,
+    )
+
+
+def _parse_tensor(name: str, info: object, files: dict) -> StageTensor | str:
+    if not isinstance(info, dict) or not isinstance(info.get("file"), str) or info["file"] not in files:
+        return f"tensor {name!r} is not in a listed file"
+    dtype, shape, nbytes, digest = (
+        info.get("dtype"),
+        info.get("shape"),
+        info.get("nbytes"),
+        info.get("sha256"),
+    )
+    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
+        return f"tensor {name!r} has unknown dtype {dtype!r}"
+    if not (isinstance(shape, list) and all(is_uint(d) for d in shape)):
+        return f"shape of tensor {name!r}"
+    if not is_uint(nbytes) or nbytes != math.prod(shape) * DTYPE_SIZES[dtype]:
+        return f"tensor {name!r} is {nbytes!r} bytes, not {dtype} x {shape}"
+    shared = digest is None and files[info["file"]].get("layout") in (CLONE, ALIGNED)
+    if not (shared or is_sha256(digest)):
+        return f"sha256 of tensor {name!r}"
+    return StageTensor(name, info["file"], dtype, tuple(shape), nbytes, -1, digest)
+
+
+def stage_is_complete(stage_dir: Path, identity: RunIdentity | None = None) -> bool:
+    """True when ``stage_dir`` holds a finished stage (of the split ``identity``, when given).
+
+    Cheap: manifest and index present, the index's digest as recorded, every data file present
+    with its recorded size. ``verify`` checks the bytes.
+    """
+    try:
+        manifest = read_json(stage_dir / STAGE_MANIFEST)
+        index_bytes = (stage_dir / INDEX_NAME).read_bytes()
+    except (OSError, ReshardError):  # missing, not a directory, unreadable, damaged
+        return False
+    if manifest is None or manifest.get("format") != STAGE_FORMAT:
+        return False
+    if identity is not None and RunIdentity.from_json(manifest.get("identity")) != identity:
+        return False
+    if manifest.get("index_sha256") != hashlib.sha256(index_bytes).hexdigest():
+        return False
+    for name, info in manifest.get("files", {}).items():
+        try:
+            if os.stat(stage_dir / name).st_size != info.get("bytes"):
+                return False
+        except OSError:
+            return False
+    return True

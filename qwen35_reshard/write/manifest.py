@@ -1,0 +1,175 @@
+"""Building a split's manifests from its plan: the stage index, the stage manifest (encoded
+but for its tensors' digests, see :class:`ManifestDraft`), the run manifest and the run identity.
+
+The format (file names, field names) is ``format``'s; reading a stage manifest back is the
+stage reader's (``stage.manifest``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from itertools import chain, repeat
+
+from .._version import __version__
+from ..bulk import field_getters
+from ..format.identity import RunIdentity
+from ..format.jsonio import dumps_text, json_string
+from ..format.manifest import RUN_FORMAT, STAGE_FORMAT, TENSOR_FIELDS
+from ..format.names import CLONE, TOOL
+from ..plan.planner import OutputFile, PlacedTensor, Plan, StagePlan
+from ..source.checkpoint import SourceTensor, source_identity
+
+
+def run_identity(plan: Plan) -> RunIdentity:
+    """The identity of the split ``plan`` makes."""
+    return RunIdentity(
+        source_fingerprint=source_identity(plan.checkpoint)["fingerprint"],
+        pp=plan.pp,
+        runtime=plan.runtime,
+        partition=tuple(plan.partition),
+        mtp=plan.mtp,
+        max_file_bytes=plan.max_file_bytes,
+        max_header_bytes=plan.max_header_bytes,
+        tool_version=__version__,
+    )
+
+
+def stage_index(stage: StagePlan) -> dict:
+    """The stage's model.safetensors.index.json: exactly its tensors and its own files."""
+    weight_map: dict[str, str] = {}
+    for f in stage.files:
+        weight_map.update(zip(f.tensor_names, repeat(f.name)))
+    return {
+        "metadata": {"total_size": stage.data_bytes},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
+
+
+def stage_manifest(plan: Plan, stage: StagePlan, index_bytes: bytes) -> ManifestDraft:
+    """The stage manifest for ``stage`` (given its index bytes), but for the tensors' sha256:
+    a run learns them while it copies, and encodes the rest before (see :class:`ManifestDraft`)."""
+    head = {
+        "format": STAGE_FORMAT,
+        "tool": TOOL,
+        "source": source_identity(plan.checkpoint),
+        "identity": run_identity(plan).to_json(),
+        "stage": stage.rank,
+        "pp": plan.pp,
+        "runtime": plan.runtime,
+        "partition": list(plan.partition),
+        "layers": {"start": stage.start_layer, "end": stage.end_layer},
+        "mtp": plan.mtp,
+        "launch_env": plan.launch_env,
+        "index_sha256": hashlib.sha256(index_bytes).hexdigest(),
+        "files": {f.name: _file_entry(plan, f) for f in stage.files},
+    }
+    return ManifestDraft(head, stage.files)
+
+
+def _file_entry(plan: Plan, f: OutputFile) -> dict:
+    entry: dict = {"bytes": f.size, "tensors": len(f.tensors), "layout": f.layout}
+    if f.source_file is not None:
+        entry["source"] = f.source_file
+    if f.layout == CLONE and f.source_file in plan.checkpoint.blob_sha256:
+        entry["sha256"] = plan.checkpoint.blob_sha256[f.source_file]
+    return entry
+
+
+def run_manifest(plan: Plan, complete: list[int]) -> dict:
+    """The whole-run summary written as OUT/reshard.json after a successful run."""
+    return {
+        "format": RUN_FORMAT,
+        "tool": TOOL,
+        "source": source_identity(plan.checkpoint),
+        "identity": run_identity(plan).to_json(),
+        "pp": plan.pp,
+        "runtime": plan.runtime,
+        "partition": list(plan.partition),
+        "mtp": plan.mtp,
+        "dropped": list(plan.dropped),
+        "launch_env": plan.launch_env,
+        "stages": [
+            {
+                "stage": s.rank,
+                "dir": s.dirname,
+                "layers": {"start": s.start_layer, "end": s.end_layer},
+                "tensors": len(s.tensors),
+                "bytes": s.size,
+                "shareable_bytes": s.shareable_bytes,
+                "files": len(s.files),
+                "source_files": s.source_files,
+                "replicated": sorted(t.name for t in s.tensors if t.replicated),
+                "complete": s.rank in complete,
+            }
+            for s in plan.stages
+        ],
+    }
+
+
+# The text of one "tensors" entry as dumps writes it: "    NAME: {"file": F, ..., "replicated": R}"
+# and the separator after it, cut around its values (the name, then one per TENSOR_FIELDS).
+_ENTRY_END = ",\n"
+_ENTRY = (
+    "    ",
+    ': {"file": ',
+    *(f", {json_string(k)}: " for k in TENSOR_FIELDS[1:]),
+    "}" + _ENTRY_END,
+)
+_NULL = "null"
+_JSON_BOOL = {True: "true", False: "false"}
+_SOURCE_OF, _REPLICATED_OF = field_getters(PlacedTensor, "source", "replicated")
+_FILE_OF, _DTYPE_OF, _SHAPE_OF, _NBYTES_OF = field_getters(SourceTensor, "file", "dtype", "shape", "nbytes")
+
+
+class ManifestDraft:
+    """A stage manifest encoded but for its tensors' sha256: ``encode(digests)`` gives its bytes,
+    those of ``dumps`` of the manifest with a "tensors" entry per tensor, sorted by name.
+
+    One entry per tensor (~190,000 for a 397B FP8 checkpoint): the entries are encoded column
+    by column, and joined from their pieces by :func:`_join_entries`, rather than as a dict
+    each; the digests go in once they are known.
+    """
+
+    def __init__(self, head: dict, files: tuple[OutputFile, ...]) -> None:
+        placed = list(chain.from_iterable(f.tensors for f in files))
+        file_keys = list(chain.from_iterable(repeat(json_string(f.name), len(f.tensors)) for f in files))
+        names = list(chain.from_iterable(f.tensor_names for f in files))
+        order = sorted(range(len(names)), key=names.__getitem__)
+        sources = list(map(_SOURCE_OF, map(placed.__getitem__, order)))
+        self._names = list(map(names.__getitem__, order))
+        shapes, dtypes = list(map(_SHAPE_OF, sources)), list(map(_DTYPE_OF, sources))
+        source_files = list(map(_FILE_OF, sources))
+        # Few distinct shapes, dtypes and files: each encoded once (str of a list of ints is its JSON).
+        shape_json = {shape: str(list(shape)) for shape in set(shapes)}
+        key_json = {name: json_string(name) for name in {*dtypes, *source_files}}
+        self._before = [  # the values before the digest, in _ENTRY's order
+            list(map(json_string, self._names)),
+            list(map(file_keys.__getitem__, order)),
+            list(map(key_json.__getitem__, dtypes)),
+            list(map(shape_json.__getitem__, shapes)),
+            list(map(str, map(_NBYTES_OF, sources))),
+        ]
+        replicated = map(_REPLICATED_OF, map(placed.__getitem__, order))
+        self._after = [
+            list(map(key_json.__getitem__, source_files)),
+            list(map(_JSON_BOOL.__getitem__, replicated)),
+        ]
+        self._head = dumps_text(head)[: -len("\n}")]  # "tensors" goes last
+
+    def encode(self, digests: dict[str, str | None]) -> bytes:
+        """The manifest's bytes, with ``digests[name]`` (None: shared) for every tensor."""
+        found = [_NULL if d is None else json_string(d) for d in map(digests.__getitem__, self._names)]
+        tensors = f"{{\n{_join_entries([*self._before, found, *self._after])}\n  }}" if self._names else "{}"
+        return f"{self._head},\n  {json_string('tensors')}: {tensors}\n}}\n".encode()
+
+
+def _join_entries(columns: list[list[str]]) -> str:
+    """The "tensors" entries from their encoded ``columns`` (one per value, in _ENTRY's order).
+
+    Entry i is _ENTRY[0], columns[0][i], _ENTRY[1], ..., columns[-1][i], _ENTRY[-1]: made by
+    ``zip`` over the columns interleaved with the constant parts (``repeat``) and one
+    ``str.join``, all in C rather than a Python format per entry.
+    """
+    texts = [c for part, column in zip(_ENTRY, columns, strict=False) for c in (repeat(part), column)]
+    pieces = chain.from_iterable(zip(*texts, repeat(_ENTRY[-1]), strict=False))  # repeat() never ends
+    return "".join(pieces)[: -len(_ENTRY_END)]
