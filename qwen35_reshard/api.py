@@ -22,10 +22,11 @@ from .format.names import RUN_MANIFEST, stage_dir_rank
 from .model.runtimes import parse_partition
 from .plan.balance import Choice, choose
 from .plan.capacity import DEFAULT_MEM_FRACTION, Capacity
+from .plan.fetch import fetch_report, needed_by
 from .plan.planner import DEFAULT_MAX_FILE_BYTES, Plan, make_plan
 from .source import hub
 from .source.checkpoint import Checkpoint, read_checkpoint, source_identity
-from .verify import VerifyReport, recorded_plan, verify
+from .verify.check import VerifyReport, recorded_plan, verify
 from .write.manifest import run_manifest
 from .write.repair import damaged_files, recorded_identity, repair_files
 from .write.writer import (
@@ -71,7 +72,7 @@ class ReshardResult:
     servers ignore them). A dry run writes nothing: ``written`` is None and ``out_state`` says
     what a real run would do in OUT (None without OUT). A real run's ``written`` says what it
     did, in ``seconds``. ``fetch`` (a Hub repo id only) is what was fetched, or for a dry run
-    what a split would fetch (:func:`qwen35_reshard.source.hub.fetch_report`).
+    what a split would fetch (:func:`qwen35_reshard.plan.fetch.fetch_report`).
     """
 
     plan: Plan
@@ -260,8 +261,8 @@ def _preview(
     plan, out = planned.plan, planned.out_dir
     fetch = None
     if repo is not None:
-        fetcher = hub.HubFetcher(repo, plan.checkpoint, hub.needed_by(plan), traffic=traffic)
-        fetch = hub.fetch_report(plan, fetcher)
+        fetcher = hub.HubFetcher(repo, plan.checkpoint, needed_by(plan), traffic=traffic)
+        fetch = fetch_report(plan, fetcher)
     state = assess_out(plan, out, overwrite=overwrite) if out is not None else None
     return replace(planned, out_state=state, fetch=fetch)
 
@@ -282,7 +283,7 @@ def _write(
     started = time.monotonic()
     fetcher = None
     if repo is not None:
-        needed = hub.needed_by(plan)
+        needed = needed_by(plan)
         fetcher = hub.HubFetcher(repo, plan.checkpoint, needed, traffic=traffic, on_fetched=events.fetched)
         events.expect_downloads(fetcher.download_bytes)
         fetcher.prepare()
@@ -296,7 +297,7 @@ def _write(
         reflink=reflink,
     )
     seconds = time.monotonic() - started
-    fetch = hub.fetch_report(plan, fetcher) if fetcher is not None else None
+    fetch = fetch_report(plan, fetcher) if fetcher is not None else None
     return replace(planned, written=written, seconds=seconds, fetch=fetch)
 
 
