@@ -161,7 +161,8 @@ def test_split_shares_the_sources_blocks(checkpoints, kind):
     out = model.parent / f"out-{model.name}"
     checkpoint = sum(p.stat().st_size for p in model.glob("*.safetensors"))
     before = used_bytes(out.parent)
-    plan, result = qwen35_reshard.reshard(model, out, pp=4, reflink="always")
+    done = qwen35_reshard.reshard(model, out, pp=4, reflink="always")
+    plan, result = done.plan, done.written
     growth = used_bytes(out.parent) - before
     try:
         written = sum(p.stat().st_size for p in data_files(out))
@@ -192,7 +193,7 @@ def test_the_layout_is_the_same_on_every_filesystem(checkpoints, filesystems, tm
     shared, copied = model.parent / "out-same", filesystems("ext4") / "out-same"
     try:
         qwen35_reshard.reshard(model, shared, pp=4)
-        _, result = qwen35_reshard.reshard(model, copied, pp=4)
+        result = qwen35_reshard.reshard(model, copied, pp=4).written
         assert not result.sharing and result.bytes_shared == 0
         names = sorted(p.relative_to(shared) for p in shared.glob("pp*/*.safetensors*"))
         assert names == sorted(p.relative_to(copied) for p in copied.glob("pp*/*.safetensors*"))
@@ -275,7 +276,8 @@ def test_a_checkpoint_with_no_block_aligned_shard(checkpoints, tiny):
     data_start = 8 + struct.unpack("<Q", src.read_bytes()[:8])[0]
     assert data_start % 4096, "the builder happened to align the data: change the checkpoint"
     out = model.parent / "out-unaligned"
-    plan, result = qwen35_reshard.reshard(model, out, pp=4)
+    done = qwen35_reshard.reshard(model, out, pp=4)
+    plan, result = done.plan, done.written
     try:
         assert {f.layout for s in plan.stages for f in s.files} <= {"aligned", "gathered"}
         written = sum(p.stat().st_size for p in data_files(out))
@@ -294,7 +296,8 @@ def test_a_damaged_clone_of_a_cache_blob_fails_plain_verify(filesystems, tiny):
     root = filesystems("xfs") / "hf"
     model = tiny.build_checkpoint(root, **CKPT, hf_cache=True)
     out = root.parent / "out-hf"
-    plan, result = qwen35_reshard.reshard(model, out, pp=4)
+    done = qwen35_reshard.reshard(model, out, pp=4)
+    plan, result = done.plan, done.written
     try:
         assert result.sharing
         manifest = json.loads((out / "pp1" / "reshard-stage.json").read_bytes())
@@ -332,7 +335,7 @@ def test_free_space_counts_only_the_bytes_copied(checkpoints):
         with pytest.raises(qwen35_reshard.ReshardError, match="free"):
             qwen35_reshard.reshard(model, out, pp=4, reflink="never")
         shutil.rmtree(out, ignore_errors=True)
-        _, result = qwen35_reshard.reshard(model, out, pp=4)
+        result = qwen35_reshard.reshard(model, out, pp=4).written
         assert result.sharing and result.bytes_copied < room
         assert verify(out, source=model).ok
     finally:
@@ -345,7 +348,7 @@ def test_reflink_always_is_refused_on_ext4_even_with_nothing_to_share(filesystem
     model = tiny.build_checkpoint(filesystems("ext4") / "tiny-always")
     with pytest.raises(qwen35_reshard.ReshardError, match="cannot share blocks"):
         qwen35_reshard.reshard(model, model.parent / "out-tiny-always", pp=4, reflink="always")
-    _, result = qwen35_reshard.reshard(model, model.parent / "out-tiny-never", pp=4, reflink="never")
+    result = qwen35_reshard.reshard(model, model.parent / "out-tiny-never", pp=4, reflink="never").written
     assert not result.sharing and result.bytes_shared == 0
 
 
@@ -362,7 +365,7 @@ def test_a_refused_run_leaves_a_finished_split_as_it_was(filesystems, tiny):
         qwen35_reshard.reshard(model, out, pp=4, overwrite=True, reflink="always")
     assert {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == before
     # And OUT is still this split's: the next run builds the missing stage.
-    _, result = qwen35_reshard.reshard(model, out, pp=2, ranks=[1])
+    result = qwen35_reshard.reshard(model, out, pp=2, ranks=[1]).written
     assert result.built == [1] and result.complete == [0, 1]
 
 
