@@ -727,11 +727,14 @@ def open_model(
     model: str, settings: HubSettings, *, traffic: Traffic | None = None
 ) -> tuple[Checkpoint, HubRepo | None]:
     """MODEL as the user wrote it: a local checkpoint directory, a cache repo folder
-    (``models--org--name``, resolved through ``refs/``) or a Hub repo id. Returns the checkpoint
+    (``models--org--name``, resolved through ``refs/``), the ``model.safetensors`` of a
+    single-file checkpoint (read as its directory) or a Hub repo id. Returns the checkpoint
     and, for a repo id, the pinned repo (None for local sources)."""
     from .checkpoint import read_checkpoint
 
     path = Path(model)
+    if path.is_file() and path.name.endswith(".safetensors"):
+        path = _single_file_dir(path, model)
     if path.is_dir():
         snapshot = cache_repo_snapshot(path, settings.revision)
         if snapshot is None and settings.revision is not None:
@@ -747,3 +750,19 @@ def open_model(
         f"{model}: not a directory, and not a Hugging Face Hub repo id (org/name); pass the checkpoint's "
         f"directory or its repo id as {param('model')}"
     )
+
+
+def _single_file_dir(path: Path, model: str) -> Path:
+    """The directory of ``path``, a ``.safetensors`` file named as MODEL, when that file is the
+    whole checkpoint: the directory's one data file, as every reader of the directory sees it."""
+    if (path.parent / INDEX_NAME).exists():
+        raise ReshardError(
+            f"{model}: one shard of the checkpoint in {path.parent}, whose {INDEX_NAME} lists its shards; "
+            f"pass the directory {path.parent} as {param('model')}"
+        )
+    if path.name != SINGLE_FILE_NAME:
+        raise ReshardError(
+            f"{model}: a checkpoint without {INDEX_NAME} holds its tensors in {SINGLE_FILE_NAME} (the name "
+            f"servers and transformers look for); rename the file, or pass a directory as {param('model')}"
+        )
+    return path.parent
