@@ -592,3 +592,14 @@ def test_verify_source_repo_on_a_node_without_the_shards(hub, hf_home, model, re
     line = error_line(proc)
     assert "offline" in line and all(f in line for f in whole | set(ranges))
     assert json.loads(proc.stdout)["status"] == "error"
+
+
+def test_offline_one_missing_file_is_named_in_the_singular(hub, hf_home, tmp_path):
+    """ "lacks 1 file", not "lacks 1 files"."""
+    run(["--pp", PP, REPO, tmp_path / "all"], hub=hub, hf_home=hf_home)
+    snapshot = next((hf_home / "hub" / "models--Qwen--Tiny" / "snapshots").iterdir())
+    (snapshot / "tokenizer.json").unlink()
+    proc = run(
+        ["--pp", PP, "--rank", 1, "--offline", REPO, tmp_path / "out"], hub=None, hf_home=hf_home, check=False
+    )
+    assert "lacks 1 file this run needs: tokenizer.json;" in error_line(proc)

@@ -697,7 +697,7 @@ class HubFetcher:
             raise ReshardError(
                 f"{self.repo.describe()}: offline, and the Hugging Face cache ({self.repo.storage}) lacks "
                 f"{plural(len(missing), 'file')} this run needs: {', '.join(missing)}; run with network "
-                "access, or download them first (`hf download`)"
+                f"access, or download {'it' if len(missing) == 1 else 'them'} first (`hf download`)"
             )
         fetch_files(self.repo, self.ckpt.extra_files, self.traffic)
 
