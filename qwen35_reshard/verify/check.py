@@ -41,11 +41,13 @@ from ..format.names import (
     INDEX_NAME,
     JOURNAL,
     MTP_DROPPED,
+    OLD_MARKER_PARTIAL,
     PARTIAL_SUFFIX,
     RUN_MANIFEST,
     RUN_MARKER,
     STAGE_DIR,
     STAGE_MANIFEST,
+    partial_name,
     stage_dir_rank,
     stage_dirname,
 )
@@ -189,7 +191,7 @@ def verify(
 
 def _is_run_dir(root: Path) -> bool:
     # A run killed before its marker was renamed into place leaves only the marker's temporary.
-    names = (RUN_MANIFEST, RUN_MARKER, f".{RUN_MARKER}{PARTIAL_SUFFIX}", f".{RUN_MANIFEST}{PARTIAL_SUFFIX}")
+    names = (RUN_MANIFEST, RUN_MARKER, OLD_MARKER_PARTIAL, *map(partial_name, (RUN_MARKER, RUN_MANIFEST)))
     if any((root / name).exists() for name in names):
         return True
     return any(STAGE_DIR.fullmatch(p.name) and p.is_dir() for p in root.iterdir())
