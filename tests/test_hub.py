@@ -603,3 +603,14 @@ def test_offline_one_missing_file_is_named_in_the_singular(hub, hf_home, tmp_pat
         ["--pp", PP, "--rank", 1, "--offline", REPO, tmp_path / "out"], hub=None, hf_home=hf_home, check=False
     )
     assert "lacks 1 file this run needs: tokenizer.json;" in error_line(proc)
+
+
+def test_credentials_in_hf_endpoint_are_never_printed(hub, hf_home, tmp_path):
+    """A mirror named with its credentials (``HF_ENDPOINT=http://user:pass@host``) is named
+    without them when it cannot be reached."""
+    url = hub.url.replace("http://", "http://mirror-user:s3cret-pass@")
+    hub.stop()
+    proc = run(["plan", "--pp", PP, REPO], hub=hub, hf_home=hf_home, env={"HF_ENDPOINT": url}, check=False)
+    line = error_line(proc)
+    assert "unreachable" in line and "http://...@127.0.0.1" in line
+    assert "s3cret" not in proc.stdout + proc.stderr

@@ -301,14 +301,15 @@ def hub_error(e: BaseException, repo: HubRepo, *, what: str) -> ReshardError:
 
     if isinstance(e, ReshardError):
         return e
+    endpoint = redact(repo.endpoint)  # HF_ENDPOINT may carry credentials (https://user:pass@mirror)
     if isinstance(e, hf.GatedRepoError):
         return ReshardError(
             f"{repo.repo_id} is a gated repo and this token has no access: accept its license at "
-            f"{repo.endpoint}/{repo.repo_id} and log in (`hf auth login`, HF_TOKEN or a token)"
+            f"{endpoint}/{repo.repo_id} and log in (`hf auth login`, HF_TOKEN or a token)"
         )
     if isinstance(e, hf.RepositoryNotFoundError):
         return ReshardError(
-            f"{repo.repo_id}: no such model repo on {repo.endpoint} (and no local directory of that "
+            f"{repo.repo_id}: no such model repo on {endpoint} (and no local directory of that "
             "name), or it is private and this token has no access (log in with `hf auth login`, set "
             "HF_TOKEN or pass a token)"
         )
@@ -332,7 +333,7 @@ def hub_error(e: BaseException, repo: HubRepo, *, what: str) -> ReshardError:
     cause = _transport_cause(e)
     if cause is not None:
         return ReshardError(
-            f"{repo.endpoint} is unreachable ({cause}) while fetching {what} of {repo.repo_id}; the "
+            f"{endpoint} is unreachable ({cause}) while fetching {what} of {repo.repo_id}; the "
             "Hugging Face cache could not have served it either (it lacks it): check the network or "
             "HF_ENDPOINT"
         )
