@@ -216,6 +216,8 @@ def test_plan_and_balanced_tables_read_right_at_80_columns(fixture_397b):
 
 def test_plurals(model, tmp_path):
     assert [plural(n, "file") for n in (0, 1, 2)] == ["0 files", "1 file", "2 files"]
+    one = cli("plan", "--pp", 2, "--partition", 8, model)
+    assert one.returncode == 2 and "--partition 8 has 1 entry but --pp is 2" in one.stderr, one.stderr
     out = tmp_path / "out"
     p = cli("--pp", 2, "--rank", 1, "--no-mtp", model, out)
     assert p.returncode == 0 and "(s)" not in p.stdout + p.stderr
