@@ -508,6 +508,8 @@ def test_5xx_and_429_on_every_request_are_retried_and_logged(hub, hf_home, model
     w503, w500 = sorted(whole)[:2]
     ranged = sorted(ranges)[0]
     hub.add_fault(Fault(path=f"/api/models/{REPO}/revision/main", status=503))
+    hub.add_fault(Fault(path=f"/api/models/{REPO}/tree/", status=500))  # huggingface_hub retries it
+    hub.add_fault(Fault(path=r"/resolve/[0-9a-f]{40}/tokenizer\.json$", status=503))  # its HEAD
     hub.add_fault(Fault("config.json", status=502))
     hub.add_fault(Fault(ranged, status=429, ranged=True))  # its header, while planning
     hub.add_fault(Fault(w503, status=503, ranged=False))
@@ -529,6 +531,8 @@ def test_5xx_and_429_on_every_request_are_retried_and_logged(hub, hf_home, model
             proc.stderr,
         )
     assert not any(f.times for f in hub.state.faults)  # every fault was met
+    tokenizer = [(e.method, e.status) for e in hub.log if e.path.endswith("/tokenizer.json")]
+    assert tokenizer[0] == ("HEAD", 503) and ("GET", 200) in tokenizer
     gets = [e for e in hub.log if e.origin == "cdn" and e.method == "GET" and e.range is None]
     assert [e.status for e in gets if e.file == w503] == [503, 200]
     assert [e.status for e in gets if e.file == w500] == [500, 200]
