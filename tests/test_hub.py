@@ -563,6 +563,7 @@ def test_errors_and_huggingface_hub_warnings_name_no_signed_address(hub, hf_home
     line = error_line(proc)
     no_secrets(proc)
     assert sorted(ranges)[0] in line and "refused bytes" in line and "404" in line
+    assert f"/{sorted(ranges)[0]}?...'" in line  # the address named, its query string not
     assert "Error while downloading from http://127.0.0.1" in proc.stderr  # the warning is there, redacted
 
 

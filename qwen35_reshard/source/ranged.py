@@ -38,7 +38,8 @@ REDIRECT_STATUS = (301, 302, 303, 307, 308)
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)$")
 # A URL's scheme, its credentials (user:password@), the rest up to a query or fragment, and those.
 _URL = re.compile(
-    r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<userinfo>[^/\s@]*@)?(?P<rest>[^\s?#]*)(?P<query>[?#]\S*)?"
+    r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<userinfo>[^/\s@]*@)?"
+    r"(?P<rest>[^\s?#'\"]*)(?P<query>[?#][^\s'\"]*)?"  # a quote ends it: messages quote URLs
 )
 
 log = logging.getLogger(__name__)
