@@ -15,7 +15,8 @@ range reader) talk to it. It serves what the Hub serves for model repos, as the 
 No Xet headers are ever sent. Every request is logged (origin, method, path, Range, status,
 body bytes sent, whether an Authorization header came) so that tests can assert exactly what
 was fetched. Faults can be injected: drop the connection after N body bytes of a matching
-response, or ignore ``Range`` altogether.
+response, answer an error status to any request (API calls included), or ignore ``Range``
+altogether.
 """
 
 from __future__ import annotations
@@ -66,14 +67,19 @@ class LogEntry:
 class Fault:
     """Spoil the next ``times`` GET responses for ``file``: drop the connection after ``after``
     body bytes (``status=None``), answer ``status`` instead (503, or 403 as an expired CDN
-    signature), or with ``shift`` send the bytes one further on and say so in Content-Range."""
+    signature), or with ``shift`` send the bytes one further on and say so in Content-Range.
 
-    file: str
+    With ``path`` instead of ``file``: answer ``status`` to the next ``times`` requests (any
+    method, either origin) whose path ``path`` matches (a regex searched in it), e.g.
+    ``/revision/main`` for resolving the revision."""
+
+    file: str = ""
     after: int = 0
     times: int = 1
     ranged: bool | None = None  # only ranged (True) / only whole (False) requests; None: both
     status: int | None = None
     shift: bool = False
+    path: str | None = None
 
 
 @dataclass
@@ -245,7 +251,10 @@ class _Handler(BaseHTTPRequestHandler):
         self._status = 0
         started = time.monotonic()
         try:
-            if self.origin == "cdn":
+            fault = self._path_fault(unquote(urlsplit(self.path).path))
+            if fault is not None:
+                self._error(fault.status, None, "injected fault")
+            elif self.origin == "cdn":
                 self._cdn(head)
             else:
                 self._hub(head)
@@ -425,10 +434,23 @@ class _Handler(BaseHTTPRequestHandler):
                 self._sent += len(chunk)
                 left -= len(chunk)
 
+    def _path_fault(self, path: str) -> Fault | None:
+        with self.owner.state.lock:
+            for fault in self.owner.state.faults:
+                if fault.times > 0 and fault.path is not None and re.search(fault.path, path):
+                    fault.times -= 1
+                    return fault
+        return None
+
     def _fault(self, name: str, ranged: bool) -> Fault | None:
         with self.owner.state.lock:
             for fault in self.owner.state.faults:
-                if fault.times > 0 and fault.file == unquote(name) and fault.ranged in (None, ranged):
+                if (
+                    fault.times > 0
+                    and fault.path is None
+                    and fault.file == unquote(name)
+                    and fault.ranged in (None, ranged)
+                ):
                     fault.times -= 1
                     return fault
         return None

@@ -216,6 +216,8 @@ def test_plan_and_balanced_tables_read_right_at_80_columns(fixture_397b):
 
 def test_plurals(model, tmp_path):
     assert [plural(n, "file") for n in (0, 1, 2)] == ["0 files", "1 file", "2 files"]
+    one = cli("plan", "--pp", 2, "--partition", 8, model)
+    assert one.returncode == 2 and "--partition 8 has 1 entry but --pp is 2" in one.stderr, one.stderr
     out = tmp_path / "out"
     p = cli("--pp", 2, "--rank", 1, "--no-mtp", model, out)
     assert p.returncode == 0 and "(s)" not in p.stdout + p.stderr
@@ -256,3 +258,28 @@ def test_a_closed_stdout_or_stderr_keeps_the_exit_code(closed, args, code):
     )
     assert p.returncode == code, (p.stdout, p.stderr)
     assert "Traceback" not in p.stdout + p.stderr
+
+
+def test_model_may_name_the_file_of_a_single_file_checkpoint(tiny, tmp_path):
+    """MODEL naming a checkpoint's one ``model.safetensors`` (as the README allows) is that
+    checkpoint's directory: the same split byte for byte, verified against either spelling.
+    A shard of an indexed checkpoint, or a lone file of another name, is one line saying what
+    to pass. Before: every file was refused as "not a directory"."""
+    model = Path(tiny.build_checkpoint(tmp_path / "single", single_file=True))
+    file = model / "model.safetensors"
+    by_file, by_dir = cli("--pp", 2, file, tmp_path / "a"), cli("--pp", 2, model, tmp_path / "b")
+    assert by_file.returncode == by_dir.returncode == 0, by_file.stderr + by_dir.stderr
+    assert tree(tmp_path / "a") == tree(tmp_path / "b")
+    v = cli("verify", tmp_path / "a", "--source", file)
+    assert v.returncode == 0 and v.stdout.splitlines()[-1].startswith("verify OK"), v.stdout + v.stderr
+
+    sharded = Path(tiny.build_checkpoint(tmp_path / "sharded"))
+    shard = sorted(sharded.glob("*.safetensors"))[0]
+    (tmp_path / "lone").mkdir()
+    lone = tmp_path / "lone" / "weights.safetensors"
+    lone.write_bytes(file.read_bytes())
+    (tmp_path / "lone" / "config.json").write_bytes((model / "config.json").read_bytes())
+    for path, says in ((shard, f"one shard of the checkpoint in {sharded}"), (lone, "rename the file")):
+        p = cli("plan", "--pp", 2, path)
+        assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+        assert p.stderr.count("\n") == 1 and p.stderr.startswith(f"error: {path}: ") and says in p.stderr

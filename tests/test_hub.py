@@ -486,3 +486,136 @@ def test_a_damaged_kept_file_list_is_fetched_again(hub, hf_home, tmp_path, local
     run(["--pp", PP, "--rank", 1, REPO, tmp_path / "out"], hub=hub, hf_home=hf_home)
     same_as_local(tmp_path / "out" / "pp1", local_split / "pp1")
     assert all(isinstance(json.loads(path.read_bytes()), dict) for path in kept)
+
+
+# --------------------------------------------------------------------------- Hub faults (issue 23)
+
+SIGNED = ("X-Amz-Signature", "Expires=")  # what the CDN address's query string carries
+
+
+def no_secrets(proc) -> None:
+    text = proc.stdout + proc.stderr
+    assert not [s for s in SIGNED if s in text], text
+    assert "Traceback" not in text
+
+
+def test_5xx_and_429_on_every_request_are_retried_and_logged(hub, hf_home, model, ref, tmp_path, local_split):
+    """One 5xx or 429 answer to any request (resolving the revision, a small file, a header's
+    ranged read, a shard downloaded whole) is retried with backoff, each retry a line on
+    stderr; the run succeeds. Before: one 503 or 500 on a whole download failed the run at
+    once (huggingface_hub retries a download's GET only on 408/429), as did one on resolving."""
+    whole, ranges = expected_fetch(model, ref, 0)
+    w503, w500 = sorted(whole)[:2]
+    ranged = sorted(ranges)[0]
+    hub.add_fault(Fault(path=f"/api/models/{REPO}/revision/main", status=503))
+    hub.add_fault(Fault(path=f"/api/models/{REPO}/tree/", status=500))  # huggingface_hub retries it
+    hub.add_fault(Fault(path=r"/resolve/[0-9a-f]{40}/tokenizer\.json$", status=503))  # its HEAD
+    hub.add_fault(Fault("config.json", status=502))
+    hub.add_fault(Fault(ranged, status=429, ranged=True))  # its header, while planning
+    hub.add_fault(Fault(w503, status=503, ranged=False))
+    hub.add_fault(Fault(w500, status=500, ranged=False))
+    out = tmp_path / "out"
+    proc = run(["--pp", PP, "--rank", 0, REPO, out], hub=hub, hf_home=hf_home)
+    same_as_local(out / "pp0", local_split / "pp0")
+    no_secrets(proc)
+    retries = [line for line in proc.stderr.splitlines() if "retrying in" in line]
+    for where, status in (
+        ("revision 'main'", 503),
+        ("config.json", 502),
+        (ranged, 429),
+        (w503, 503),
+        (w500, 500),
+    ):
+        assert [r for r in retries if where in r and f"answered {status}" in r and "(retry 1 of 5)" in r], (
+            where,
+            proc.stderr,
+        )
+    assert not any(f.times for f in hub.state.faults)  # every fault was met
+    tokenizer = [(e.method, e.status) for e in hub.log if e.path.endswith("/tokenizer.json")]
+    assert tokenizer[0] == ("HEAD", 503) and ("GET", 200) in tokenizer
+    gets = [e for e in hub.log if e.origin == "cdn" and e.method == "GET" and e.range is None]
+    assert [e.status for e in gets if e.file == w503] == [503, 200]
+    assert [e.status for e in gets if e.file == w500] == [500, 200]
+
+
+def test_a_hub_that_keeps_failing_is_one_line_without_the_signed_address(hub, hf_home, model, ref, tmp_path):
+    """Retries are bounded (5, then one error line), and no message names the presigned CDN
+    address: before, the error line quoted it, signature and all."""
+    whole, _ = expected_fetch(model, ref, 0)
+    stuck = sorted(whole)[0]
+    hub.add_fault(Fault(stuck, status=503, times=100, ranged=False))
+    proc = run(["--pp", PP, "--rank", 0, REPO, tmp_path / "out"], hub=hub, hf_home=hf_home, check=False)
+    line = error_line(proc)
+    no_secrets(proc)
+    assert stuck in line and "still answered 503 after 5 retries" in line
+    assert len([r for r in proc.stderr.splitlines() if "retrying in" in r and stuck in r]) == 5
+    assert len([e for e in hub.log if e.origin == "cdn" and e.file == stuck and e.range is None]) == 6
+
+
+def test_errors_and_huggingface_hub_warnings_name_no_signed_address(hub, hf_home, model, ref, tmp_path):
+    """A ranged read refused outright (404 from the CDN) is one line naming the file, not the
+    signed address; huggingface_hub's own warning about a dropped download names it neither."""
+    whole, ranges = expected_fetch(model, ref, 0)
+    run(["plan", "--pp", PP, REPO], hub=hub, hf_home=hf_home)
+    hub.add_fault(Fault(sorted(whole)[0], after=20000, ranged=False))  # huggingface_hub warns, resumes
+    hub.add_fault(Fault(sorted(ranges)[0], status=404, ranged=True))
+    proc = run(["--pp", PP, "--rank", 0, REPO, tmp_path / "out"], hub=hub, hf_home=hf_home, check=False)
+    line = error_line(proc)
+    no_secrets(proc)
+    assert sorted(ranges)[0] in line and "refused bytes" in line and "404" in line
+    assert f"/{sorted(ranges)[0]}?...'" in line  # the address named, its query string not
+    assert "Error while downloading from http://127.0.0.1" in proc.stderr  # the warning is there, redacted
+
+
+def test_verify_source_repo_on_a_node_without_the_shards(hub, hf_home, model, ref, tmp_path):
+    """The node that received a stage checks it against the repo with an empty cache: the
+    shards it needs are fetched (those needed in part by ranges), or, offline, one line names
+    what is missing. Before: a FileNotFoundError traceback (a clone's header was read from
+    the cache), exit 1, nothing on stdout under --json."""
+    out = tmp_path / "out"
+    run(["--pp", PP, "--rank", 2, REPO, out], hub=hub, hf_home=hf_home)
+    elsewhere = tmp_path / "other-node"
+    elsewhere.mkdir()
+    hub.clear_log()
+    proc = run(["verify", out / "pp2", "--source", REPO, "--json"], hub=hub, hf_home=elsewhere)
+    report = json.loads(proc.stdout)
+    assert report["status"] == "ok", report["findings"]
+    whole, ranges = expected_fetch(model, ref, 2)
+    got_whole, got_ranges, _ = cdn_fetches(hub.log)
+    assert got_whole == whole and set(ranges) <= set(got_ranges)
+
+    offline = tmp_path / "offline-node"
+    offline.mkdir()
+    run(["plan", "--pp", PP, REPO], hub=hub, hf_home=offline)  # headers kept, no shard
+    proc = run(
+        ["verify", out / "pp2", "--source", REPO, "--json"],
+        hub=hub,
+        hf_home=offline,
+        env={"HF_HUB_OFFLINE": "1"},
+        check=False,
+    )
+    line = error_line(proc)
+    assert "offline" in line and all(f in line for f in whole | set(ranges))
+    assert json.loads(proc.stdout)["status"] == "error"
+
+
+def test_offline_one_missing_file_is_named_in_the_singular(hub, hf_home, tmp_path):
+    """ "lacks 1 file", not "lacks 1 files"."""
+    run(["--pp", PP, REPO, tmp_path / "all"], hub=hub, hf_home=hf_home)
+    snapshot = next((hf_home / "hub" / "models--Qwen--Tiny" / "snapshots").iterdir())
+    (snapshot / "tokenizer.json").unlink()
+    proc = run(
+        ["--pp", PP, "--rank", 1, "--offline", REPO, tmp_path / "out"], hub=None, hf_home=hf_home, check=False
+    )
+    assert "lacks 1 file this run needs: tokenizer.json;" in error_line(proc)
+
+
+def test_credentials_in_hf_endpoint_are_never_printed(hub, hf_home, tmp_path):
+    """A mirror named with its credentials (``HF_ENDPOINT=http://user:pass@host``) is named
+    without them when it cannot be reached."""
+    url = hub.url.replace("http://", "http://mirror-user:s3cret-pass@")
+    hub.stop()
+    proc = run(["plan", "--pp", PP, REPO], hub=hub, hf_home=hf_home, env={"HF_ENDPOINT": url}, check=False)
+    line = error_line(proc)
+    assert "unreachable" in line and "http://...@127.0.0.1" in line
+    assert "s3cret" not in proc.stdout + proc.stderr

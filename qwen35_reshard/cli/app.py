@@ -10,6 +10,7 @@ with 1, an interrupt with 130; a traceback only with ``--debug``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import enum
@@ -20,7 +21,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, NoReturn
+from typing import TYPE_CHECKING, Annotated, NoReturn, TextIO
 
 import typer
 
@@ -88,31 +89,102 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Without ``argv`` this process is the command itself (the console script, ``python -m``):
     it ends here, its output flushed, without the interpreter's teardown.
+
+    stdout that cannot take the results (a full device) is one ``error:`` line, exit 2; a
+    reader that went away (``| head``) ends the process as it ends ``git log``: by SIGPIPE,
+    silently (in this process, ``argv`` given: the shell's status for it, 141).
     """
     global _kept
     program = argv is None
     argv = _with_command(list(sys.argv[1:] if argv is None else argv))
     command = typer.main.get_command(app)
     _kept = [] if program else None
+    stdout = sys.stdout
+    if stdout is not None:
+        sys.stdout = _Results(stdout)
     try:
-        code = command.main(args=argv, prog_name=PROG, standalone_mode=False) or 0
-    except ClickException as e:  # click's usage errors: one line, no usage block
-        _fail("--json" in argv, _usage_message(e))
-        code = e.exit_code
+        try:
+            code = command.main(args=argv, prog_name=PROG, standalone_mode=False) or 0
+        except ClickException as e:  # click's usage errors: one line, no usage block
+            _fail("--json" in argv, _usage_message(e))
+            code = e.exit_code
+        if stdout is not None:
+            sys.stdout.flush()
+    except _StdoutFailed as e:
+        code = _reader_gone(program) if isinstance(e.cause, BrokenPipeError) else _unwritable(e.cause)
+    except BrokenPipeError:  # stderr's reader went away
+        code = _reader_gone(program)
+    finally:
+        sys.stdout = stdout
     if program:
         _exit(code)
     return code
 
 
+class _StdoutFailed(Exception):
+    """Writing the results to stdout failed with ``cause``: told apart from the library's OS errors."""
+
+    def __init__(self, cause: OSError) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+class _Results:
+    """``sys.stdout`` while a command runs: a write or flush that fails raises _StdoutFailed."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError as e:
+            raise _StdoutFailed(e) from e
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as e:
+            raise _StdoutFailed(e) from e
+
+    def __getattr__(self, name: str) -> object:  # isatty, fileno, encoding, ... as the stream's
+        return getattr(self._stream, name)
+
+
+def _unwritable(e: OSError) -> int:
+    """stdout cannot take the results: say so on stderr; the exit code of a refused run."""
+    with contextlib.suppress(OSError):
+        print(
+            f"error: stdout: cannot write the results ({e.strerror or e}); make room where stdout goes "
+            "or send it elsewhere",
+            file=sys.stderr,
+        )
+    return ReshardError.exit_code
+
+
+def _reader_gone(program: bool) -> int:
+    """The reader of the output went away (``| head``): end silently as ``git log | head`` does,
+    killed by SIGPIPE; in-process (``program`` false), return the shell's status for that."""
+    if program:
+        with contextlib.suppress(OSError):
+            sys.stderr.flush()
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGPIPE)
+    return 128 + signal.SIGPIPE
+
+
 def _exit(code: int) -> NoReturn:
     """End the process with ``code`` once its output is out, skipping the interpreter's teardown."""
+    # The command is over: an interrupt now just ends the process, with nothing left to say.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
     for stream in (sys.stdout, sys.stderr):
         if stream is None:  # started with that descriptor closed: there was nowhere to write
             continue
         try:
             stream.flush()
-        except BrokenPipeError:  # the reader of our output went away: as _run_guarded says it
-            code = code or 1
+        except BrokenPipeError:  # main flushed stdout: this is stderr's reader gone
+            code = _reader_gone(True)
         except (OSError, ValueError):  # closed or unwritable: nothing more to say there
             pass
     os._exit(code)
@@ -150,10 +222,12 @@ def _usage_message(e: ClickException) -> str:
 
 
 def _fail(as_json: bool, message: str) -> None:
-    """``message`` as one line on stderr; with ``--json`` also as a JSON error on stdout."""
+    """``message`` as one line on stderr; with ``--json`` also as a JSON error on stdout (when
+    stdout takes it: the line on stderr is said either way)."""
     print(message, file=sys.stderr)
     if as_json:
-        print(json.dumps({"status": "error", "error": message.removeprefix("error: ")}))
+        with contextlib.suppress(_StdoutFailed, OSError):
+            print(json.dumps({"status": "error", "error": message.removeprefix("error: ")}))
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:
@@ -236,10 +310,6 @@ def _run_guarded(
     except KeyboardInterrupt:
         _fail(output.json, f"interrupted: {interrupted}")
         code = 130
-    except BrokenPipeError:
-        # The reader of our output went away (e.g. `| head`): nothing left to say to anyone.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        code = 1
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -171,16 +171,18 @@ def dry_run_lines(result: ReshardResult) -> list[tuple[str, bool | None]]:
 
 
 def launch_lines(plan: Plan, out: str) -> list[str]:
-    """The commands that start the server on the split, one stage per node."""
+    """The commands that start the server on the split, one stage per node: shell words, the
+    stage directory quoted (OUT may hold spaces, ``$``, quotes) around the node's ``$R``."""
     env, pp = plan.launch_env, plan.pp
+    stage = f"{shlex.quote(f'{out}/pp')}$R"
     if plan.runtime == "sglang":
         cmd = (
-            f"{env} python -m sglang.launch_server --model-path {out}/pp$R --pp-size {pp} "
+            f"{env} python -m sglang.launch_server --model-path {stage} --pp-size {pp} "
             f"--nnodes {pp} --node-rank $R --dist-init-addr HEAD_IP:PORT"
         )
     else:
         cmd = (
-            f"{env} vllm serve {out}/pp$R --pipeline-parallel-size {pp}"
+            f"{env} vllm serve {stage} --pipeline-parallel-size {pp}"
             "   # each node must see its own stage at the model path: README, 'Deploying the stages'"
         )
     return [cmd]

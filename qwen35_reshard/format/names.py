@@ -27,6 +27,9 @@ STAGE_DIR = re.compile(r"pp(0|[1-9][0-9]*)")
 RUN_MARKER = ".reshard-run.json"  # identity of a run in progress; removed on success
 JOURNAL = ".reshard-journal.jsonl"  # finished data files of an unfinished stage, with digests
 PARTIAL_SUFFIX = ".partial"
+# The marker's temporary as earlier versions named it (a dot too many): a killed run of one may
+# have left it, and it is the tool's own.
+OLD_MARKER_PARTIAL = f".{RUN_MARKER}{PARTIAL_SUFFIX}"
 
 # How a stage's data file is laid out:
 # - CLONE: exactly the bytes of one source shard the stage needs whole, header included;
@@ -51,3 +54,9 @@ def stage_dir_rank(path: Path) -> int | None:
     """N for a directory named ``ppN``; None for any other name."""
     m = STAGE_DIR.fullmatch(path.name)
     return int(m.group(1)) if m else None
+
+
+def partial_name(name: str) -> str:
+    """The name a file ``name`` is written under before its atomic rename: hidden by one
+    leading dot (a dotfile keeps its own) and ending in PARTIAL_SUFFIX."""
+    return f"{'' if name.startswith('.') else '.'}{name}{PARTIAL_SUFFIX}"

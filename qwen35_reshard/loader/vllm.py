@@ -38,6 +38,7 @@ def _loader_class() -> type:
     from vllm.model_executor.models.utils import PPMissingLayer, StageMissingLayer
 
     from .. import loader
+    from ..units import plural
 
     log = init_logger(f"vllm.{__name__}")  # vLLM configures loggers under "vllm." in every process
 
@@ -106,8 +107,8 @@ def _loader_class() -> type:
             missing = sorted({n for n, _ in model.named_parameters()} - set(loaded))
             if missing:
                 raise loader.StageError(
-                    f"{stage.display}: {len(missing)} parameters of pipeline rank {stage.rank} got no "
-                    f"tensor from the stage, e.g. {', '.join(missing[:3])}"
+                    f"{stage.display}: {plural(len(missing), 'parameter')} of pipeline rank {stage.rank} "
+                    f"got no tensor from the stage, e.g. {', '.join(missing[:3])}"
                 )
 
     return Qwen35StagesLoader

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..errors import ReshardError, param
+from ..units import plural
 from . import names
 
 RUNTIMES = ("sglang", "vllm")
@@ -68,7 +69,8 @@ def check_partition(sizes: list[int], *, pp: int, num_layers: int) -> None:
     text = ",".join(map(str, sizes))
     if len(sizes) != pp:
         raise ReshardError(
-            f"{param('partition', text)} has {len(sizes)} entries but {param('pp')} is {pp}"
+            f"{param('partition', text)} has {plural(len(sizes), 'entry', 'entries')} but "
+            f"{param('pp')} is {pp}"
         )
     if any(s < 1 for s in sizes):
         raise ReshardError(f"{param('partition', text)}: every stage needs at least one layer")

@@ -20,28 +20,37 @@ Offline (``offline=True`` or ``HF_HUB_OFFLINE=1``) only the cache and the kept h
 used, and a run that needs more names exactly the files missing. The token (``token=``,
 ``HF_TOKEN`` or the saved login, as huggingface_hub finds it) is passed to huggingface_hub and
 to the Hub's own origin only; it is never printed, logged or written anywhere.
+
+Every request to the Hub (resolving the revision, the file list, small files, whole shards,
+ranged reads) answered ``408``, ``429`` or ``5xx`` is tried again with backoff, ``RETRIES`` times
+at most, each retry logged as a warning (stderr by default). No message (ours, or
+huggingface_hub's own log lines about these requests) names a URL with its query string: a
+presigned CDN address carries its signature there (see :func:`.ranged.redact`).
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import re
 import struct
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from .._version import __version__
 from ..errors import JSON_ERRORS, ReshardError, param
 from ..format.names import CONFIG_NAME, INDEX_NAME, PICKLE_SUFFIXES, SINGLE_FILE_NAME, TOOL_NAME
 from ..format.paths import is_plain_name
+from ..units import plural
 from .header import Header, parse_header
-from .ranged import RangeReader
+from .ranged import RETRY_STATUS, RangeReader, backoff, describe, log_retry, redact
 
 if TYPE_CHECKING:
     from .checkpoint import Checkpoint
@@ -55,9 +64,14 @@ HEADER_PROBE_BYTES = 8  # the length prefix; then exactly the header: not a byte
 HEADER_WORKERS = 8  # headers fetched at once while planning
 LISTING_NAME = "files.json"  # kept beside the headers: the repo's files and sizes at the commit
 HEADER_SUFFIX = ".header"
-# First wait before retrying a failed ranged read (doubled each time, up to 8 s).
+# First wait before retrying a failed request (doubled each time, up to MAX_RETRY_WAIT s).
 RETRY_WAIT_ENV = "QWEN35_RESHARD_RETRY_WAIT"
 DEFAULT_RETRY_WAIT = 0.5
+MAX_RETRY_WAIT = 8.0
+RETRIES = 5  # retries of a request the Hub keeps answering 408/429/5xx, as for ranged reads
+# huggingface_hub 2.4's modules whose warnings name the address requested (a retry of a
+# download names the presigned CDN URL): their records are redacted before any handler sees them.
+HF_URL_LOGGERS = ("huggingface_hub.utils._http", "huggingface_hub.file_download")
 
 FETCH_CACHE, FETCH_WHOLE, FETCH_RANGES = "cache", "whole", "ranges"
 
@@ -173,6 +187,55 @@ class _RequestCounter:
 _REQUESTS = _RequestCounter()
 
 
+class _RedactUrls(logging.Filter):
+    """Rewrites a log record without its URLs' query strings and credentials."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg, record.args = redact(record.getMessage()), None
+        return True
+
+
+_REDACT_URLS = _RedactUrls()
+for _name in HF_URL_LOGGERS:  # the same Logger objects huggingface_hub's modules get, whenever imported
+    logging.getLogger(_name).addFilter(_REDACT_URLS)
+
+_T = TypeVar("_T")
+
+
+def _retry_wait() -> float:
+    return float(os.environ.get(RETRY_WAIT_ENV, DEFAULT_RETRY_WAIT))
+
+
+def _retry_status(e: BaseException | None) -> int | None:
+    """The 408/429/5xx answer behind ``e`` (huggingface_hub wraps it), if that is what failed."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        status = getattr(getattr(e, "response", None), "status_code", None)
+        if status in RETRY_STATUS:
+            return status
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _retrying(call: Callable[[], _T], display: str) -> _T:
+    """``call()``, a huggingface_hub request about ``display``, tried again with backoff while
+    the Hub answers 408, 429 or 5xx (huggingface_hub retries a download's GET only on 408 and
+    429, resolving a revision never), ``RETRIES`` times at most; each retry is logged."""
+    attempt = 0
+    while True:
+        try:
+            return call()
+        except Exception as e:
+            status = _retry_status(e)
+            if status is None or attempt >= RETRIES:
+                raise
+            attempt += 1
+            wait = backoff(_retry_wait(), attempt, MAX_RETRY_WAIT)
+            log_retry(display, f"the server answered {status}", wait, attempt, RETRIES)
+            time.sleep(wait)
+
+
 # ---------------------------------------------------------------------------- naming MODEL
 
 
@@ -217,12 +280,15 @@ def resolve(repo_id: str, settings: HubSettings) -> HubRepo:
     probe = HubRepo(repo_id, revision, "0" * 40, settings)
     api = HfApi(endpoint=settings.endpoint, library_name=TOOL_NAME, library_version=__version__)
     try:
-        resolved = api.resolve_revision(
-            repo_id,
-            revision=revision,
-            cache_dir=settings.cache_dir,
-            local_files_only=probe.offline,
-            token=settings.token,
+        resolved = _retrying(
+            lambda: api.resolve_revision(
+                repo_id,
+                revision=revision,
+                cache_dir=settings.cache_dir,
+                local_files_only=probe.offline,
+                token=settings.token,
+            ),
+            f"{repo_id}: revision {revision!r}",
         )
     except Exception as e:
         raise hub_error(e, probe, what=f"revision {revision!r}") from e
@@ -235,14 +301,15 @@ def hub_error(e: BaseException, repo: HubRepo, *, what: str) -> ReshardError:
 
     if isinstance(e, ReshardError):
         return e
+    endpoint = redact(repo.endpoint)  # HF_ENDPOINT may carry credentials (https://user:pass@mirror)
     if isinstance(e, hf.GatedRepoError):
         return ReshardError(
             f"{repo.repo_id} is a gated repo and this token has no access: accept its license at "
-            f"{repo.endpoint}/{repo.repo_id} and log in (`hf auth login`, HF_TOKEN or a token)"
+            f"{endpoint}/{repo.repo_id} and log in (`hf auth login`, HF_TOKEN or a token)"
         )
     if isinstance(e, hf.RepositoryNotFoundError):
         return ReshardError(
-            f"{repo.repo_id}: no such model repo on {repo.endpoint} (and no local directory of that "
+            f"{repo.repo_id}: no such model repo on {endpoint} (and no local directory of that "
             "name), or it is private and this token has no access (log in with `hf auth login`, set "
             "HF_TOKEN or pass a token)"
         )
@@ -257,14 +324,20 @@ def hub_error(e: BaseException, repo: HubRepo, *, what: str) -> ReshardError:
             f"{repo.repo_id}: offline, and the Hugging Face cache lacks {what}; run once with network "
             "access, or on a node whose cache has it"
         )
+    status = _retry_status(e)
+    if status is not None:
+        return ReshardError(
+            f"{repo.repo_id}: {what}: the Hub still answered {status} after {RETRIES} retries; try again "
+            "later (a split resumes where it stopped)"
+        )
     cause = _transport_cause(e)
     if cause is not None:
         return ReshardError(
-            f"{repo.endpoint} is unreachable ({cause}) while fetching {what} of {repo.repo_id}; the "
+            f"{endpoint} is unreachable ({cause}) while fetching {what} of {repo.repo_id}; the "
             "Hugging Face cache could not have served it either (it lacks it): check the network or "
             "HF_ENDPOINT"
         )
-    return ReshardError(f"{repo.repo_id}: {what}: {type(e).__name__}: {(str(e) or 'failed').splitlines()[0]}")
+    return ReshardError(f"{repo.repo_id}: {what}: {type(e).__name__}: {describe(e)}")
 
 
 def _transport_cause(e: BaseException) -> str | None:
@@ -360,9 +433,13 @@ def repo_listing(repo: HubRepo) -> dict[str, int]:
     from huggingface_hub import HfApi
 
     api = HfApi(endpoint=repo.settings.endpoint, library_name=TOOL_NAME, library_version=__version__)
-    try:
+
+    def fetch() -> dict[str, int]:
         entries = api.list_repo_tree(repo.repo_id, revision=repo.commit, token=repo.settings.token)
-        listing = {e.path: e.size for e in entries if hasattr(e, "size") and e.size is not None}
+        return {e.path: e.size for e in entries if hasattr(e, "size") and e.size is not None}
+
+    try:
+        listing = _retrying(fetch, f"{repo.describe()}: the file list")
     except Exception as e:
         raise hub_error(e, repo, what="the file list") from e
     _write_kept(kept, json.dumps(listing, sort_keys=True).encode())
@@ -403,16 +480,20 @@ def _hf_download(
         )
     progress = functools.partial(_Progress, on_bytes) if on_bytes is not None else None
     try:
-        path = hf_hub_download(
-            repo.repo_id,
-            name,
-            revision=repo.commit,
-            cache_dir=repo.settings.cache_dir,
-            endpoint=repo.settings.endpoint,
-            token=repo.settings.token,
-            library_name=TOOL_NAME,
-            library_version=__version__,
-            tqdm_class=progress,
+        # A retry resumes from the bytes huggingface_hub kept (blobs/*.incomplete).
+        path = _retrying(
+            lambda: hf_hub_download(
+                repo.repo_id,
+                name,
+                revision=repo.commit,
+                cache_dir=repo.settings.cache_dir,
+                endpoint=repo.settings.endpoint,
+                token=repo.settings.token,
+                library_name=TOOL_NAME,
+                library_version=__version__,
+                tqdm_class=progress,
+            ),
+            f"{repo.describe()}: {name}",
         )
     except Exception as e:
         raise hub_error(e, repo, what=name) from e
@@ -454,7 +535,9 @@ def reader(repo: HubRepo, name: str, *, size: int | None, traffic: Traffic) -> R
     headers = build_hf_headers(token=repo.settings.token, library_name=TOOL_NAME, library_version=__version__)
     return RangeReader(
         url,
-        wait=float(os.environ.get(RETRY_WAIT_ENV, DEFAULT_RETRY_WAIT)),
+        wait=_retry_wait(),
+        max_wait=MAX_RETRY_WAIT,
+        retries=RETRIES,
         display=f"{repo.describe()}: {name}",
         session=_REQUESTS.session(),
         headers=headers,
@@ -474,7 +557,7 @@ def _headers(repo: HubRepo, files: list[str], listing: dict[str, int], traffic: 
     if missing and repo.offline:
         raise ReshardError(
             f"{repo.describe()}: offline, and neither kept headers nor cached files exist for "
-            f"{len(missing)} shards ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); plan "
+            f"{plural(len(missing), 'shard')} ({', '.join(missing[:3])}{', ...' * (len(missing) > 3)}); plan "
             "it once with network access"
         )
 
@@ -521,6 +604,19 @@ def _header_bytes(repo: HubRepo, f: str, size: int, traffic: Traffic) -> bytes:
         r.close()
     _write_kept(kept, raw)
     return raw
+
+
+def header_bytes(repo: HubRepo, file: str) -> bytes:
+    """Shard ``file``'s length prefix and header, as planning read them: kept, from the cached
+    shard, or fetched by two ranged reads (never the whole shard).
+
+    Raises:
+        ReshardError: the repo has no such file, or its header could not be fetched.
+    """
+    listing = repo_listing(repo)
+    if file not in listing:
+        raise ReshardError(f"{repo.describe()}: {file} is missing from the repo; the repo is incomplete")
+    return _header_bytes(repo, file, listing[file], Traffic())
 
 
 def _check_header_length(n: int, size: int, repo: HubRepo, f: str) -> None:
@@ -601,8 +697,8 @@ class HubFetcher:
         if self.repo.offline and missing:
             raise ReshardError(
                 f"{self.repo.describe()}: offline, and the Hugging Face cache ({self.repo.storage}) lacks "
-                f"{len(missing)} files this run needs: {', '.join(missing)}; run with network access, "
-                "or download them first (`hf download`)"
+                f"{plural(len(missing), 'file')} this run needs: {', '.join(missing)}; run with network "
+                f"access, or download {'it' if len(missing) == 1 else 'them'} first (`hf download`)"
             )
         fetch_files(self.repo, self.ckpt.extra_files, self.traffic)
 
@@ -632,11 +728,14 @@ def open_model(
     model: str, settings: HubSettings, *, traffic: Traffic | None = None
 ) -> tuple[Checkpoint, HubRepo | None]:
     """MODEL as the user wrote it: a local checkpoint directory, a cache repo folder
-    (``models--org--name``, resolved through ``refs/``) or a Hub repo id. Returns the checkpoint
+    (``models--org--name``, resolved through ``refs/``), the ``model.safetensors`` of a
+    single-file checkpoint (read as its directory) or a Hub repo id. Returns the checkpoint
     and, for a repo id, the pinned repo (None for local sources)."""
     from .checkpoint import read_checkpoint
 
     path = Path(model)
+    if path.is_file() and path.name.endswith(".safetensors"):
+        path = _single_file_dir(path, model)
     if path.is_dir():
         snapshot = cache_repo_snapshot(path, settings.revision)
         if snapshot is None and settings.revision is not None:
@@ -652,3 +751,19 @@ def open_model(
         f"{model}: not a directory, and not a Hugging Face Hub repo id (org/name); pass the checkpoint's "
         f"directory or its repo id as {param('model')}"
     )
+
+
+def _single_file_dir(path: Path, model: str) -> Path:
+    """The directory of ``path``, a ``.safetensors`` file named as MODEL, when that file is the
+    whole checkpoint: the directory's one data file, as every reader of the directory sees it."""
+    if (path.parent / INDEX_NAME).exists():
+        raise ReshardError(
+            f"{model}: one shard of the checkpoint in {path.parent}, whose {INDEX_NAME} lists its shards; "
+            f"pass the directory {path.parent} as {param('model')}"
+        )
+    if path.name != SINGLE_FILE_NAME:
+        raise ReshardError(
+            f"{model}: a checkpoint without {INDEX_NAME} holds its tensors in {SINGLE_FILE_NAME} (the name "
+            f"servers and transformers look for); rename the file, or pass a directory as {param('model')}"
+        )
+    return path.parent

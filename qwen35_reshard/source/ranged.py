@@ -10,15 +10,19 @@ Every answer is checked before a byte is used: ``206 Partial Content`` with the
 ``200`` with the whole file) is reported, not silently downloaded whole. Dropped connections,
 timeouts and ``408/429/5xx`` answers are retried with exponential backoff, resuming at the first
 byte not yet received; ``retries`` attempts in a row without a byte of progress end the read.
+Each retry is logged (a warning, which reaches stderr when nothing else is configured).
 
 The Hub answers ``/resolve`` of a large file with a redirect to its CDN; the CDN address is kept
 for the following ranges (one request per range instead of two) and asked again when it has
 expired. The ``Authorization`` header goes only to the Hub's own origin, never to the CDN.
+No message names a URL with its query string (the CDN's signature) or credentials: see
+:func:`redact`.
 """
 
 from __future__ import annotations
 
 import bisect
+import logging
 import re
 import time
 from collections.abc import Callable
@@ -32,6 +36,50 @@ RETRY_STATUS = (408, 429, 500, 502, 503, 504)
 EXPIRED_STATUS = (401, 403, 410)
 REDIRECT_STATUS = (301, 302, 303, 307, 308)
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)$")
+# A URL's scheme, its credentials (user:password@), the rest up to a query or fragment, and those.
+_URL = re.compile(
+    r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<userinfo>[^/\s@]*@)?"
+    r"(?P<rest>[^\s?#'\"]*)(?P<query>[?#][^\s'\"]*)?"  # a quote ends it: messages quote URLs
+)
+
+log = logging.getLogger(__name__)
+
+
+def redact(text: str) -> str:
+    """``text`` with every URL's credentials and query string (a presigned CDN address's
+    signature, a token passed as a parameter) replaced by ``...``.
+
+    Args:
+        text: a message that may quote URLs (huggingface_hub's errors do).
+
+    Returns:
+        The message, safe to print or log.
+    """
+
+    def one(m: re.Match) -> str:
+        userinfo = "...@" if m.group("userinfo") else ""
+        return f"{m.group('scheme')}{userinfo}{m.group('rest')}{'?...' if m.group('query') else ''}"
+
+    return _URL.sub(one, text)
+
+
+def describe(e: BaseException) -> str:
+    """``e``'s message on one line, redacted (huggingface_hub's errors span lines and quote the
+    address asked for); its type's name when it says nothing."""
+    return redact(" ".join(str(e).split())) or type(e).__name__
+
+
+def backoff(first: float, attempt: int, most: float) -> float:
+    """Seconds to wait before retry number ``attempt`` (1, 2, ...): ``first`` doubled each
+    time, never more than ``most``."""
+    return min(most, first * 2 ** (attempt - 1))
+
+
+def log_retry(display: str, cause: str, wait: float, attempt: int, attempts: int) -> None:
+    """Say on the log (stderr by default) that ``display`` is tried again after ``cause``."""
+    log.warning(
+        "%s: %s; retrying in %.2g s (retry %d of %d)", display, redact(cause), wait, attempt, attempts
+    )
 
 
 class RangeError(ReshardError):
@@ -121,13 +169,18 @@ class RangeReader:
                 if not _transient(e):
                     raise
                 failures += 1
+                status = isinstance(e, _RetryableStatus)
+                what = str(e) if status else "the connection failed"
+                why = "" if status else f" ({type(e).__name__})"
                 if failures > self._retries:
                     raise RangeError(
-                        f"{self.display}: the connection failed {failures} times in a row while "
-                        f"fetching bytes {want}-{end - 1} ({type(e).__name__}); check the network and "
-                        "run the same command again to resume"
+                        f"{self.display}: {what} {failures} times in a row while fetching bytes "
+                        f"{want}-{end - 1}{why}; check the network and run the same command again to resume"
                     ) from e
-                time.sleep(min(self._max_wait, self._wait * 2 ** (failures - 1)))
+                wait = backoff(self._wait, failures, self._max_wait)
+                where = f"{self.display}: bytes {want}-{end - 1}"
+                log_retry(where, what + why, wait, failures, self._retries)
+                time.sleep(wait)
                 continue
             filled += n
             failures = 0
@@ -199,7 +252,7 @@ class RangeReader:
                 continue
             if status in RETRY_STATUS:
                 response.close()
-                raise _RetryableStatus(f"{self.display}: the server answered {status}")
+                raise _RetryableStatus(f"the server answered {status}")
             if status != 206:
                 self._refuse(response, begin, end)
             self._check_range(response, begin, end)
@@ -229,6 +282,10 @@ class RangeReader:
         try:
             response.read()
             self._raise_for_status(response)
+        except Exception as e:  # the Hub's error names the (signed) address
+            raise RangeError(
+                f"{self.display}: the server refused bytes {begin}-{end - 1}: {describe(e)}"
+            ) from e
         finally:
             response.close()
         raise RangeError(f"{self.display}: unexpected answer {status} to a ranged request")

@@ -41,11 +41,13 @@ from ..format.names import (
     INDEX_NAME,
     JOURNAL,
     MTP_DROPPED,
+    OLD_MARKER_PARTIAL,
     PARTIAL_SUFFIX,
     RUN_MANIFEST,
     RUN_MARKER,
     STAGE_DIR,
     STAGE_MANIFEST,
+    partial_name,
     stage_dir_rank,
     stage_dirname,
 )
@@ -54,7 +56,7 @@ from ..model.names import LAYER, classify
 from ..plan.planner import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_HEADER_BYTES, Plan, make_plan
 from ..source.checkpoint import Checkpoint, source_identity
 from ..source.header import Header
-from ..source.hub import HubFetcher, HubRepo, HubSettings, fetch_files, open_model
+from ..source.hub import HubFetcher, HubRepo, HubSettings, header_bytes, open_model
 from ..stage.findings import CORRUPT, DIFFERENT, EXTRA, INCOMPLETE, KINDS, MISSING, RERUN, Finding
 from ..stage.manifest import StageManifest
 from ..stage.reader import read_run_record, read_stage, stage_dirs
@@ -167,8 +169,6 @@ def verify(
     ckpt, repo = (None, None)
     if source is not None:
         ckpt, repo = open_model(os.fspath(source), hub_settings or HubSettings())
-    if repo is not None:
-        fetch_files(repo, ckpt.extra_files)
     report = VerifyReport(target=display, source=os.fspath(source) if source is not None else None)
     if _is_run_dir(root):
         stages = _check_run_dir(root, display, report)
@@ -191,7 +191,7 @@ def verify(
 
 def _is_run_dir(root: Path) -> bool:
     # A run killed before its marker was renamed into place leaves only the marker's temporary.
-    names = (RUN_MANIFEST, RUN_MARKER, f".{RUN_MARKER}{PARTIAL_SUFFIX}", f".{RUN_MANIFEST}{PARTIAL_SUFFIX}")
+    names = (RUN_MANIFEST, RUN_MARKER, OLD_MARKER_PARTIAL, *map(partial_name, (RUN_MARKER, RUN_MANIFEST)))
     if any((root / name).exists() for name in names):
         return True
     return any(STAGE_DIR.fullmatch(p.name) and p.is_dir() for p in root.iterdir())
@@ -342,8 +342,6 @@ def _check_stage(stage: _Stage, report: VerifyReport, ckpt: Checkpoint | None, c
         report.recorded_source = m.source["path"]
     stage.summary.rank = m.rank
     stage.summary.complete = not any(p.file == INDEX_NAME for p in found.problems)
-    for name in ckpt.extra_files if ckpt is not None else ():
-        _compare_side_file(stage, ckpt, name, add)
     on_disk = {n for n in entries if n.endswith(".safetensors") and not n.startswith(".")}
     for name in sorted(on_disk - set(m.files)):
         add(
@@ -507,12 +505,16 @@ def _check_against_source(
     The plan is rebuilt from each stage manifest's settings (pp, runtime, partition, mtp);
     each needed source tensor is hashed once, even when it is replicated on several stages.
     """
+    if repo is not None:
+        _prepare_hub(repo, ckpt, stages)
     fingerprint = source_identity(ckpt)["fingerprint"]
     plans: dict[tuple, Plan | None] = {}
     to_compare: list[tuple[_Stage, str]] = []
     for stage in stages:
         add = _adder(report, stage)
         m = stage.manifest
+        for name in ckpt.extra_files:
+            _compare_side_file(stage, ckpt, name, add)
         if m.source.get("fingerprint") != fingerprint:
             add(
                 DIFFERENT,
@@ -524,7 +526,7 @@ def _check_against_source(
             continue
         to_compare += _compare_placement(ckpt, plan, stage, add)
         if _recorded_limits(m) is not None and not report.findings_for(stage.summary.stage):
-            _compare_layout(plan, stage, add)
+            _compare_layout(plan, stage, add, repo)
     wanted = sorted({name for _, name in to_compare})
     source_digests = _hash_source(ckpt, wanted, chunk_bytes, repo)
     report.source_bytes_hashed = sum(ckpt.tensors[n].nbytes for n in wanted)
@@ -596,7 +598,7 @@ def _recorded_limits(m: StageManifest) -> dict[str, int] | None:
     return {"max_file_bytes": identity.max_file_bytes, "max_header_bytes": identity.max_header_bytes}
 
 
-def _compare_layout(plan: Plan, stage: _Stage, add: _Add) -> None:
+def _compare_layout(plan: Plan, stage: _Stage, add: _Add, repo: HubRepo | None) -> None:
     """Each data file is the plan's: same name, and header bytes equal to the plan's header.
 
     With every tensor's bytes checked elsewhere, this makes every byte of every file the one
@@ -607,8 +609,7 @@ def _compare_layout(plan: Plan, stage: _Stage, add: _Add) -> None:
         where = f"{stage.display}/{f.name}"
         want = f.header
         if f.layout == CLONE:  # a clone's header is its source's own
-            with open(plan.checkpoint.path(f.source_file), "rb") as fh:
-                want = fh.read(f.data_start)
+            want = _source_head(plan.checkpoint, f.source_file, f.data_start, repo)
         try:
             with open(path, "rb") as fh:
                 head = fh.read(len(want))
@@ -662,6 +663,26 @@ def _compare_placement(ckpt: Checkpoint, plan: Plan, stage: _Stage, add: _Add) -
         else:
             pairs.append((stage, name))
     return pairs
+
+
+def _prepare_hub(repo: HubRepo, ckpt: Checkpoint, stages: list[_Stage]) -> None:
+    """The repo's side files into the cache; offline, one line naming every file the cache
+    lacks that comparing ``stages`` (each with a manifest) needs: their shards, the side files."""
+    needed: dict[str, set[str]] = {}
+    for stage in stages:
+        for name in stage.manifest.tensors:
+            if name in ckpt.tensors:
+                needed.setdefault(ckpt.tensors[name].file, set()).add(name)
+    HubFetcher(repo, ckpt, needed).prepare()
+
+
+def _source_head(ckpt: Checkpoint, file: str, nbytes: int, repo: HubRepo | None) -> bytes:
+    """The first ``nbytes`` (at most its header's) of source shard ``file``; from a Hub repo
+    without the shard in the cache, the header planning kept or two ranged reads."""
+    if repo is not None:
+        return header_bytes(repo, file)[:nbytes]
+    with open(ckpt.path(file), "rb") as fh:
+        return fh.read(nbytes)
 
 
 def _hash_source(

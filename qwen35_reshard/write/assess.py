@@ -14,14 +14,21 @@ from pathlib import Path
 
 from ..errors import ReshardError, param
 from ..format.identity import RunIdentity, describe_differences
-from ..format.names import PARTIAL_SUFFIX, RUN_MANIFEST, RUN_MARKER, STAGE_DIR
+from ..format.names import (
+    OLD_MARKER_PARTIAL,
+    PARTIAL_SUFFIX,
+    RUN_MANIFEST,
+    RUN_MARKER,
+    STAGE_DIR,
+    partial_name,
+)
 from ..plan.planner import Plan
 from ..stage.findings import Finding
 from ..stage.manifest import stage_is_complete
 from ..stage.reader import read_run_record
 from ..transfer import reflink as reflinks
 from ..write.manifest import run_identity
-from .durability import partial_name, write_error
+from .durability import write_error
 from .journal import Digests, keepable
 
 
@@ -194,5 +201,5 @@ def _changed_source_files(plan: Plan, out: Path) -> list[str]:
 def run_temporary(name: str) -> bool:
     """A temporary file a killed run may leave in OUT itself: its marker's or run manifest's, or
     the probe for sharing."""
-    ours = {partial_name(n) for n in (RUN_MARKER, RUN_MANIFEST)}
+    ours = {partial_name(RUN_MARKER), partial_name(RUN_MANIFEST), OLD_MARKER_PARTIAL}
     return name in ours or (name.startswith(reflinks.PROBE_PREFIX) and name.endswith(PARTIAL_SUFFIX))

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..errors import ReshardError, param
-from ..format.names import PARTIAL_SUFFIX
+from ..format.names import PARTIAL_SUFFIX, partial_name
 from ..plan.planner import StagePlan
 from ..units import format_bytes
 
@@ -107,11 +107,6 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def partial_name(name: str) -> str:
-    """The temporary name a file ``name`` is written under before it gets its own."""
-    return f".{name}{PARTIAL_SUFFIX}"
 
 
 def partial_path(path: Path) -> Path:
