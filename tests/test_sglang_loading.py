@@ -63,6 +63,18 @@ def sglang_python() -> Path | None:
     return path if path.exists() else None
 
 
+def require_sglang_python() -> Path:
+    """The SGLang environment's Python; the test is skipped without one, except under CI=true."""
+    python = sglang_python()
+    if python is None:
+        message = (f"no SGLang environment: run `bash .ci/sglang/build-venv.sh .venv-sglang` "
+                   f"or set {PYTHON_ENV} to a Python with SGLang installed")
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    return python
+
+
 # --------------------------------------------------------------------------- checkpoints
 
 
@@ -96,13 +108,7 @@ def save_checkpoint(out: Path, kind: str, layout: str, tied: bool, mtp: bool) ->
 @pytest.fixture(scope="module")
 def splits(tmp_path_factory):
     """Every checkpoint split for every layout: {(split id, layout id): (source, split dir)}."""
-    python = sglang_python()
-    if python is None:
-        message = (f"no SGLang environment: run `bash .ci/sglang/build-venv.sh .venv-sglang` "
-                   f"or set {PYTHON_ENV} to a Python with SGLang installed")
-        if os.environ.get("CI") == "true":
-            pytest.fail(message)
-        pytest.skip(message)
+    python = require_sglang_python()
     root = tmp_path_factory.mktemp("sglang")
     torch.manual_seed(0)
     sources = {}
