@@ -35,6 +35,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_loader import run_without
 from test_loader_transformers import INDEX
 from test_sglang_loading import CHECKPOINTS, EMBED_NAMES, REPO, SPLITS, require_sglang_python, save_checkpoint
 
@@ -105,6 +106,22 @@ def forge(out: Path, dst: Path, *, drop: str | None = None, add: tuple | None = 
     manifest["index_sha256"] = hashlib.sha256((stage / INDEX).read_bytes()).hexdigest()
     (stage / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return dst
+
+
+def test_plugin_imports_without_sglang(tmp_path):
+    """The plugin's module imports without sglang and torch, and tells a split from another
+    path; only registering needs SGLang."""
+    (tmp_path / "pp0").mkdir()
+    code = (
+        "from qwen35_reshard.loader import sglang as plugin\n"
+        f"print(plugin.is_split({str(tmp_path)!r}), plugin.is_split({str(tmp_path / 'pp0')!r}))\n"
+        "try:\n"
+        "    plugin.register()\n"
+        "except ImportError:\n"
+        "    print('sglang needed only to register')\n"
+    )
+    printed = run_without(["sglang", "torch"], code)
+    assert printed.split("\n")[:2] == ["True False", "sglang needed only to register"]
 
 
 @pytest.fixture(scope="module")
