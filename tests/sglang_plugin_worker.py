@@ -36,13 +36,19 @@ HOOKED = "sglang.srt.model_loader.loader.get_model_loader"
 probe: dict = {}  # what the measuring hooks saw during the current load
 
 
+# With FP8, SGLang's attention layers get KV-cache scales no checkpoint carries: they keep their
+# initial -1 until process_weights_after_loading sets them (kv_cache.py asserts they are not NaN).
+KV_SCALES = (".k_scale", ".v_scale", ".q_scale", ".prob_scale")
+
+
 def nan_fill(model, *args, **kwargs) -> None:
     """AFTER hook on _initialize_model: every parameter NaN, so any left unloaded shows."""
     import torch
 
     with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(float("nan"))
+        for name, p in model.named_parameters():
+            if not name.endswith(KV_SCALES):
+                p.fill_(float("nan"))
     probe["built"] += 1
 
 

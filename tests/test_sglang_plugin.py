@@ -1,7 +1,8 @@
 """The SGLang plugin (qwen35_reshard/loader/sglang.py, issue 24) inside SGLang's own loader.
 
 The checkpoints of test_sglang_loading.py (per-expert and fused experts, MTP kept and dropped,
-text-only and multimodal, tied embeddings) are split for pp=2, 3 and 4, each with SGLang's
+text-only and multimodal, tied embeddings) and a block-FP8 one (weights with their scales) are
+split for pp=2, 3 and 4, each with SGLang's
 default partition and with an explicit ``SGLANG_PP_LAYER_PARTITION``. For every rank of every
 layout ``sglang_plugin_worker.py`` runs in an SGLang environment in which this package is
 installed (so that its entry point is in the environment's metadata; what
@@ -34,17 +35,23 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from test_loader import run_without
 from test_loader_transformers import INDEX
 from test_sglang_loading import CHECKPOINTS, EMBED_NAMES, REPO, SPLITS, require_sglang_python, save_checkpoint
+from test_sglang_loading import CHECKPOINTS as BF16_CHECKPOINTS
 
 import qwen35_reshard
 
 WORKER = Path(__file__).resolve().parent / "sglang_plugin_worker.py"
+# test_sglang_loading.py's checkpoints and one FP8 (block-FP8 F8_E4M3 weights with F32
+# weight_scale_inv, as the -FP8 releases; vision tower, mtp.*) made by examples/tiny_checkpoint.py.
+CHECKPOINTS = {**CHECKPOINTS, "fp8_mtp": ("vision", "per_expert_fp8", False, True)}
+SPLITS = {**SPLITS, "fp8_mtp": ("fp8_mtp", False)}
 MANIFEST = "reshard-stage.json"
 # layout id -> (pp, SGLANG_PP_LAYER_PARTITION): SGLang's default split and an explicit one each.
-LAYOUTS = {"pp2": (2, None)} if os.environ.get("H24DEBUG") else {
+LAYOUTS = {
     "pp2": (2, None), "pp2-5,3": (2, "5,3"),
     "pp3": (3, None), "pp3-4,1,3": (3, "4,1,3"),
     "pp4": (4, None), "pp4-1,3,2,2": (4, "1,3,2,2"),
@@ -67,6 +74,28 @@ CONTROLS = {
               f"tensor {ADDED!r} is for layer 0, outside the stage's layers [4, 8)"),
     "wrong-stage-dir": ("pp2", 1, ("pp2", "pp0"), "give rank 1 its own directory (pp1)"),
 }
+
+
+def save_fp8_checkpoint(tiny, out: Path) -> None:
+    """The FP8 checkpoint, sized for SGLang's block-FP8 layers (every output partition a multiple
+    of the 128-wide block), with the vision field SGLang needs (see save_checkpoint), and its
+    seeded bytes' NaN patterns replaced, so that a NaN parameter means one left unloaded."""
+    tiny.build_checkpoint(out, layout="per_expert_fp8", hidden=256, moe_intermediate=128)
+    config = json.loads((out / "config.json").read_text())
+    config["vision_config"]["deepstack_visual_indexes"] = []
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for file in sorted(out.glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            metadata = f.metadata()
+        tensors = load_file(file)
+        for t in tensors.values():
+            if t.dtype == torch.float8_e4m3fn:
+                raw = t.view(torch.uint8)
+                raw[(raw & 0x7F) == 0x7F] = 0x7E  # e4m3fn's only NaN pattern -> its largest finite value
+            elif t.is_floating_point():
+                t.nan_to_num_(0.0, 0.0, 0.0)
+        file.unlink()
+        save_file(tensors, file, metadata=metadata)
 
 
 def split(read, out: Path, pp: int, partition: str | None, *, no_mtp: bool, runtime: str = "sglang") -> Path:
@@ -125,7 +154,7 @@ def test_plugin_imports_without_sglang(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def results(tmp_path_factory, tiny):
     """Every checkpoint split for every layout, loaded on every rank; {(case, layout, rank): result}."""
     python = require_sglang_python()
     root = tmp_path_factory.mktemp("sglang-plugin")
@@ -133,7 +162,10 @@ def results(tmp_path_factory):
     sources, reads, outs = {}, {}, {}
     for name, spec in CHECKPOINTS.items():
         sources[name] = root / "src" / name
-        save_checkpoint(sources[name], *spec)
+        if name in BF16_CHECKPOINTS:
+            save_checkpoint(sources[name], *spec)
+        else:
+            save_fp8_checkpoint(tiny, sources[name])
         reads[name] = qwen35_reshard.read_checkpoint(sources[name])
     for sid, (ckpt, no_mtp) in SPLITS.items():
         for layout, (pp, partition) in LAYOUTS.items():
