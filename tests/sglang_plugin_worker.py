@@ -53,7 +53,10 @@ def nan_fill(model, *args, **kwargs) -> None:
 
 
 def record_feed(model, weights, target_device):
-    """BEFORE hook on load_weights_and_postprocess: record what load_weights is fed and takes."""
+    """BEFORE hook on load_weights_and_postprocess: record what load_weights is fed and takes
+    (for a split only: a reference load is not measured, which would only cost time)."""
+    if not probe["track"]:
+        return None
 
     def names(stream):
         for name, tensor in stream:
@@ -107,9 +110,9 @@ def run_job(job: dict) -> None:
                   "wrapped": getattr(sgl_loader.get_model_loader, "__wrapped__", None) is not None}
     original = sgl_loader.get_model_loader.__wrapped__ if discovered["wrapped"] else None
 
-    def load(path: str, *, draft: bool) -> dict:
+    def load(path: str, *, draft: bool, track: bool = True) -> dict:
         """SGLang's own loading path for ``path``, with what the measuring hooks saw."""
-        probe.update(built=0, fed=[], taken=[])
+        probe.update(built=0, fed=[], taken=[], track=track)
         config = ModelConfig(path, is_draft_model=draft)
         load_config = LoadConfig(load_format="auto")
         chosen = sgl_loader.get_model_loader(load_config, config)
@@ -127,7 +130,6 @@ def run_job(job: dict) -> None:
 
     def refused(path: str, *, draft: bool) -> dict:
         """Load ``path``; it must fail with StageError. The message, and what was built or fed."""
-        probe.update(built=0, fed=[], taken=[])
         try:
             load(path, draft=draft)
         except loader.StageError as e:
@@ -141,7 +143,7 @@ def run_job(job: dict) -> None:
         got = load(case["split"], draft=draft)
         key = (case["source"], draft)
         if key not in references:
-            references[key] = load(case["source"], draft=draft)
+            references[key] = load(case["source"], draft=draft, track=False)
         ref = references[key]
         model, twin = got.pop("model"), ref["model"]
         return {**got, "nan_after_whole": ref["nan"], "differs_from_whole": differing(model, twin),

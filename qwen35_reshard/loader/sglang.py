@@ -71,11 +71,13 @@ def choose_loader(original: Callable, load_config: object, model_config: object 
         StageError: a split with a load format that reads the model path's files another way.
     """
     path = getattr(model_config, "model_path", None)
-    fmt = getattr(load_config.load_format, "value", load_config.load_format)
-    if path is None or not is_split(path) or fmt == "dummy":
+    if path is None or not is_split(path):
         if path not in _not_splits:
             _not_splits.add(path)
             log.debug("qwen35-stages: %s is not a qwen35-reshard split; SGLang loads it itself", path)
+        return original(load_config, model_config)
+    fmt = getattr(load_config.load_format, "value", load_config.load_format)
+    if fmt == "dummy" or isinstance(fmt, type):  # random weights, or a loader class chosen in Python
         return original(load_config, model_config)
     if fmt not in STAGE_LOAD_FORMATS:
         raise StageError(
