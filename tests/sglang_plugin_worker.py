@@ -24,12 +24,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 import time
 from pathlib import Path
 
-from sglang_worker import differing, main, nan_counts, pipeline_group, tracked
+from sglang_worker import differing, main, nan_counts, pipeline_group, set_up_rank, tracked
 
 PLUGIN = "qwen35_stages"
 HOOKED = "sglang.srt.model_loader.loader.get_model_loader"
@@ -69,7 +68,6 @@ def record_feed(model, weights, target_device):
 def run_job(job: dict) -> None:
     """Play one pipeline rank: discover the plugin, then load every case through SGLang's loader."""
     import sglang
-    import torch
     from sglang.srt.configs.device_config import DeviceConfig
     from sglang.srt.configs.load_config import LoadConfig
     from sglang.srt.configs.model_config import ModelConfig
@@ -78,21 +76,10 @@ def run_job(job: dict) -> None:
     from sglang.srt.model_loader.utils import get_model_architecture
     from sglang.srt.plugins import load_plugins
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-    from sglang.srt.runtime_context import SpawnRanks, get_parallel
-    from sglang.srt.server_args import ServerArgs
-    from sglang.test.parallel_groups import publish
 
     from qwen35_reshard import loader
 
-    torch.set_num_threads(1)  # jobs run side by side, one core each
-    pp, rank = job["pp"], job["rank"]
-    if job["partition"] is None:
-        os.environ.pop("SGLANG_PP_LAYER_PARTITION", None)
-    else:
-        os.environ["SGLANG_PP_LAYER_PARTITION"] = job["partition"]
-    publish(ServerArgs(model_path="dummy", device="cpu", pp_size=pp), role="test",
-            ranks=SpawnRanks(world_rank=rank))
-    get_parallel().override_permanently(pp_group=pipeline_group(rank, pp))
+    pp, rank = set_up_rank(job)
 
     debug: list[str] = []  # the plugin's debug records
     handler = logging.Handler(logging.DEBUG)

@@ -91,6 +91,27 @@ def differing(a, b) -> list[str]:
     return sorted(n for n, p in a.named_parameters() if not torch.equal(raw(p), raw(pb[n])))
 
 
+def set_up_rank(job: dict) -> tuple[int, int]:
+    """SGLang's process-wide context for the job's pipeline rank; ``(pp, rank)``."""
+    import torch
+    from sglang.srt.runtime_context import SpawnRanks, get_parallel
+    from sglang.srt.server_args import ServerArgs
+    from sglang.test.parallel_groups import publish
+
+    torch.set_num_threads(1)  # jobs run side by side, one core each
+    pp, rank = job["pp"], job["rank"]
+    if job["partition"] is None:
+        os.environ.pop("SGLANG_PP_LAYER_PARTITION", None)
+    else:
+        os.environ["SGLANG_PP_LAYER_PARTITION"] = job["partition"]
+    # The server-args context for this rank (model_path "dummy" as SGLang's own tests do: the
+    # model is built from the stage's config, outside server-argument resolution).
+    publish(ServerArgs(model_path="dummy", device="cpu", pp_size=pp), role="test",
+            ranks=SpawnRanks(world_rank=rank))
+    get_parallel().override_permanently(pp_group=pipeline_group(rank, pp))
+    return pp, rank
+
+
 def run_job(job: dict) -> None:
     """Play one pipeline rank: set up SGLang's context for it, run every case, write the result."""
     import sglang
@@ -100,23 +121,10 @@ def run_job(job: dict) -> None:
     from sglang.srt.distributed.parallel_state import patch_pipeline_parallel_group
     from sglang.srt.model_loader.loader import _initialize_model
     from sglang.srt.model_loader.utils import get_model_architecture, set_default_torch_dtype
-    from sglang.srt.runtime_context import SpawnRanks, get_parallel
-    from sglang.srt.server_args import ServerArgs
-    from sglang.test.parallel_groups import publish
 
     from qwen35_reshard import loader
 
-    torch.set_num_threads(1)  # jobs run side by side, one core each
-    pp, rank = job["pp"], job["rank"]
-    if job["partition"] is None:
-        os.environ.pop("SGLANG_PP_LAYER_PARTITION", None)
-    else:
-        os.environ["SGLANG_PP_LAYER_PARTITION"] = job["partition"]
-    # The server-args context for this rank (model_path "dummy" as SGLang's own tests do: the
-    # model is built below from the stage's config, outside server-argument resolution).
-    publish(ServerArgs(model_path="dummy", device="cpu", pp_size=pp), role="test",
-            ranks=SpawnRanks(world_rank=rank))
-    get_parallel().override_permanently(pp_group=pipeline_group(rank, pp))
+    pp, rank = set_up_rank(job)
 
     def build(path: Path, *, draft: bool):
         config = ModelConfig(str(path), is_draft_model=draft)

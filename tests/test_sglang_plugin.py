@@ -27,10 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -39,7 +36,14 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from test_loader import run_without
 from test_loader_transformers import INDEX
-from test_sglang_loading import CHECKPOINTS, EMBED_NAMES, REPO, SPLITS, require_sglang_python, save_checkpoint
+from test_sglang_loading import (
+    CHECKPOINTS,
+    EMBED_NAMES,
+    SPLITS,
+    require_sglang_python,
+    run_worker,
+    save_checkpoint,
+)
 from test_sglang_loading import CHECKPOINTS as BF16_CHECKPOINTS
 
 import qwen35_reshard
@@ -194,20 +198,8 @@ def results(tmp_path_factory, tiny):
                     cases.append({"id": cid, "kind": "refused", "split": str(path)})
             jobs.append({"pp": pp, "rank": rank, "partition": partition, "cases": cases, "layout": layout,
                          "result": str(root / f"result-{layout}-{rank}.json")})
-    (root / "jobs.json").write_text(json.dumps({"parallel": 2, "jobs": jobs}))
-
-    env = {k: v for k, v in os.environ.items() if k != "SGLANG_PP_LAYER_PARTITION"}
-    env["PYTHONPATH"] = str(REPO)  # this checkout's qwen35_reshard (its entry point is the installed one)
-    t = time.perf_counter()
-    proc = subprocess.run([str(python), str(WORKER), str(root / "jobs.json")], env=env,
-                          capture_output=True, text=True, timeout=1500)
-    assert proc.returncode == 0, f"SGLang plugin worker failed:\n{proc.stderr[-8000:]}"
-    found = {}
-    for job in jobs:
-        for case, r in json.loads(Path(job["result"]).read_text()).items():
-            found[case, job["layout"], job["rank"]] = r
+    found = run_worker(python, WORKER, root, jobs, timeout=1500)
     print_counts(found)
-    print(f"{proc.stderr.splitlines()[-1]} ({time.perf_counter() - t:.1f} s with the import)")
     return found
 
 
