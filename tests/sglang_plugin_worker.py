@@ -30,7 +30,6 @@ from pathlib import Path
 
 from sglang_worker import differing, main, nan_counts, pipeline_group, set_up_rank, tracked
 
-PLUGIN = "qwen35_stages"
 HOOKED = "sglang.srt.model_loader.loader.get_model_loader"
 probe: dict = {}  # what the measuring hooks saw during the current load
 
