@@ -39,21 +39,64 @@ def pipeline_group(rank: int, size: int) -> SimpleNamespace:
     )
 
 
-def run_job(job: dict) -> None:
-    """Play one pipeline rank: set up SGLang's context for it, run every case, write the result."""
-    import sglang
+def nan_counts(model) -> dict[str, int]:
+    """NaN elements per parameter."""
     import torch
+
+    return {n: int(torch.isnan(p).sum()) for n, p in model.named_parameters()}
+
+
+def tracked(model, weights, taken: list[str]):
+    """``weights`` passed through, appending to ``taken`` each name that filled some parameter."""
+    import torch
+
+    params = dict(model.named_parameters())
+    unfilled = nan_counts(model)  # only parameters still holding NaN can change the count
+    for name, tensor in weights:
+        yield name, tensor
+        # load_weights asks for the next tensor once it is done with this one
+        now = {n: int(torch.isnan(params[n]).sum()) for n in unfilled}
+        if now != unfilled:
+            taken.append(name)
+        unfilled.clear()
+        unfilled.update((n, c) for n, c in now.items() if c)
+
+
+def feed(model, weights) -> list[str]:
+    """Run load_weights; return the names of the tensors that filled some parameter."""
+    taken: list[str] = []
+    model.load_weights(tracked(model, weights, taken))
+    return taken
+
+
+def whole_checkpoint(source: Path):
+    """Every tensor of the checkpoint in ``source``, file by file."""
     from safetensors import safe_open
-    from sglang.srt.configs.load_config import LoadConfig
-    from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.distributed.parallel_state import patch_pipeline_parallel_group
-    from sglang.srt.model_loader.loader import _initialize_model
-    from sglang.srt.model_loader.utils import get_model_architecture, set_default_torch_dtype
+
+    index = json.loads((source / "model.safetensors.index.json").read_text())["weight_map"]
+    for file in sorted(set(index.values())):
+        with safe_open(source / file, "pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                yield name, f.get_tensor(name)
+
+
+def differing(a, b) -> list[str]:
+    """Parameters whose bytes differ (NaN left in both counts as equal)."""
+    import torch
+
+    def raw(p):
+        return p.detach().flatten().view(torch.uint8)
+
+    pb = dict(b.named_parameters())
+    return sorted(n for n, p in a.named_parameters() if not torch.equal(raw(p), raw(pb[n])))
+
+
+def set_up_rank(job: dict) -> tuple[int, int]:
+    """SGLang's process-wide context for the job's pipeline rank; ``(pp, rank)``."""
+    import torch
     from sglang.srt.runtime_context import SpawnRanks, get_parallel
     from sglang.srt.server_args import ServerArgs
     from sglang.test.parallel_groups import publish
-
-    from qwen35_reshard import loader
 
     torch.set_num_threads(1)  # jobs run side by side, one core each
     pp, rank = job["pp"], job["rank"]
@@ -62,10 +105,26 @@ def run_job(job: dict) -> None:
     else:
         os.environ["SGLANG_PP_LAYER_PARTITION"] = job["partition"]
     # The server-args context for this rank (model_path "dummy" as SGLang's own tests do: the
-    # model is built below from the stage's config, outside server-argument resolution).
+    # model is built from the stage's config, outside server-argument resolution).
     publish(ServerArgs(model_path="dummy", device="cpu", pp_size=pp), role="test",
             ranks=SpawnRanks(world_rank=rank))
     get_parallel().override_permanently(pp_group=pipeline_group(rank, pp))
+    return pp, rank
+
+
+def run_job(job: dict) -> None:
+    """Play one pipeline rank: set up SGLang's context for it, run every case, write the result."""
+    import sglang
+    import torch
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.distributed.parallel_state import patch_pipeline_parallel_group
+    from sglang.srt.model_loader.loader import _initialize_model
+    from sglang.srt.model_loader.utils import get_model_architecture, set_default_torch_dtype
+
+    from qwen35_reshard import loader
+
+    pp, rank = set_up_rank(job)
 
     def build(path: Path, *, draft: bool):
         config = ModelConfig(str(path), is_draft_model=draft)
@@ -80,43 +139,6 @@ def run_job(job: dict) -> None:
             for p in model.parameters():
                 p.fill_(float("nan"))
         return model, arch
-
-    def nan_counts(model) -> dict[str, int]:
-        return {n: int(torch.isnan(p).sum()) for n, p in model.named_parameters()}
-
-    def feed(model, weights) -> list[str]:
-        """Run load_weights; return the names of the tensors that filled some parameter."""
-        taken: list[str] = []
-        params = dict(model.named_parameters())
-        unfilled = nan_counts(model)  # only parameters still holding NaN can change the count
-
-        def stream():
-            for name, tensor in weights:
-                yield name, tensor
-                # load_weights asks for the next tensor once it is done with this one
-                now = {n: int(torch.isnan(params[n]).sum()) for n in unfilled}
-                if now != unfilled:
-                    taken.append(name)
-                unfilled.clear()
-                unfilled.update((n, c) for n, c in now.items() if c)
-
-        model.load_weights(stream())
-        return taken
-
-    def whole_checkpoint(source: Path):
-        index = json.loads((source / "model.safetensors.index.json").read_text())["weight_map"]
-        for file in sorted(set(index.values())):
-            with safe_open(source / file, "pt") as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    yield name, f.get_tensor(name)
-
-    def raw(p):
-        return p.detach().flatten().view(torch.uint8)
-
-    def differing(a, b) -> list[str]:
-        """Parameters whose bytes differ (NaN left in both counts as equal)."""
-        pb = dict(b.named_parameters())
-        return sorted(n for n, p in a.named_parameters() if not torch.equal(raw(p), raw(pb[n])))
 
     def loaded(model, fed, source: Path, *, path: Path, draft: bool) -> dict:
         """Feed ``fed`` to ``model`` and the whole checkpoint to a twin built alike; what each got."""
@@ -159,27 +181,18 @@ def run_job(job: dict) -> None:
     Path(job["result"]).write_text(json.dumps(results))
 
 
-def main(jobs_path: str) -> int:
-    spec = json.loads(Path(jobs_path).read_text())
-    t0 = time.perf_counter()
-    # Everything the jobs use, imported once before forking (SGLang's model registry imports
-    # every model module). No parallel context exists yet: each child sets up its own.
-    import sglang.srt.model_loader.loader  # noqa: F401
-    import sglang.srt.models.registry  # noqa: F401
-    import sglang.test.parallel_groups  # noqa: F401
-
-    import qwen35_reshard.loader  # noqa: F401
-
-    print(f"imported SGLang in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-    pending, running, failed = list(spec["jobs"]), {}, []
+def run_forked(jobs: list[dict], parallel: int, run) -> list[str]:
+    """``run(job)`` for every job, each in a forked child, at most ``parallel`` at a time; the
+    jobs that failed."""
+    pending, running, failed = list(jobs), {}, []
     while pending or running:
-        while pending and len(running) < spec["parallel"]:
+        while pending and len(running) < parallel:
             job = pending.pop(0)
             pid = os.fork()
             if pid == 0:  # the child plays one rank, then leaves without running parent cleanup
                 code = 0
                 try:
-                    run_job(job)
+                    run(job)
                 except BaseException:
                     traceback.print_exc()
                     code = 1
@@ -190,6 +203,28 @@ def main(jobs_path: str) -> int:
         job = running.pop(pid)
         if os.waitstatus_to_exitcode(status) != 0:
             failed.append(f"pp={job['pp']} partition={job['partition']} rank={job['rank']}")
+    return failed
+
+
+def import_sglang() -> None:
+    """Everything the jobs use, imported once before forking (SGLang's model registry imports
+    every model module). No parallel context exists yet: each child sets up its own."""
+    t0 = time.perf_counter()
+    import sglang.srt.model_loader.loader  # noqa: F401
+    import sglang.srt.models.registry  # noqa: F401
+    import sglang.test.parallel_groups  # noqa: F401
+
+    import qwen35_reshard.loader  # noqa: F401
+
+    print(f"imported SGLang in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+
+
+def main(jobs_path: str, run=run_job) -> int:
+    """Run every job of JOBS.json with ``run`` (a rank per forked child); 0 if all succeeded."""
+    spec = json.loads(Path(jobs_path).read_text())
+    t0 = time.perf_counter()
+    import_sglang()
+    failed = run_forked(spec["jobs"], spec["parallel"], run)
     if failed:
         print("failed: " + "; ".join(failed), file=sys.stderr)
     print(f"all jobs done in {time.perf_counter() - t0:.1f} s", file=sys.stderr)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,18 @@ def sglang_python() -> Path | None:
     return path if path.exists() else None
 
 
+def require_sglang_python() -> Path:
+    """The SGLang environment's Python; the test is skipped without one, except under CI=true."""
+    python = sglang_python()
+    if python is None:
+        message = (f"no SGLang environment: run `bash .ci/sglang/build-venv.sh .venv-sglang` "
+                   f"or set {PYTHON_ENV} to a Python with SGLang installed")
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    return python
+
+
 # --------------------------------------------------------------------------- checkpoints
 
 
@@ -96,13 +109,7 @@ def save_checkpoint(out: Path, kind: str, layout: str, tied: bool, mtp: bool) ->
 @pytest.fixture(scope="module")
 def splits(tmp_path_factory):
     """Every checkpoint split for every layout: {(split id, layout id): (source, split dir)}."""
-    python = sglang_python()
-    if python is None:
-        message = (f"no SGLang environment: run `bash .ci/sglang/build-venv.sh .venv-sglang` "
-                   f"or set {PYTHON_ENV} to a Python with SGLang installed")
-        if os.environ.get("CI") == "true":
-            pytest.fail(message)
-        pytest.skip(message)
+    python = require_sglang_python()
     root = tmp_path_factory.mktemp("sglang")
     torch.manual_seed(0)
     sources = {}
@@ -139,19 +146,26 @@ def results(splits):
                               "drop": [CONTROL_DROP], "extra": [CONTROL_EXTRA]})
             jobs.append({"pp": pp, "rank": rank, "partition": partition, "cases": cases,
                          "layout": layout, "result": str(root / f"result-{layout}-{rank}.json")})
-    (root / "jobs.json").write_text(json.dumps({"parallel": 2, "jobs": jobs}))
+    found = run_worker(python, WORKER, root, jobs)
+    print_counts(found)
+    return found
 
+
+def run_worker(python: Path, worker: Path, root: Path, jobs: list[dict], timeout: int = 1200) -> dict:
+    """Run ``worker`` on ``jobs`` (two ranks at a time) in the SGLang environment; the results
+    by (case, layout, rank)."""
+    (root / "jobs.json").write_text(json.dumps({"parallel": 2, "jobs": jobs}))
     env = {k: v for k, v in os.environ.items() if k != "SGLANG_PP_LAYER_PARTITION"}
-    env["PYTHONPATH"] = str(REPO)  # this checkout's qwen35_reshard.loader
-    proc = subprocess.run([str(python), str(WORKER), str(root / "jobs.json")], env=env,
-                          capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, f"SGLang worker failed:\n{proc.stderr[-8000:]}"
+    env["PYTHONPATH"] = str(REPO)  # this checkout's qwen35_reshard (an entry point is the installed one)
+    t = time.perf_counter()
+    proc = subprocess.run([str(python), str(worker), str(root / "jobs.json")], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{worker.name} failed:\n{proc.stderr[-8000:]}"
+    print(f"\n{proc.stderr.splitlines()[-1]} ({time.perf_counter() - t:.1f} s with the import)")
     found = {}
     for job in jobs:
         for case, r in json.loads(Path(job["result"]).read_text()).items():
             found[case, job["layout"], job["rank"]] = r
-    print_counts(found)
-    print(proc.stderr.splitlines()[-1])
     return found
 
 

@@ -1,0 +1,208 @@
+"""SGLang plugin: every pipeline rank loads its own stage of a split, from one model path.
+
+    SGLANG_PP_LAYER_PARTITION=4,4 python -m sglang.launch_server --model-path OUT --pp-size 2 ...
+
+OUT is a run directory written with ``--runtime sglang`` (or one of its stages, ``OUT/ppR``).
+SGLang loads the entry point (group ``sglang.srt.plugins``, see pyproject.toml) in every
+scheduler process; ``register`` wraps SGLang's ``get_model_loader``, so that for a model path
+that is a split it returns ``Qwen35StagesLoader``, a ``DefaultModelLoader`` that:
+
+- before the rank's model is built (so before any weight is read) opens ``OUT/pp{rank}``
+  through the loader shim (manifest, index, headers and the split's placement rules) and
+  checks it against the layers SGLang gives the rank (its own ``get_pp_indices``, which
+  honours ``SGLANG_PP_LAYER_PARTITION``) and against SGLang's layer naming: a stage of another
+  split, pp size, partition or runtime stops the start with the shim's one-line message;
+- feeds the model's own ``load_weights`` exactly the stage (``mtp.*`` aside: those are the
+  MTP draft's), after checking the built model's ``start_layer``/``end_layer`` once more;
+- for the NEXTN/MTP draft (``--speculative-algorithm NEXTN`` builds it from the same model
+  path, on the last rank only) feeds the draft ``mtp.*`` and its embed_tokens copy from the
+  stage this process's target model loaded, and refuses a split made ``--no-mtp``.
+
+Any other model path: SGLang's own loader, untouched (logged once at debug level). sglang is
+imported only inside ``register`` and what it installs: this module, like the rest of the
+package, imports without it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from . import RUN_MANIFEST, STAGE_MANIFEST, Stage, StageError, open_stage, stage_dirname
+
+RUNTIME = "sglang"
+# What the plugin wraps (sglang 0.5.23, srt/model_loader/loader.py): every model load of a
+# scheduler process, the draft's included, asks it for a loader.
+TARGET = "sglang.srt.model_loader.loader.get_model_loader"
+MTP_PREFIX = "mtp."
+# The names under which SGLang 0.5.23's Qwen3_5ForCausalLMMTP.load_weights (qwen3_5_mtp.py)
+# takes the draft's own embed_tokens copy.
+DRAFT_EMBED = ("model.language_model.embed_tokens.weight", "model.embed_tokens.weight")
+# The load formats whose weights are the model path's safetensors files, which a stage replaces.
+STAGE_LOAD_FORMATS = ("auto", "safetensors")
+
+log = logging.getLogger(__name__)
+_not_splits: set[str] = set()  # model paths already logged as not a split
+_stages: dict[str, Stage] = {}  # model path -> the stage this process's target model loaded
+
+
+def register() -> None:
+    """Entry point: route a split's model path to ``Qwen35StagesLoader`` (via SGLang's HookRegistry)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(TARGET, choose_loader, HookType.AROUND)
+
+
+def is_split(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a split's run directory or one of its stage directories."""
+    p = Path(path)
+    return any((p / name).is_file() for name in (RUN_MANIFEST, STAGE_MANIFEST)) or (
+        p / stage_dirname(0)
+    ).is_dir()
+
+
+def choose_loader(original: Callable, load_config: object, model_config: object = None) -> object:
+    """The AROUND hook on ``get_model_loader``: ours for a split, SGLang's own otherwise.
+
+    Raises:
+        StageError: a split with a load format that reads the model path's files another way.
+    """
+    path = getattr(model_config, "model_path", None)
+    if path is None or not is_split(path):
+        if path not in _not_splits:
+            _not_splits.add(path)
+            log.debug("qwen35-stages: %s is not a qwen35-reshard split; SGLang loads it itself", path)
+        return original(load_config, model_config)
+    fmt = getattr(load_config.load_format, "value", load_config.load_format)
+    if fmt == "dummy" or isinstance(fmt, type):  # random weights, or a loader class chosen in Python
+        return original(load_config, model_config)
+    if fmt not in STAGE_LOAD_FORMATS:
+        raise StageError(
+            f"--load-format {fmt} cannot load the qwen35-reshard split {path}: leave --load-format at auto"
+        )
+    return loader_class()(load_config)
+
+
+def target_stage(model_config: object, pp_rank: int, pp_size: int, start: int, end: int) -> Stage:
+    """The stage pipeline rank ``pp_rank`` of ``pp_size`` must load, checked against the layers
+    ``[start, end)`` SGLang gives it; only headers are read.
+
+    Raises:
+        StageError: the stage is damaged, incomplete, or not the one this rank needs.
+    """
+    path = model_config.model_path
+    # A stage directory is opened as itself, so that a wrong rank is told which directory is its own.
+    given = None if (Path(path) / STAGE_MANIFEST).is_file() else pp_rank
+    stage = open_stage(path, pp_rank=given)
+    stage.check(pp_size=pp_size, start_layer=start, end_layer=end, pp_rank=pp_rank, runtime=RUNTIME)
+    _stages[path] = stage
+    return stage
+
+
+def check_layer_names(stage: Stage, layer_of: Callable[[str], int | None]) -> None:
+    """Every stage tensor of a decoder layer is for a layer of the stage, as SGLang's
+    ``layer_of`` (its ``get_layer_id``) reads the name: SGLang would skip any other one.
+
+    Raises:
+        StageError: naming the first tensor of a layer outside the stage.
+    """
+    for name in stage.names:
+        layer = None if name.startswith(MTP_PREFIX) else layer_of(name)
+        if layer is not None and not stage.start_layer <= layer < stage.end_layer:
+            raise StageError(
+                f"{stage.display}: tensor {name!r} is for layer {layer}, outside the stage's layers "
+                f"[{stage.start_layer}, {stage.end_layer}) that SGLang's pipeline rank {stage.rank} builds; "
+                f"the stage was altered: split again with qwen35-reshard --runtime {RUNTIME} --pp {stage.pp}"
+            )
+
+
+def draft_stage(model_config: object) -> Stage:
+    """The stage the MTP draft of this process loads from: the last one, which this process's
+    target model loaded (SGLang builds the draft only on the last pipeline rank).
+
+    Raises:
+        StageError: no stage loaded here, not the last stage, or a stage without ``mtp.*``.
+    """
+    path = model_config.model_path
+    stage = _stages.get(path)
+    if stage is None:
+        raise StageError(
+            f"the MTP draft's model path {path} is a qwen35-reshard split, but this process's "
+            f"model was not loaded from it: pass the split as --model-path too (the draft's path "
+            f"defaults to it)"
+        )
+    if stage.rank != stage.pp - 1:
+        raise StageError(
+            f"{stage.display} is stage {stage.rank} of {stage.pp}, but the MTP draft loads on the last "
+            f"pipeline rank only: serve it from {stage_dirname(stage.pp - 1)}"
+        )
+    if not any(n.startswith(MTP_PREFIX) for n in stage.names):
+        why = "was split with --no-mtp" if stage.mtp == "dropped" else "has no MTP head"
+        raise StageError(
+            f"{stage.display} {why}: it has no mtp.* tensors for the speculative draft; launch without "
+            f"--speculative-algorithm, or split again without --no-mtp"
+        )
+    return stage
+
+
+def is_draft_tensor(name: str) -> bool:
+    """What the MTP draft takes from the last stage: ``mtp.*`` and its embed_tokens copy."""
+    return name.startswith(MTP_PREFIX) or name in DRAFT_EMBED
+
+
+@functools.cache
+def loader_class() -> type:
+    """Build the loader class; its base class is SGLang's, so it exists only where SGLang does."""
+    from sglang.srt.distributed.utils import get_pp_indices
+    from sglang.srt.layers.utils import get_layer_id
+    from sglang.srt.model_loader.loader import DefaultModelLoader
+    from sglang.srt.runtime_context import get_parallel
+
+    class Qwen35StagesLoader(DefaultModelLoader):
+        """Loads ``OUT/pp{rank}`` on each pipeline rank (and the MTP draft); see the module docstring."""
+
+        def download_model(self, model_config: object) -> None:
+            """Nothing to download: every rank reads its stage directory itself."""
+
+        def load_model(self, *, model_config: object, device_config: object) -> object:
+            """Open and check the stage, then let SGLang build the model and load it from the stage."""
+            if model_config.is_draft_model:
+                self._stage, self._takes = draft_stage(model_config), is_draft_tensor
+            else:
+                parallel = get_parallel()
+                rank, size = parallel.pp_rank, parallel.pp_size
+                layers = model_config.hf_text_config.num_hidden_layers
+                start, end = get_pp_indices(layers, rank, size)
+                self._stage = target_stage(model_config, rank, size, start, end)
+                check_layer_names(self._stage, get_layer_id)
+                self._takes = lambda name: not name.startswith(MTP_PREFIX)  # those are the draft's
+            return super().load_model(model_config=model_config, device_config=device_config)
+
+        def resolve_model_weights(self, model_config: object, model: object) -> tuple:
+            """SGLang's startup-overlap path reads the model path's files itself: refused."""
+            raise StageError(
+                f"--startup-weight-load-mode overlap cannot load the qwen35-reshard split "
+                f"{model_config.model_path}: leave it at its default"
+            )
+
+        def _get_all_weights(self, model_config: object, model: object) -> Iterator[tuple[str, object]]:
+            """Exactly the stage's tensors this model takes, one at a time."""
+            stage = self._stage
+            if not model_config.is_draft_model:
+                # SGLang's own model: the layers it built must be the stage's.
+                built = (getattr(model, "start_layer", None), getattr(model, "end_layer", None))
+                if built != (None, None):
+                    stage.check(stage.pp, *built, pp_rank=stage.rank)
+            names = [n for n in stage.names if self._takes(n)]
+            log.info(
+                "qwen35-stages: pipeline rank %d loads %d tensors of %s into %s",
+                stage.rank, len(names), stage.display, type(model).__name__,
+            )
+            for name, tensor in stage.iter_weights():
+                if self._takes(name):
+                    yield name, tensor
+
+    return Qwen35StagesLoader
