@@ -32,7 +32,7 @@ LAYERS = [
     (5, "transfer", ["transfer", "transfer.reflink", "transfer.copier"]),
     (6, "stage", ["stage", "stage.findings", "stage.manifest", "stage.reader"]),
     (7, "verify", ["verify", "verify.check"]),
-    (7, "loader", ["loader", "loader.vllm"]),
+    (7, "loader", ["loader", "loader.vllm", "loader.sglang"]),
     (7, "write", ["write", "write.durability", "write.journal", "write.datafile", "write.assemble",
                   "write.assess", "write.outdir", "write.finish", "write.manifest", "write.writer",
                   "write.repair"]),
