@@ -128,6 +128,15 @@ def load_index(raw: bytes) -> object:
     Why: an index has an entry per tensor (~190,000 for a 397B FP8 checkpoint, 20 MB); msgspec
     decodes one of strings about three times faster than json. Anything else is parsed by json,
     whose result the callers check.
+
+    Args:
+        raw: the index's bytes.
+
+    Returns:
+        What ``json.loads(raw)`` returns (a dict for any index).
+
+    Raises:
+        ValueError, RecursionError: ``raw`` is not JSON that json reads (see ``JSON_ERRORS``).
     """
     try:
         index = _INDEX.decode(raw)

@@ -58,7 +58,16 @@ class StageTensor(msgspec.Struct, frozen=True, gc=False, kw_only=True):
 
 def set_once(tensors: list[StageTensor], field: str, values: list[object]) -> None:
     """Set ``field`` of each of ``tensors`` (frozen) to its value, where it is still unknown:
-    ``name`` after decoding, ``offset`` once the file's header is read. One C call per tensor."""
+    ``name`` after decoding, ``offset`` once the file's header is read.
+
+    Why not ``msgspec.structs.replace``: that makes a new struct per tensor; this is one C call
+    per tensor, mapped, with nothing made.
+
+    Args:
+        tensors: the stage tensors to complete.
+        field: ``"name"`` or ``"offset"``.
+        values: each tensor's value, in the order of ``tensors``.
+    """
     deque(map(force_setattr, tensors, repeat(field), values), maxlen=0)
 
 
@@ -156,6 +165,12 @@ def decode_stage_manifest(raw: bytes) -> dict | None:
     and json builds a dict per entry, then the checks run once per tensor in Python; msgspec
     decodes into typed records and checks those types in C, several times faster. The other
     keys are few and small: parsed by json, as the exact path does, so they mean the same.
+
+    Args:
+        raw: the bytes of a ``reshard-stage.json``.
+
+    Returns:
+        The manifest as a dict for :func:`parse_stage_manifest`, or None.
     """
     try:
         parts = _TOP_LEVEL.decode(raw)
