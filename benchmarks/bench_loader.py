@@ -1,9 +1,16 @@
 """Benchmark the loader shim against ``safetensors.safe_open(..., framework="pt")`` on the same files.
 
-Run by hand, not as a test. It builds a synthetic checkpoint with the Qwen3.5-35B-A3B
-structure (examples/tiny_checkpoint.py, preset qwen3.5-35b-a3b-scaled), splits it with
-qwen35-reshard, and then streams one stage's tensors, for ``--rounds`` rounds in interleaved
-order, three ways:
+Run by hand, not as a test. It builds synthetic checkpoints (examples/tiny_checkpoint.py) of two
+shapes (``--shapes``), splits each with qwen35-reshard, and then streams one stage's tensors, for
+``--rounds`` rounds in interleaved order, three ways. The shapes:
+
+- ``large``: the Qwen3.5-35B-A3B structure (preset qwen3.5-35b-a3b-scaled) at ``--size`` bytes:
+  a few hundred large tensors a stage, where bytes dominate;
+- ``many``: per-expert FP8 weights with a scale each, 512 experts x 32 layers, small dimensions:
+  ~49,500 tensors in stage 0 of pp=2, as many as a stage of the 397B FP8 checkpoint at pp=4, so
+  that the per-tensor cost dominates.
+
+The three ways:
 
 - ``safe_open``: what a stock loader does with the stage's files: ``safe_open(file,
   framework="pt")`` per file, ``get_tensor(name)`` for every name in it;
@@ -18,8 +25,9 @@ read once before every run. Medians are reported, with each method's speed relat
 ``safe_open`` measured in the same run: the ratio of the medians, and the median of each
 round's own ratio (steadier on a machine whose speed drifts).
 
-    python benchmarks/bench_loader.py                          # 2 GB checkpoint, pp=2, 5 rounds
+    python benchmarks/bench_loader.py                          # both shapes, 2 GB large, pp=2, 5 rounds
     python benchmarks/bench_loader.py --size 5e8 --rounds 3    # quick look
+    python benchmarks/bench_loader.py --shapes many --cache warm --rounds 7
 """
 
 from __future__ import annotations
@@ -78,15 +86,91 @@ def warm(paths: list[Path]) -> None:
                 pass
 
 
+# The "many" shape: per-expert FP8 (a weight and its scale per Linear), small dimensions.
+MANY_TENSORS = [
+    "--layout", "per_expert_fp8", "--layers", "32", "--experts", "512", "--hidden", "64",
+    "--moe-intermediate", "32", "--vocab", "256", "--no-vision", "--shard-bytes", "20000000",
+]  # fmt: skip
+
+
+def build(shape: str, model: Path, size: float) -> None:
+    scaled = ["--preset", "qwen3.5-35b-a3b-scaled", "--target-bytes", str(int(size))]
+    extra = MANY_TENSORS if shape == "many" else scaled
+    subprocess.run([sys.executable, str(BUILDER), str(model), *extra], check=True, stdout=subprocess.DEVNULL)
+
+
+def measure(shape: str, work: Path, args: argparse.Namespace, caches: list[str]) -> None:
+    model, out = work / f"model-{shape}", work / f"out-{shape}"
+    build(shape, model, args.size)
+    write_plan(make_plan(read_checkpoint(model), pp=args.pp, runtime="vllm"), out)
+    stage = loader.open_stage(out, pp_rank=args.rank)
+    files = [stage.path / f for f in stage.files]
+    nbytes = stage.nbytes
+    dst = {
+        name: torch.empty(t.shape, dtype=getattr(torch, DTYPES[t.dtype][1]))
+        for name, t in stage.tensors.items()
+    }
+    for t in dst.values():
+        t.fill_(0)  # fault the destination in once, as a built model's parameters are
+
+    methods = {
+        "safe_open": lambda: read_safe_open(stage.path, list(stage.files), dst),
+        "shim": lambda: read_shim(out, args.rank, dst, verify=False),
+        "shim verify": lambda: read_shim(out, args.rank, dst, verify=True),
+        "open_stage": lambda: len(loader.open_stage(out, pp_rank=args.rank)),
+    }
+    times: dict[tuple[str, str], list[float]] = {}
+    for r in range(args.rounds):
+        for cache in caches:
+            order = list(methods)
+            order = order[r % len(order):] + order[: r % len(order)]  # rotate: no fixed first
+            for name in order:
+                if cache == "cold":
+                    drop_caches()
+                else:
+                    warm(files)
+                t0 = time.perf_counter()
+                count = methods[name]()
+                times.setdefault((cache, name), []).append(time.perf_counter() - t0)
+                assert count == len(stage), (name, count, len(stage))
+
+    what = f"a {args.size / 1e9:.2f} GB checkpoint" if shape == "large" else "a per-expert FP8 checkpoint"
+    print(
+        f"### Shape {shape}: stage {args.rank} of a pp={args.pp} split of {what}: {len(stage)} tensors, "
+        f"{nbytes / 1e9:.3f} GB in {len(files)} files; median of {args.rounds} interleaved rounds, "
+        "each tensor copied into a preallocated tensor.\n"
+    )
+    print("| cache | method | median s | GB/s | speed vs safe_open (medians) | same, median of rounds |")
+    print("|---|---|---:|---:|---:|---:|")
+    for cache in caches:
+        base = times[(cache, "safe_open")]
+        for name in methods:
+            ts = times[(cache, name)]
+            med = statistics.median(ts)
+            paired = statistics.median(b / t for b, t in zip(base, ts, strict=True))  # per round
+            print(
+                f"| {cache} | {name} | {med:.3f} | {nbytes / med / 1e9:.2f} | "
+                f"{statistics.median(base) / med:.2f}x | {paired:.2f}x |"
+            )
+    print(
+        "\n`open_stage` alone opens and checks the stage (manifest, index, config, schema and "
+        "placement, headers; no tensor data), which the shim's time includes.\n"
+    )
+    for (cache, name), ts in times.items():
+        print(f"{cache:5} {name:12} runs: {', '.join(f'{t:.3f}' for t in ts)}")
+    print()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--size", type=float, default=2e9, help="checkpoint size in bytes (default 2e9)")
+    ap.add_argument("--shapes", default="large,many", help="large, many or both (see above)")
+    ap.add_argument("--size", type=float, default=2e9, help="the large checkpoint's bytes (default 2e9)")
     ap.add_argument("--pp", type=int, default=2)
     ap.add_argument("--rank", type=int, default=0, help="the stage that is loaded")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--cache", default="warm,cold", help="warm, cold or both (cold needs root)")
     ap.add_argument("--workdir", type=Path, default=None, help="parent of the temporary work directory")
-    ap.add_argument("--keep", action="store_true", help="keep the checkpoint and the split")
+    ap.add_argument("--keep", action="store_true", help="keep the checkpoints and the splits")
     args = ap.parse_args()
     caches = [c for c in args.cache.split(",") if c]
     if "cold" in caches and os.geteuid() != 0:
@@ -95,75 +179,13 @@ def main() -> int:
 
     work = Path(tempfile.mkdtemp(prefix="bench-loader-", dir=args.workdir))
     try:
-        model, out = work / "model", work / "out"
-        subprocess.run(
-            [sys.executable, str(BUILDER), str(model), "--preset", "qwen3.5-35b-a3b-scaled",
-             "--target-bytes", str(int(args.size))],
-            check=True, stdout=subprocess.DEVNULL,
-        )
-        write_plan(make_plan(read_checkpoint(model), pp=args.pp, runtime="vllm"), out)
-        stage = loader.open_stage(out, pp_rank=args.rank)
-        files = [stage.path / f for f in stage.files]
-        nbytes = stage.nbytes
-        dst = {
-            name: torch.empty(t.shape, dtype=getattr(torch, DTYPES[t.dtype][1]))
-            for name, t in stage.tensors.items()
-        }
-        for t in dst.values():
-            t.fill_(0)  # fault the destination in once, as a built model's parameters are
-
-        methods = {
-            "safe_open": lambda: read_safe_open(stage.path, list(stage.files), dst),
-            "shim": lambda: read_shim(out, args.rank, dst, verify=False),
-            "shim verify": lambda: read_shim(out, args.rank, dst, verify=True),
-        }
-        times: dict[tuple[str, str], list[float]] = {}
-        for r in range(args.rounds):
-            for cache in caches:
-                order = list(methods)
-                order = order[r % len(order):] + order[: r % len(order)]  # rotate: no fixed first
-                for name in order:
-                    if cache == "cold":
-                        drop_caches()
-                    else:
-                        warm(files)
-                    t0 = time.perf_counter()
-                    count = methods[name]()
-                    times.setdefault((cache, name), []).append(time.perf_counter() - t0)
-                    assert count == len(stage), (name, count, len(stage))
-
         stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         print(
             f"## Loader read speed, {stamp}, {platform.node()} ({os.cpu_count()} cores), "
-            f"torch {torch.__version__}\n\n"
-            f"Stage {args.rank} of a pp={args.pp} split of a {args.size / 1e9:.2f} GB checkpoint: "
-            f"{len(stage)} tensors, {nbytes / 1e9:.3f} GB in {len(files)} files; median of "
-            f"{args.rounds} interleaved rounds, each tensor copied into a preallocated tensor.\n"
+            f"torch {torch.__version__}\n"
         )
-        print("| cache | method | median s | GB/s | speed vs safe_open (medians) | same, median of rounds |")
-        print("|---|---|---:|---:|---:|---:|")
-        for cache in caches:
-            base = times[(cache, "safe_open")]
-            for name in methods:
-                ts = times[(cache, name)]
-                med = statistics.median(ts)
-                paired = statistics.median(b / t for b, t in zip(base, ts, strict=True))  # per round
-                print(
-                    f"| {cache} | {name} | {med:.3f} | {nbytes / med / 1e9:.2f} | "
-                    f"{statistics.median(base) / med:.2f}x | {paired:.2f}x |"
-                )
-        opens = []
-        for _ in range(args.rounds):
-            t0 = time.perf_counter()
-            loader.open_stage(out, pp_rank=args.rank)
-            opens.append(time.perf_counter() - t0)
-        print(
-            f"\nOf the shim's time, opening and checking the stage (`open_stage`: manifest, index, "
-            f"config and headers, no tensor data) takes {statistics.median(opens) * 1e3:.1f} ms "
-            f"(median, warm), whatever the tensors' size.\n"
-        )
-        for (cache, name), ts in times.items():
-            print(f"{cache:5} {name:12} runs: {', '.join(f'{t:.3f}' for t in ts)}")
+        for shape in args.shapes.split(","):
+            measure(shape, work, args, caches)
     finally:
         if args.keep:
             print(f"kept {work}", file=sys.stderr)

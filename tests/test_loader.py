@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import safetensors
 import torch
 from safetensors import safe_open
 
@@ -151,32 +150,26 @@ def test_reads_lazily_one_tensor_at_a_time_and_only_this_stage_files(out, monkey
     # a stray weights file beside the stage: not in the index, so never read
     (out / "pp1" / "model-00009-of-00009.safetensors").write_bytes(b"garbage")
     stage = loader.open_stage(out, pp_rank=1)
-    opened, read = [], []
-    real_open = safetensors.safe_open
+    opened, read = [], []  # the files the loader maps, the tensors it views in them (by offset)
+    real_map, real_view = loader._mapped, loader._tensor_at
 
-    class Recording:  # safetensors' own reader, recording which files and tensors are read
-        def __init__(self, path, **kwargs):
-            opened.append(Path(path))
-            self._handle = real_open(path, **kwargs)
+    def mapping(torch, path, *args):
+        opened.append(Path(path))
+        return real_map(torch, path, *args)
 
-        def __enter__(self):
-            self._file = self._handle.__enter__()
-            return self
+    def viewing(torch, storage, offset, *args):
+        read.append(offset)
+        return real_view(torch, storage, offset, *args)
 
-        def __exit__(self, *exc):
-            return self._handle.__exit__(*exc)
-
-        def get_tensor(self, name):
-            read.append(name)
-            return self._file.get_tensor(name)
-
-    monkeypatch.setattr(safetensors, "safe_open", Recording)
+    monkeypatch.setattr(loader, "_mapped", mapping)
+    monkeypatch.setattr(loader, "_tensor_at", viewing)
     it = stage.iter_weights()
     assert read == [] and opened == []  # nothing happens until iterated
     name, tensor = next(it)
-    assert read == [name] and len(opened) == 1
-    list(it)
-    assert read == stage.names
+    assert read == [stage.tensors[name].offset] and len(opened) == 1
+    names = [name] + [n for n, _ in it]
+    assert names == stage.names
+    assert read == [stage.tensors[n].offset for n in names]
     assert sorted(opened) == sorted(stage.path / f for f in stage.files)
 
 
@@ -439,3 +432,97 @@ def test_verify_catches_a_flipped_data_byte(out):
             pass
     msg = one_line(e)
     assert repr(victim.name) in msg and "sha256" in msg and path.name in msg
+
+
+# --------------------------------------------------------------------------- a stage at the real scale
+
+
+@pytest.fixture(scope="module")
+def many(make_checkpoint, tmp_path_factory):
+    """A stage of tens of thousands of tensors, as at the real scale (a 397B FP8 stage has
+    ~47,000): per-expert FP8 with a scale each, 512 experts, small dimensions, pp=2."""
+    source = make_checkpoint(
+        layout="per_expert_fp8", layers=16, experts=512, hidden=64, moe_intermediate=32, vocab=256,
+        vision=False, mtp=False, shard_bytes=5_000_000,
+    )
+    out = tmp_path_factory.mktemp("many") / "out"
+    qwen35_reshard.reshard(source, out, pp=2, runtime="vllm")
+    return source, out
+
+
+def test_a_stage_of_tens_of_thousands_of_tensors_opens_loads_and_verifies(many):
+    source, out = many
+    stage = loader.open_stage(out, pp_rank=0)
+    index = json.loads((out / "pp0" / INDEX).read_text())["weight_map"]
+    assert len(stage) == len(index) >= 20_000
+    assert set(stage.names) == set(index)
+    src_index = json.loads((source / INDEX).read_text())["weight_map"]
+    handles = {f: safe_open(source / f, "pt") for f in set(src_index.values())}
+    seen = []
+    for name, tensor in stage.iter_weights(verify=True):
+        t = stage.tensors[name]
+        assert tensor.dtype == getattr(torch, DTYPES[t.dtype][1]) and tuple(tensor.shape) == t.shape, name
+        want = handles[src_index[name]].get_tensor(name)
+        assert torch.equal(tensor.view(torch.uint8), want.view(torch.uint8)), name
+        seen.append(name)
+    assert seen == stage.names and len(set(seen)) == len(index)
+    from qwen35_reshard.verify import verify
+
+    report = verify(out, source)  # every stage, and against the source
+    assert report.ok, report.findings[:3]
+
+
+def _uppercase_a_digest(d: Path) -> None:
+    text = (d / MANIFEST).read_text()
+    digest = json.loads(text)["tensors"]
+    name = next(n for n, t in digest.items() if t["sha256"])
+    (d / MANIFEST).write_text(text.replace(digest[name]["sha256"], digest[name]["sha256"].upper(), 1))
+
+
+def _drop_from_index(d: Path) -> None:
+    index = json.loads((d / INDEX).read_text())
+    index["weight_map"].pop(sorted(index["weight_map"])[len(index["weight_map"]) // 2])
+    (d / INDEX).write_text(json.dumps(index))
+
+
+def _manifest_without_a_tensor(d: Path) -> None:
+    manifest = json.loads((d / MANIFEST).read_text())
+    name = sorted(manifest["tensors"])[-1]
+    file = manifest["tensors"].pop(name)["file"]
+    manifest["files"][file]["tensors"] -= 1
+    (d / MANIFEST).write_text(json.dumps(manifest))
+
+
+# The checks the opener makes one tensor at a time on a small stage (DAMAGE above), on a stage
+# large enough for its fast paths: each still refuses, naming what is wrong.
+MANY_DAMAGE = {
+    "a digest in capitals": (_uppercase_a_digest, ["damaged (sha256 of tensor"]),
+    "index lacks a tensor": (_drop_from_index, ["lacks tensor", "model.safetensors.index.json"]),
+    "manifest lacks a tensor": (_manifest_without_a_tensor, ["lists tensor", "reshard-stage.json does not"]),
+    "dtype differs": (lambda d: _rewrite_header(_data_file(d), _dtype_to_f16), ["is F16", "records BF16"]),
+    "name differs": (lambda d: _rewrite_header(_data_file(d), _rename), ["reshard-stage.json does not list"]),
+}
+
+
+@pytest.mark.parametrize("damage", list(MANY_DAMAGE))
+def test_a_damaged_stage_of_tens_of_thousands_of_tensors_is_refused(many, tmp_path, damage):
+    _, out = many
+    copy = tmp_path / "out"
+    shutil.copytree(out, copy)
+    fn, fragments = MANY_DAMAGE[damage]
+    fn(copy / "pp0")
+    with pytest.raises(loader.StageError) as e:
+        loader.open_stage(copy, pp_rank=0)
+    msg = one_line(e)
+    for fragment in ["pp0", *fragments]:
+        assert fragment in msg, msg
+
+
+def test_a_file_changed_after_opening_is_refused_while_loading(out):
+    stage = loader.open_stage(out, pp_rank=1)
+    path = _data_file(out / "pp1")
+    _rewrite_header(path, _swap_shape)  # same size: only the header differs
+    with pytest.raises(loader.StageError) as e:
+        list(stage.iter_weights())
+    msg = one_line(e)
+    assert path.name in msg and "changed while loading" in msg and "another header" in msg

@@ -13,6 +13,8 @@ from collections.abc import Callable, Collection, Iterable, Iterator
 from itertools import repeat
 from pathlib import Path
 
+import msgspec
+
 from ..errors import JSON_ERRORS, ReshardError
 
 # A sha256 digest as the tool writes and accepts it: 64 lowercase hex digits.
@@ -90,14 +92,14 @@ def _dumps(obj: object, indent: str, depth: int) -> str:
     return f"{{\n{entries}\n{indent}}}"
 
 
-def parse_json_object(raw: bytes, where: str) -> dict:
-    """The JSON object in ``raw`` (the file ``where``).
+def parse_json_object(raw: bytes, where: str, loads: Callable[[bytes], object] = json.loads) -> dict:
+    """The JSON object in ``raw`` (the file ``where``), parsed by ``loads``.
 
     Raises:
         ReshardError: ``raw`` is not valid JSON, or not an object.
     """
     try:
-        obj = json.loads(raw)
+        obj = loads(raw)
     except JSON_ERRORS as e:
         raise ReshardError(f"{where}: not valid JSON ({e}); the file is damaged") from e
     if not isinstance(obj, dict):
@@ -117,3 +119,36 @@ def read_json(path: Path) -> dict | None:
     except FileNotFoundError:
         return None
     return parse_json_object(raw, str(path))
+
+
+def load_index(raw: bytes) -> object:
+    """``json.loads(raw)`` of a model.safetensors.index.json (raising what it raises), through
+    msgspec when its weight_map maps strings to strings (and its metadata, if any, is an object).
+
+    Why: an index has an entry per tensor (~190,000 for a 397B FP8 checkpoint, 20 MB); msgspec
+    decodes one of strings about three times faster than json. Anything else is parsed by json,
+    whose result the callers check.
+
+    Args:
+        raw: the index's bytes.
+
+    Returns:
+        What ``json.loads(raw)`` returns (a dict for any index).
+
+    Raises:
+        ValueError, RecursionError: ``raw`` is not JSON that json reads (see ``JSON_ERRORS``).
+    """
+    try:
+        index = _INDEX.decode(raw)
+    except JSON_ERRORS:  # msgspec's errors are ValueErrors
+        return json.loads(raw)
+    metadata = {} if index.metadata is msgspec.UNSET else {"metadata": index.metadata}
+    return {"weight_map": index.weight_map, **metadata}
+
+
+class _Index(msgspec.Struct):
+    weight_map: dict[str, str]
+    metadata: dict[str, object] | msgspec.UnsetType = msgspec.UNSET
+
+
+_INDEX = msgspec.json.Decoder(_Index)

@@ -488,8 +488,9 @@ def _layer_types(text: Mapping, *, upto: int | None = None) -> list[str]:
 
 
 def _ships(names: Mapping[str, object], prefix: str, probe: str) -> bool:
-    """Whether any tensor under ``prefix`` is present (``probe`` first: no scan when it is)."""
-    return prefix + probe in names or any(n.startswith(prefix) for n in names)
+    """Whether any tensor under ``prefix`` is present (``probe`` first: no scan when it is; the
+    scan is one ``map`` in C, not a generator step per name)."""
+    return prefix + probe in names or any(map(str.startswith, names, repeat(prefix)))
 
 
 def _quantization(config: Mapping) -> tuple[tuple[int, int] | None, str | None, Callable[[str], bool]]:

@@ -20,7 +20,7 @@ from typing import NamedTuple, NoReturn
 
 from ..bulk import make_tuples
 from ..errors import ReshardError, param
-from ..format.jsonio import is_sha256, parse_json_object
+from ..format.jsonio import is_sha256, load_index, parse_json_object
 from ..format.names import CONFIG_NAME, INDEX_NAME, PICKLE_SUFFIXES, SINGLE_FILE_NAME
 from ..format.paths import allowed_roots, is_plain_name
 from ..model import schema
@@ -185,7 +185,7 @@ def assemble_checkpoint(
     files = [SINGLE_FILE_NAME]
     if index_bytes is not None:
         where = f"{display}/{INDEX_NAME}"
-        weight_map, files = _weight_map(parse_json_object(index_bytes, where), where)
+        weight_map, files = _weight_map(parse_json_object(index_bytes, where, load_index), where)
     headers = read_headers(files)
     if weight_map is not None:
         for i, file in enumerate(files):
