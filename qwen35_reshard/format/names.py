@@ -27,6 +27,10 @@ STAGE_DIR = re.compile(r"pp(0|[1-9][0-9]*)")
 RUN_MARKER = ".reshard-run.json"  # identity of a run in progress; removed on success
 JOURNAL = ".reshard-journal.jsonl"  # finished data files of an unfinished stage, with digests
 PARTIAL_SUFFIX = ".partial"
+# Non-weight files (config, tokenizer) are read, copied and hashed in chunks of this size.
+SIDE_FILE_CHUNK = 64 << 20
+# The source a run identity records for a local checkpoint directory (a Hub source: repo@commit).
+LOCAL_SOURCE = "local"
 
 # How a stage's data file is laid out:
 # - CLONE: exactly the bytes of one source shard the stage needs whole, header included;

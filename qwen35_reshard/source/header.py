@@ -7,11 +7,12 @@ writer's metadata order varies between runs, and byte-identical output needs a f
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from itertools import accumulate, chain
 from operator import attrgetter, itemgetter, mul
@@ -67,6 +68,8 @@ class Header:
     file_size: int
     columns: Columns = field(repr=False)
     metadata: dict[str, str]
+    sha256: str = ""  # of the header's JSON bytes
+    stamp: tuple[int, ...] | None = None  # the file read, as file_stamp says (local files only)
 
     @cached_property
     def tensors(self) -> tuple[TensorEntry, ...]:
@@ -82,7 +85,8 @@ def read_header(path: str | os.PathLike[str], *, display: str | None = None) -> 
     where = display or str(path)
     try:
         with open(path, "rb") as f:
-            file_size = os.fstat(f.fileno()).st_size
+            st = os.fstat(f.fileno())
+            file_size = st.st_size
             prefix = f.read(8)
             if len(prefix) < 8:
                 raise ReshardError(f"{where}: not a safetensors file (shorter than 8 bytes)")
@@ -100,7 +104,7 @@ def read_header(path: str | os.PathLike[str], *, display: str | None = None) -> 
             raw = f.read(n)
     except OSError as e:
         raise ReshardError(f"{where}: cannot read ({e.strerror})") from e
-    return parse_header(raw, file_size=file_size, where=where)
+    return replace(parse_header(raw, file_size=file_size, where=where), stamp=file_stamp(st))
 
 
 def parse_header(raw: bytes, *, file_size: int, where: str) -> Header:
@@ -148,7 +152,13 @@ def parse_header(raw: bytes, *, file_size: int, where: str) -> Header:
             if tensors
             else Columns([], [], [], [], [])
         )
-    return Header(str(where), data_start, file_size, columns, dict(metadata))
+    return Header(str(where), data_start, file_size, columns, dict(metadata), hashlib.sha256(raw).hexdigest())
+
+
+def file_stamp(st: os.stat_result) -> tuple[int, ...]:
+    """What tells one file from another at a path, and a changed file from itself: device,
+    inode, size, modification and status-change times (a rename keeps the mtime, not the inode)."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def _encodable(obj: object) -> bool:
