@@ -369,3 +369,65 @@ def test_repair_checks_free_space_first(split, model, tmp_path):
         assert sorted(p.name for p in (out / "pp0").iterdir()) == before
     finally:
         subprocess.run(["umount", str(small)])
+
+
+# --------------------------------------------------------------------------- 2: a source replaced mid-run
+
+
+def replace_keeping_size_and_mtime(shard: Path) -> None:
+    """Put another file of the same size, header and mtime in ``shard``'s place (a rename over
+    it): other tensor bytes that no size, header or mtime check can tell."""
+    st = shard.stat()
+    raw = bytearray(shard.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    raw[8 + n : 8 + n + 64] = bytes(b ^ 0xFF for b in raw[8 + n : 8 + n + 64])
+    other = shard.with_name(".replacement")
+    other.write_bytes(bytes(raw))
+    os.utime(other, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.replace(other, shard)
+
+
+@pytest.mark.parametrize("which", ["not_yet_read", "already_read"])
+def test_a_source_shard_replaced_during_the_run_fails_it_and_no_stage_looks_complete(
+    make_checkpoint, tmp_path, which
+):
+    """With one worker, a shard is replaced (same size, header and mtime) at a chosen point of
+    the copy: before it is read (caught as it is opened) or after (caught before any stage is
+    declared complete). The run fails in one line naming the shard; no stage looks complete and
+    no run record is written; the bytes copied from the other file are never vouched for."""
+    from qwen35_reshard import ReshardError
+    from qwen35_reshard.plan.planner import make_plan
+    from qwen35_reshard.source.checkpoint import read_checkpoint
+    from qwen35_reshard.stage.manifest import stage_is_complete
+    from qwen35_reshard.write.writer import Reporter, write_plan
+
+    model = make_checkpoint(fresh=True)
+    plan = make_plan(read_checkpoint(model), pp=2)
+    shards = plan.checkpoint.files
+    victim = model / (shards[-1] if which == "not_yet_read" else shards[0])
+
+    # Each tiny shard is one window of the copy, reported once: at the first report the first
+    # shard is being copied (the last one not yet read); at the second, the first one is done.
+    replace_at = 1 if which == "not_yet_read" else 2
+
+    class ReplaceOnce(Reporter):
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def advance(self, nbytes: int) -> None:
+            self.calls += 1
+            if self.calls == replace_at:
+                replace_keeping_size_and_mtime(victim)
+
+    out = tmp_path / "out"
+    with pytest.raises(ReshardError) as refused:
+        write_plan(plan, out, workers=1, reporter=ReplaceOnce(), reflink="never")
+    message = str(refused.value)
+    assert "\n" not in message and str(victim) in message and "changed during the run" in message, message
+    assert not any(stage_is_complete(out / s.dirname) for s in plan.stages)
+    assert not (out / "reshard.json").exists()
+    # The command again: refused until told to start over, then a split of the new bytes.
+    line = error_line(cli("--pp", 2, model, out))
+    assert "changed since" in line and "--overwrite" in line, line
+    ok(cli("--pp", 2, "--overwrite", model, out))
+    ok(cli("verify", out, "--source", model))

@@ -18,6 +18,7 @@ from ..transfer.copier import RangeSource, Segment, copy_segments, drop_pages
 from .datafile import OpenFile, clone, create, header
 from .durability import Durability, partial_path, remove
 from .journal import Digests, append_journal
+from .sources import check_unchanged
 
 # Copied bytes a run that syncs its filesystem whole may hold unfinished (lost to a crash).
 PROGRESS_BYTES = 1 << 30
@@ -66,6 +67,7 @@ class _Copy:
         tmp = partial_path(final)
         if share and f.layout == CLONE and clone(plan, f, tmp):
             self.opened.append(OpenFile(stage, f, tmp, final, os.open(tmp, os.O_RDONLY), set()))
+            check_unchanged(plan, [f.source_file])  # the blocks shared were the planned file's
             self.on_shared(f.size)
             return dict.fromkeys(f.tensor_names)
         sharing = share and f.layout in (CLONE, ALIGNED)
@@ -163,7 +165,8 @@ def _copy_sources(
 
     def run(file: str) -> Digests:
         src = open_source(file) if open_source is not None else str(plan.checkpoint.path(file))
-        return copy_segments(
+        check_unchanged(plan, [file])  # the bytes about to be read are the planned file's ...
+        found = copy_segments(
             src,
             list(copy.segments[file].values()),
             on_progress=reporter.advance,
@@ -171,6 +174,8 @@ def _copy_sources(
             share_fds=frozenset(copy.share_fds.get(file, ())),
             on_shared=copy.on_shared,
         )
+        check_unchanged(plan, [file])  # ... and were, all along: nothing replaced it meanwhile
+        return found
 
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         futures: dict[Future[Digests], str] = {pool.submit(run, file): file for file in sorted(copy.segments)}

@@ -23,6 +23,7 @@ from ..transfer import reflink as reflinks
 from ..write.manifest import run_identity
 from .durability import partial_name, write_error
 from .journal import Digests, keepable
+from .sources import source_stamps
 
 
 @dataclass(frozen=True)
@@ -192,15 +193,6 @@ def _source_changed(plan: Plan, out: Path, changed: str, overwrite: bool) -> Out
             f"pass {param('overwrite', True)} to split again from the start"
         )
     return OutState("replace", differences=f"source {changed} changed since the interrupted run started")
-
-
-def source_stamps(plan: Plan) -> dict:
-    """What tells that the source's bytes changed while its sizes, index and config did not (the
-    run identity's fingerprint): each shard's size and modification time, or a Hub commit."""
-    ckpt = plan.checkpoint
-    if ckpt.hub is not None:
-        return {"commit": ckpt.hub.get("commit")}
-    return {f: [st.st_size, st.st_mtime_ns] for f in ckpt.files for st in [os.stat(ckpt.path(f))]}
 
 
 def _changed_source_files(plan: Plan, out: Path) -> list[str]:

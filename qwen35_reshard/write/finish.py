@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,10 +60,13 @@ def finish_stages(
     *,
     run_record: bytes | None = None,
     data: list[tuple[Path, Path]] | None = None,
+    before_complete: Callable[[], None] = lambda: None,
 ) -> None:
     """Give each of ``stages`` its non-weight files, manifest and, last, its index (all but
     the manifests ``prepared``); then the run record, when given. ``data``: (temporary,
     final) names of data files written but not yet made durable; the rest are finished.
+    ``before_complete()`` runs just before the first of these files is put in place; what it
+    raises leaves every stage unfinished.
 
     Everything is written under temporary names first, then made durable and renamed in two
     steps, each behind a barrier: data, side files and manifests (and the journals removed: a
@@ -81,6 +85,7 @@ def finish_stages(
         return
     # Barrier 1: every byte written so far (and, synced whole, the data files' final names).
     durable.files([tmp for tmp, _ in (*first, *indexes, *last)])
+    before_complete()  # may refuse: then nothing of the stages' own files is in place yet
     for stage_dir in dirs:
         remove(stage_dir / JOURNAL)
     for tmp, final in first:

@@ -37,7 +37,7 @@ from ..format.names import RUN_MANIFEST, RUN_MARKER
 from ..plan.planner import OutputFile, Plan, StagePlan
 from ..write.manifest import run_identity, run_manifest
 from .assemble import OpenSource, Reporter, copy_files
-from .assess import OutState, assess_out, check_out_dir, source_stamps
+from .assess import OutState, assess_out, check_out_dir
 from .durability import Durability, remove, remove_partials, write_atomic, write_error
 from .finish import Prepared, finish_stages, prepare_stages
 from .journal import Digests
@@ -51,6 +51,7 @@ from .outdir import (
     split_bytes,
     undo,
 )
+from .sources import check_unchanged, source_stamps
 
 __all__ = [
     "DEFAULT_WORKERS",
@@ -247,7 +248,16 @@ def _write_stages(
     # the config and the tokenizer there (and refuses a split for SGLang in the plugin, with
     # the shim's message), each rank's weights from OUT/pp{rank}.
     run_record = dumps(run_manifest(plan, result.complete, prepared[0].side_sha256))
-    finish_stages(out, todo, digests, durable, prepared[0], run_record=run_record, data=deferred)
+    finish_stages(
+        out,
+        todo,
+        digests,
+        durable,
+        prepared[0],
+        run_record=run_record,
+        data=deferred,
+        before_complete=lambda: check_unchanged(plan, sorted({f for s in todo for f in s.source_files})),
+    )
     result.wrote_run_files = True
     for stage in todo:
         result.built.append(stage.rank)
