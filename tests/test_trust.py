@@ -431,3 +431,42 @@ def test_a_source_shard_replaced_during_the_run_fails_it_and_no_stage_looks_comp
     assert "changed since" in line and "--overwrite" in line, line
     ok(cli("--pp", 2, "--overwrite", model, out))
     ok(cli("verify", out, "--source", model))
+
+
+def test_a_cached_hub_blob_that_is_not_the_hub_s_bytes_fails_the_run(make_checkpoint, tmp_path):
+    """A shard copied whole from the Hugging Face cache is hashed as it streams and compared
+    with the Hub's LFS sha256 (huggingface_hub checks only the size): a cached blob whose bytes
+    were changed (same size) fails the run in one line naming the shard; no stage looks
+    complete. The clone's manifest records that sha256, so verify checks it without a source."""
+    import test_hub
+    from hub_server import HubServer
+
+    model = make_checkpoint(shard_bytes=test_hub.SHARD_BYTES)
+    hf_home = tmp_path / "hf"
+    hf_home.mkdir()
+    with HubServer() as server:
+        server.add_repo(test_hub.REPO, model)
+        first = tmp_path / "first"
+        ok(test_hub.run(["--pp", 2, test_hub.REPO, first], hub=server, hf_home=hf_home))
+        clones = [
+            info["sha256"]
+            for p in first.glob("pp*/reshard-stage.json")
+            for info in json.loads(p.read_bytes())["files"].values()
+            if info["layout"] == "clone"
+        ]
+        assert clones and all(len(d) == 64 for d in clones)
+        ok(cli("verify", first))
+        shard = sorted(model.glob("*.safetensors"))[1]
+        blob = Path(os.path.realpath(next(hf_home.glob(f"hub/models--*/snapshots/*/{shard.name}"))))
+        raw = bytearray(blob.read_bytes())
+        raw[-64:] = bytes(b ^ 0xFF for b in raw[-64:])
+        blob.chmod(0o644)
+        blob.write_bytes(bytes(raw))
+        out = tmp_path / "out"
+        split = ["--pp", 2, test_hub.REPO, out]
+        line = test_hub.error_line(test_hub.run(split, hub=server, hf_home=hf_home, check=False))
+        assert shard.name in line and "LFS sha256" in line and f"{blob} is damaged" in line, line
+        assert not list(out.glob("pp*/reshard-stage.json")) and not (out / "reshard.json").exists()
+        blob.unlink()  # as the message says; then the same command again
+        ok(test_hub.run(split, hub=server, hf_home=hf_home))
+    ok(cli("verify", out, "--source", model))
