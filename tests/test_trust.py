@@ -175,6 +175,14 @@ def test_readers_refuse_a_split_whose_stages_come_from_two_commits(moving_hub, t
     with pytest.raises(loader.StageError, match=f"@{a}.*@{b}"):
         loader.open_stage(out, pp_rank=1)
 
+    # The repair line names the cache snapshot of the commit the split records: it mends pp1.
+    repair = shlex.split(REPAIR_LINE.search(cli("verify", out).stdout).group(1))
+    assert f"snapshots/{a}" in repair[repair.index("--source") + 1]
+    mended = tmp_path / "mended"
+    shutil.copytree(out, mended)
+    ok(cli(*[str(mended) if c == str(out) else c for c in repair[1:]]))
+    ok(cli("verify", mended))
+
     (out / "reshard.json").unlink()
     messages = [f["message"] for f in json.loads(cli("verify", out, "--json").stdout)["findings"]]
     assert any("belongs to another split than" in m and f"@{b}" in m for m in messages), messages

@@ -25,6 +25,7 @@ from ..format.names import CONFIG_NAME, INDEX_NAME, LOCAL_SOURCE, PICKLE_SUFFIXE
 from ..format.paths import allowed_roots, is_plain_name
 from ..model import schema
 from .header import Header, read_header
+from .hub import CACHE_REPO_PREFIX, COMMIT
 
 
 class SourceTensor(NamedTuple):
@@ -76,9 +77,16 @@ class Checkpoint:
 
 def source_name(ckpt: Checkpoint) -> str:
     """Where a split's bytes come from, as its run identity records it: ``repo_id@commit`` for a
-    Hub source (the commit names every byte), LOCAL_SOURCE for a local directory (known by its
-    fingerprint alone: see :func:`source_identity`)."""
-    return f"{ckpt.hub['repo_id']}@{ckpt.hub['commit']}" if ckpt.hub else LOCAL_SOURCE
+    Hub source or a Hugging Face cache snapshot of one (the commit names every byte), LOCAL_SOURCE
+    for another local directory (known by its fingerprint alone: see :func:`source_identity`)."""
+    if ckpt.hub:
+        return f"{ckpt.hub['repo_id']}@{ckpt.hub['commit']}"
+    snapshot = ckpt.root.resolve()  # models--org--name/snapshots/<commit>
+    repo, commit = snapshot.parent.parent.name, snapshot.name
+    in_cache = snapshot.parent.name == "snapshots" and repo.startswith(CACHE_REPO_PREFIX)
+    if in_cache and COMMIT.fullmatch(commit):
+        return f"{repo.removeprefix(CACHE_REPO_PREFIX).replace('--', '/', 1)}@{commit}"
+    return LOCAL_SOURCE
 
 
 def source_identity(ckpt: Checkpoint) -> dict:

@@ -303,8 +303,10 @@ def _check_run_dir(root: Path, display: str, report: VerifyReport) -> list[_Stag
 
 def _check_same_split(stages: list[_Stage], report: VerifyReport) -> None:
     """Every stage records the identity of the first (by rank): the stages of one OUT are of
-    one split, from one source, even where no run record says which (each is checked against
-    the run record too, when there is one)."""
+    one split, from one source, even where no run record says which (where one does, each
+    stage is compared with it instead)."""
+    if any(s.run is not None for s in stages):
+        return  # each stage is compared with the run record (read_stage)
     known = [s for s in stages if s.manifest is not None and s.manifest.identity is not None]
     for stage in known[1:]:
         first, mine = known[0].manifest.identity, stage.manifest.identity
