@@ -57,7 +57,7 @@ from ..plan.planner import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_HEADER_BYTES, Pla
 from ..source.checkpoint import Checkpoint, source_identity, source_name
 from ..source.header import Header
 from ..source.hub import HubFetcher, HubRepo, HubSettings, fetch_files, open_model
-from ..stage.findings import CORRUPT, DIFFERENT, EXTRA, INCOMPLETE, KINDS, MISSING, RERUN, Finding
+from ..stage.findings import CORRUPT, DIFFERENT, EXTRA, INCOMPLETE, KINDS, MISSING, REPAIR, RERUN, Finding
 from ..stage.manifest import StageManifest, damaged_side_files, parse_side_files
 from ..stage.reader import read_run_record, read_stage, stage_dirs
 from ..transfer.copier import CHUNK_BYTES, Segment, copy_segments
@@ -67,7 +67,6 @@ METADATA_FORMATS = ("pt", "tf", "flax", "mlx")
 
 # How verify reports a damaged non-weight file, by what stage.manifest.damaged_side_files says of it.
 _SIDE_KIND = collections.defaultdict(lambda: CORRUPT, {"missing": MISSING, "changed": DIFFERENT})
-REPAIR = "restore it from the source with verify --source MODEL --repair"
 
 # add(kind, message, file=..., tensor=...): records a finding of one stage.
 _Add = Callable[..., None]
@@ -267,7 +266,7 @@ def _check_run_dir(root: Path, display: str, report: VerifyReport) -> list[_Stag
             Finding(CORRUPT, f"{display}/{RUN_MANIFEST}: side_files is damaged; {REPAIR}", file=RUN_MANIFEST)
         )
     for name, why in damaged_side_files(root, side_files or {}):
-        report.findings.append(Finding(_SIDE_KIND[why], side_file_message(display, name, why), file=name))
+        report.findings.append(Finding(_SIDE_KIND[why], _side_file_message(display, name, why), file=name))
 
     report.recorded_split |= identity is not None
     dirs = stage_dirs(root)
@@ -320,7 +319,7 @@ def _check_same_split(stages: list[_Stage], report: VerifyReport) -> None:
             )
 
 
-def side_file_message(display: str, name: str, why: str) -> str:
+def _side_file_message(display: str, name: str, why: str) -> str:
     """What verify says of a recorded non-weight file of ``display`` that is damaged: ``why``
     as :func:`~..stage.manifest.damaged_side_files` gives it."""
     record = STAGE_MANIFEST if stage_dir_rank(Path(display)) is not None else RUN_MANIFEST
@@ -400,7 +399,7 @@ def _check_stage(stage: _Stage, report: VerifyReport, ckpt: Checkpoint | None, c
     recorded = {n: d for n, d in m.side_files.items() if n != CONFIG_NAME}
     damaged = damaged_side_files(stage.path, recorded)
     for name, why in damaged:
-        add(_SIDE_KIND[why], side_file_message(stage.display, name, why), file=name)
+        add(_SIDE_KIND[why], _side_file_message(stage.display, name, why), file=name)
     for name in ckpt.extra_files if ckpt is not None else ():
         if name not in dict(damaged):
             _compare_side_file(stage, ckpt, name, add)
