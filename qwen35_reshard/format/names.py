@@ -29,6 +29,9 @@ JOURNAL = ".reshard-journal.jsonl"  # finished data files of an unfinished stage
 PARTIAL_SUFFIX = ".partial"
 # Non-weight files (config, tokenizer) are read, copied and hashed in chunks of this size.
 SIDE_FILE_CHUNK = 64 << 20
+# A Hugging Face cache: a repo's folder (models--org--name) and a commit's snapshot (snapshots/<sha1>).
+CACHE_REPO_PREFIX = "models--"
+COMMIT = re.compile(r"[0-9a-f]{40}")
 # The source a run identity records for a local checkpoint directory (a Hub source: repo@commit).
 LOCAL_SOURCE = "local"
 

@@ -21,11 +21,18 @@ from typing import NamedTuple, NoReturn
 from ..bulk import make_tuples
 from ..errors import ReshardError, param
 from ..format.jsonio import is_sha256, parse_json_object
-from ..format.names import CONFIG_NAME, INDEX_NAME, LOCAL_SOURCE, PICKLE_SUFFIXES, SINGLE_FILE_NAME
+from ..format.names import (
+    CACHE_REPO_PREFIX,
+    COMMIT,
+    CONFIG_NAME,
+    INDEX_NAME,
+    LOCAL_SOURCE,
+    PICKLE_SUFFIXES,
+    SINGLE_FILE_NAME,
+)
 from ..format.paths import allowed_roots, is_plain_name
 from ..model import schema
 from .header import Header, read_header
-from .hub import CACHE_REPO_PREFIX, COMMIT
 
 
 class SourceTensor(NamedTuple):

@@ -39,7 +39,15 @@ from typing import TYPE_CHECKING
 from .._version import __version__
 from ..errors import JSON_ERRORS, ReshardError, param
 from ..format.jsonio import is_sha256
-from ..format.names import CONFIG_NAME, INDEX_NAME, PICKLE_SUFFIXES, SINGLE_FILE_NAME, TOOL_NAME
+from ..format.names import (
+    CACHE_REPO_PREFIX,
+    COMMIT,
+    CONFIG_NAME,
+    INDEX_NAME,
+    PICKLE_SUFFIXES,
+    SINGLE_FILE_NAME,
+    TOOL_NAME,
+)
 from ..format.paths import is_plain_name
 from .header import Header, parse_header
 from .ranged import RangeReader
@@ -48,8 +56,6 @@ if TYPE_CHECKING:
     from .checkpoint import Checkpoint
 
 REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
-CACHE_REPO_PREFIX = "models--"
-COMMIT = re.compile(r"[0-9a-f]{40}")
 # config.json model_type of a Qwen3.5 MoE checkpoint (multimodal save, text-only save).
 MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
 HEADER_PROBE_BYTES = 8  # the length prefix; then exactly the header: not a byte of tensor data
