@@ -28,7 +28,7 @@ from .source import hub
 from .source.checkpoint import Checkpoint, read_checkpoint, source_identity
 from .verify.check import VerifyReport, recorded_plan, verify
 from .write.manifest import run_manifest
-from .write.repair import damaged_files, recorded_identity, repair_files
+from .write.repair import damaged_files, recorded_identity, remove_leftovers, repair_files
 from .write.writer import (
     DEFAULT_WORKERS,
     OutState,
@@ -383,8 +383,8 @@ def repair(
 
     The plan is rebuilt from the settings the split records (as ``verify`` with a source does);
     only the files verify finds damaged, missing or truncated are rewritten, a stage's index and
-    manifest only when among them. What a rewrite cannot mend (stray files, an unfinished run)
-    is left for the second verify to report.
+    manifest only when among them; stray data files and temporaries verify names are deleted.
+    What a rewrite cannot mend (an unfinished run) is left for the second verify to report.
 
     Args:
         out_dir: the run directory OUT, or one stage directory OUT/ppN.
@@ -437,6 +437,9 @@ def repair(
         max_file_bytes=identity.max_file_bytes,
         max_header_bytes=identity.max_header_bytes,
     )
-    files, redo_run_manifest = damaged_files(before.findings, Path(before.target), plan)
-    done = repair_files(plan, out, files, rewrite_run_manifest=redo_run_manifest, workers=workers)
+    files, redo_run_manifest, out_side = damaged_files(before.findings, Path(before.target), plan)
+    remove_leftovers(before.findings, plan, out)
+    done = repair_files(
+        plan, out, files, rewrite_run_manifest=redo_run_manifest, side_files_of_out=out_side, workers=workers
+    )
     return RepairResult(before, [str(out / p) for p in done], verify(target, source))

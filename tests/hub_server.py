@@ -160,6 +160,12 @@ class HubServer:
             repo.refs[ref] = commit
         return commit
 
+    def move(self, repo_id: str, commit: str, *, branch: str = "main") -> None:
+        """Point ``branch`` of ``repo_id`` at ``commit`` (published before), as a push does."""
+        repo = self.state.repos[repo_id]
+        assert commit in repo.files, f"{commit} was never published to {repo_id}"
+        repo.refs[branch] = commit
+
     def _describe(self, path: Path) -> dict:
         meta = self._meta.get(path)
         if meta is None:

@@ -164,8 +164,9 @@ def stage_files(stage: Path) -> dict[str, bytes]:
 
 
 def same_as_local(hub_stage: Path, local_stage: Path, *, from_hub: bool = True) -> None:
-    """Every file byte-identical, except the manifest's record of where the source was (and
-    a clone's sha256, which a source in the Hugging Face cache knows by its blob's name)."""
+    """Every file byte-identical, except the manifest's record of where the source was (its
+    identity names the repo and commit) and a clone's sha256, which a source in the Hugging Face
+    cache knows by its blob's name."""
     got, want = stage_files(hub_stage), stage_files(local_stage)
     assert sorted(got) == sorted(want)
     for name in want:
@@ -173,6 +174,9 @@ def same_as_local(hub_stage: Path, local_stage: Path, *, from_hub: bool = True) 
             g, w = json.loads(got[name]), json.loads(want[name])
             if from_hub:
                 assert g["source"]["repo_id"] == REPO and len(g["source"]["commit"]) == 40
+            # A Hub source, and a cache snapshot of one, name the repo and commit; a plain directory not.
+            assert g["identity"].pop("source").startswith(f"{REPO}@")
+            assert w["identity"].pop("source") == "local"
             g.pop("source"), w.pop("source")
             for f in (*g["files"].values(), *w["files"].values()):
                 f.pop("sha256", None)

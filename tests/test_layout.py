@@ -34,8 +34,8 @@ LAYERS = [
     (7, "verify", ["verify", "verify.check"]),
     (7, "loader", ["loader", "loader.vllm", "loader.sglang"]),
     (7, "write", ["write", "write.durability", "write.journal", "write.datafile", "write.assemble",
-                  "write.assess", "write.outdir", "write.finish", "write.manifest", "write.writer",
-                  "write.repair"]),
+                  "write.assess", "write.sources", "write.outdir", "write.finish", "write.manifest",
+                  "write.writer", "write.repair"]),
     (8, "api", ["", "api"]),  # "": the package itself, whose names load on first use
     (9, "cli", ["cli", "cli.report", "cli.app", "__main__"]),
 ]  # fmt: skip

@@ -66,7 +66,7 @@ def test_a_stage_manifest_needs_every_digest(make_checkpoint):
     plan = make_plan(read_checkpoint(make_checkpoint(layout="fused")), pp=2, runtime="sglang")
     stage = plan.stages[0]
     digests = dict.fromkeys(t.name for t in stage.tensors)
-    draft = stage_manifest(plan, stage, b"{}")
+    draft = stage_manifest(plan, stage, b"{}", {})
     assert json.loads(draft.encode(digests))["tensors"].keys() == digests.keys()
     missing = next(iter(digests))
     del digests[missing]

@@ -333,17 +333,20 @@ def test_only_indexed_weights_and_top_level_side_files_are_carried(ref, make_che
     assert tree(out) == tree(clean)
 
 
-def test_large_side_files_are_copied_not_read_whole(ref, make_checkpoint, tmp_path, monkeypatch):
-    """Every side file above the in-memory limit (here: all of them) is copied file to file, once
-    per copy, with the same bytes in OUT and in every stage."""
+def test_large_side_files_are_copied_in_chunks_with_digests(ref, make_checkpoint, tmp_path, monkeypatch):
+    """A side file larger than a chunk (here: every one, chunks of 7 bytes) is read once, chunk
+    by chunk, into all its copies: the same bytes in OUT and in every stage, and the sha256
+    each stage manifest and reshard.json record is theirs."""
     model = make_checkpoint(layout="fused")
-    monkeypatch.setattr(finish, "SIDE_FILE_IN_MEMORY", 0)
-    calls, copyfile = [], shutil.copyfile
-    monkeypatch.setattr(shutil, "copyfile", lambda *a: calls.append(a) or copyfile(*a))
+    monkeypatch.setattr(finish, "SIDE_FILE_CHUNK", 7)
     out = tmp_path / "out"
     qwen35_reshard.reshard(model, out, pp=2)
     check_split(ref, model, out, pp=2)
-    assert len(calls) == 3 * len(ref.read_source(model).side_files)  # OUT's and each stage's
+    side = ref.read_source(model).side_files
+    want = {name: hashlib.sha256(data).hexdigest() for name, data in side.items()}
+    assert json.loads((out / "reshard.json").read_bytes())["side_files"] == want
+    for r in range(2):
+        assert json.loads((out / f"pp{r}" / "reshard-stage.json").read_bytes())["side_files"] == want
 
 
 def test_cli_max_file_size_cuts_stage_files(ref, make_checkpoint, tmp_path):

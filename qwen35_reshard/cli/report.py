@@ -18,7 +18,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..api import ReshardProgress, ReshardResult
-from ..format.names import stage_dirname
+from ..format.names import RUN_MANIFEST, stage_dirname
 from ..model import names
 from ..plan.balance import Choice, StageLoad
 from ..plan.planner import Plan, StagePlan
@@ -234,8 +234,9 @@ def summary(console: Console, plan: Plan, result: WriteResult, out: str, seconds
         rate = result.bytes_copied / seconds if seconds > 0 else 0.0
         kept = f", {plural(result.files_kept, 'file')} kept from an earlier run" if result.files_kept else ""
         shared = f", {format_bytes(result.bytes_shared)} shared with the source" if result.sharing else ""
+        built = ", ".join(f"pp{r}" for r in result.built) or f"{out}'s own files and {RUN_MANIFEST} again"
         console.print(
-            f"[bold green]wrote[/] {', '.join(f'pp{r}' for r in result.built)} in {seconds:.1f} s: "
+            f"[bold green]wrote[/] {built} in {seconds:.1f} s: "
             f"{format_bytes(result.bytes_copied)} copied at {format_bytes(rate)}/s{shared}{kept}"
         )
     if plan.dropped:
@@ -302,7 +303,8 @@ def verify_lines(report: VerifyReport, *, per_stage: int = 20, problems_only: bo
         lines.append(
             f"verify FAILED: {report.target}{against}: {plural(len(report.findings), 'problem')}: {counts}"
         )
-        lines.append(f"to rebuild the damaged files from the source: {repair_command(report)}")
+        if report.repairable:
+            lines.append(f"to rebuild the damaged files from the source: {repair_command(report)}")
     return lines
 
 

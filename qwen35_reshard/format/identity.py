@@ -17,6 +17,7 @@ class RunIdentity:
     """
 
     source_fingerprint: str
+    source: str  # a Hub source's ``repo_id@commit``; ``names.LOCAL_SOURCE`` for a local directory
     pp: int
     runtime: str
     partition: tuple[int, ...]
@@ -32,11 +33,13 @@ class RunIdentity:
     @classmethod
     def from_json(cls, obj: object) -> RunIdentity | None:
         """The identity recorded as ``obj``, or None when it is not a well-formed one."""
+        if isinstance(obj, dict) and "source" not in obj:
+            obj = {**obj, "source": ""}  # recorded before the source was: another split than any now
         if not isinstance(obj, dict) or set(obj) != {f.name for f in dataclasses.fields(cls)}:
             return None
         partition = obj["partition"]
         ints = ("pp", "max_file_bytes", "max_header_bytes")
-        strs = ("source_fingerprint", "runtime", "mtp", "tool_version")
+        strs = ("source_fingerprint", "source", "runtime", "mtp", "tool_version")
         if not (
             all(is_uint(obj[k]) for k in ints)
             and all(isinstance(obj[k], str) for k in strs)
@@ -58,8 +61,10 @@ class RunIdentity:
 def describe_differences(old: RunIdentity, new: RunIdentity) -> str:
     """``pp 4 -> 2, partition [4, 4] -> [3, 5]``: the settings where ``new`` differs from ``old``."""
 
-    def show(v: object) -> object:
-        return list(v) if isinstance(v, tuple) else v
+    def show(k: str, v: object) -> object:
+        if k == "source_fingerprint":
+            return f"{v}"[:12] + "..."
+        return list(v) if isinstance(v, tuple) else v or "(not recorded)"
 
     differ = old.differences(new)
-    return ", ".join(f"{k} {show(a)} -> {show(b)}" for k, a, b in differ) or "no setting differs"
+    return ", ".join(f"{k} {show(k, a)} -> {show(k, b)}" for k, a, b in differ) or "no setting differs"

@@ -30,6 +30,13 @@ PARTIAL_SUFFIX = ".partial"
 # The marker's temporary as earlier versions named it (a dot too many): a killed run of one may
 # have left it, and it is the tool's own.
 OLD_MARKER_PARTIAL = f".{RUN_MARKER}{PARTIAL_SUFFIX}"
+# Non-weight files (config, tokenizer) are read, copied and hashed in chunks of this size.
+SIDE_FILE_CHUNK = 64 << 20
+# A Hugging Face cache: a repo's folder (models--org--name) and a commit's snapshot (snapshots/<sha1>).
+CACHE_REPO_PREFIX = "models--"
+COMMIT = re.compile(r"[0-9a-f]{40}")
+# The source a run identity records for a local checkpoint directory (a Hub source: repo@commit).
+LOCAL_SOURCE = "local"
 
 # How a stage's data file is laid out:
 # - CLONE: exactly the bytes of one source shard the stage needs whole, header included;

@@ -17,8 +17,11 @@ share them with the source, and the layout is the same on every filesystem:
 - GATHERED: the remaining short runs, in (alignment, source file, source offset) order as
   the reference writer groups them, so that adjacent source ranges stay one copy.
 
-The file-size and header-size limits hold for ALIGNED and GATHERED files; a CLONE is the
-source's own file, whatever its size.
+The file-size limit holds for every file: a shard needed whole but larger than the limit
+is laid out as ALIGNED runs and GATHERED files instead of a CLONE (its blocks still shared
+where a run is long enough). A limit below the file the largest tensor alone makes is
+refused before anything is laid out. The header-size limit holds for ALIGNED and GATHERED
+files (a CLONE's header is its source's own).
 """
 
 from __future__ import annotations
@@ -75,6 +78,9 @@ _EXTRA_KINDS = (names.EMBED, names.VISUAL, names.VISUAL_POS_EMBED, names.NORM, n
 
 # Shorter runs are gathered: an ALIGNED file costs up to SHARE_ALIGN of header padding.
 MIN_SHARED_RUN = 4 * SHARE_ALIGN
+# Bytes of a tool-written file beyond its tensors' header entries (``_header_entry_bytes``) and
+# data, padding included: the length prefix, the metadata, the closing brace, up to 7 spaces.
+_FILE_OVERHEAD = 8 + len('{"__metadata__":{"format":"pt"}}') + 7
 # The block size assumed by estimates of what a filesystem will share (the real run measures).
 SHARE_BLOCK = 4096
 
@@ -292,8 +298,10 @@ def make_plan(
         for r in range(pp)
     ]
 
+    _check_file_limit(sources, max_file_bytes)
     file_order = {f: i for i, f in enumerate(ckpt.files)}
     file_tensors = Counter(map(_FILE, sources))
+    whole_fits = {f for f in file_tensors if ckpt.file_sizes[f] <= max_file_bytes}
     stages = tuple(
         StagePlan(
             rank=r,
@@ -304,6 +312,7 @@ def make_plan(
                 *per_stage[r],
                 file_order,
                 file_tensors,
+                whole_fits,
                 max_file_bytes=max_file_bytes,
                 max_header_bytes=max_header_bytes,
             ),
@@ -360,17 +369,42 @@ def check_roles(
         )
 
 
+def _check_file_limit(sources: list[SourceTensor], max_file_bytes: int) -> None:
+    """Refuse a file-size limit that some tensor, in a file of its own, exceeds; name the
+    tensor and the smallest limit every tensor fits."""
+    if not sources:
+        return
+    # The exact size is computed only for tensors whose bound reaches the largest tensor's.
+    largest = _single_file_bytes(max(sources, key=_NBYTES))
+    need, name = max(
+        (_single_file_bytes(s), s.name)
+        for s in sources
+        if s.nbytes + _header_entry_bytes(s) + _FILE_OVERHEAD >= largest
+    )
+    if max_file_bytes < need:
+        raise ReshardError(
+            f"{param('max_file_bytes', max_file_bytes)} is smaller than tensor {name!r}, which needs a "
+            f"file of {need} bytes on its own; pass {param('max_file_bytes', need)} or more"
+        )
+
+
+def _single_file_bytes(src: SourceTensor) -> int:
+    """The size of a GATHERED file holding ``src`` alone."""
+    return len(encode_header([(src.name, src.dtype, src.shape, src.nbytes)])) + src.nbytes
+
+
 def _layout_files(
     sources: list[SourceTensor],
     replicated: list[bool],
     file_order: dict[str, int],
     file_tensors: Counter[str],
+    whole_fits: set[str],
     *,
     max_file_bytes: int,
     max_header_bytes: int,
 ) -> tuple[OutputFile, ...]:
     """Lay out a stage's tensors (in source order; each replicated or not) as CLONE, ALIGNED,
-    then GATHERED files."""
+    then GATHERED files; a shard is a CLONE only when it is needed whole and ``whole_fits``."""
     # (layout, source file, its tensors, whether each is replicated)
     shared: list[tuple[str, str, list[SourceTensor], list[bool]]] = []
     rest: list[tuple[SourceTensor, bool]] = []
@@ -378,7 +412,7 @@ def _layout_files(
     for file, group in groupby(map(_FILE, sources)):  # runs of one source file
         end = pos + len(list(group))
         srcs, reps, pos = sources[pos:end], replicated[pos:end], end
-        if len(srcs) == file_tensors[file]:
+        if len(srcs) == file_tensors[file] and file in whole_fits:
             shared.append((CLONE, file, srcs, reps))
             continue
         runs, short = _aligned_runs(
@@ -422,7 +456,7 @@ def _aligned_runs(
 
     A run is source-adjacent tensors starting at a multiple of 8 (the tool's files keep the
     data buffer 8-aligned), each at a multiple of its element size from the start, within
-    the file limits (its header with room for SHARE_ALIGN of padding). Runs shorter than
+    the file limits (the whole file, header and SHARE_ALIGN of padding included). Runs shorter than
     MIN_SHARED_RUN go to the rest.
     """
     runs: list[list[tuple[SourceTensor, bool]]] = []
@@ -446,7 +480,7 @@ def _aligned_runs(
             run
             and s.offset == end
             and (s.offset - run[0][0].offset) % DTYPE_SIZES[s.dtype] == 0
-            and data + s.nbytes <= max_file_bytes
+            and _aligned_bound(header + entry, data + s.nbytes) <= max_file_bytes
             and header + entry <= header_budget
         ):
             run.append(item)
@@ -456,12 +490,17 @@ def _aligned_runs(
             continue
         close()
         run, data, header, end = [], 0, 0, 0
-        if s.offset % DATA_ALIGN or entry > header_budget:
+        if s.offset % DATA_ALIGN or entry > header_budget or _aligned_bound(entry, s.nbytes) > max_file_bytes:
             rest.append(item)
             continue
         run, data, header, end = [item], s.nbytes, entry, s.offset + s.nbytes
     close()
     return runs, rest
+
+
+def _aligned_bound(header: int, data: int) -> int:
+    """Upper bound of an ALIGNED file's size: header entries, padding up to SHARE_ALIGN, data."""
+    return _FILE_OVERHEAD + SHARE_ALIGN + header + data
 
 
 def _gather(
@@ -484,7 +523,8 @@ def _gather(
     for item in placed:
         src = item[0]
         entry = _header_entry_bytes(src)
-        if groups[-1] and (data + src.nbytes > max_file_bytes or header + entry > max_header_bytes):
+        too_big = _FILE_OVERHEAD + header + entry + data + src.nbytes > max_file_bytes
+        if groups[-1] and (too_big or header + entry > max_header_bytes):
             groups.append([])
             data = header = 0
         groups[-1].append(item)

@@ -21,7 +21,15 @@ from typing import NamedTuple, NoReturn
 from ..bulk import make_tuples
 from ..errors import ReshardError, param
 from ..format.jsonio import is_sha256, load_index, parse_json_object
-from ..format.names import CONFIG_NAME, INDEX_NAME, PICKLE_SUFFIXES, SINGLE_FILE_NAME
+from ..format.names import (
+    CACHE_REPO_PREFIX,
+    COMMIT,
+    CONFIG_NAME,
+    INDEX_NAME,
+    LOCAL_SOURCE,
+    PICKLE_SUFFIXES,
+    SINGLE_FILE_NAME,
+)
 from ..format.paths import allowed_roots, is_plain_name
 from ..model import schema
 from .header import Header, read_header
@@ -61,6 +69,9 @@ class Checkpoint:
     # sha256 of the shards known without reading them: in a Hugging Face cache snapshot each
     # file is a symlink to blobs/<its sha256>.
     blob_sha256: dict[str, str] = field(default_factory=dict)
+    headers_sha256: str = ""  # of every shard's header, in file order: their tensors' layout
+    # Each shard as its header was read (``file_stamp``): a run checks it still reads those files.
+    stamps: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def path(self, name: str) -> Path:
         return self.root / name
@@ -71,17 +82,40 @@ class Checkpoint:
         return f"{self.hub['repo_id']}@{self.hub['commit'][:12]}" if self.hub else str(self.root)
 
 
+def source_name(ckpt: Checkpoint) -> str:
+    """Where a split's bytes come from, as its run identity records it: ``repo_id@commit`` for a
+    Hub source or a Hugging Face cache snapshot of one (the commit names every byte), LOCAL_SOURCE
+    for another local directory (known by its fingerprint alone: see :func:`source_identity`)."""
+    if ckpt.hub:
+        return f"{ckpt.hub['repo_id']}@{ckpt.hub['commit']}"
+    snapshot = ckpt.root.resolve()  # models--org--name/snapshots/<commit>
+    repo, commit = snapshot.parent.parent.name, snapshot.name
+    in_cache = snapshot.parent.name == "snapshots" and repo.startswith(CACHE_REPO_PREFIX)
+    if in_cache and COMMIT.fullmatch(commit):
+        return f"{repo.removeprefix(CACHE_REPO_PREFIX).replace('--', '/', 1)}@{commit}"
+    return LOCAL_SOURCE
+
+
 def source_identity(ckpt: Checkpoint) -> dict:
     """What identifies the source: its path (or Hub repo id and commit) for people, digests and
-    sizes for the tool. A Hub source records no endpoint and no token."""
+    sizes for the tool. A Hub source records no endpoint and no token.
+
+    The fingerprint covers config.json, the index, every shard's size and header (each
+    tensor's name, dtype, shape and offsets), not the tensors' bytes: a local shard rewritten
+    in place with other values of the same layout keeps it (a Hub source's commit names its
+    bytes; a run checks each shard's inode, size and times, see ``write.sources``).
+    """
     fingerprint = hashlib.sha256(
-        json.dumps([ckpt.config_sha256, ckpt.index_sha256, sorted(ckpt.file_sizes.items())]).encode()
+        json.dumps(
+            [ckpt.config_sha256, ckpt.index_sha256, sorted(ckpt.file_sizes.items()), ckpt.headers_sha256]
+        ).encode()
     ).hexdigest()
     return {
         **(ckpt.hub or {}),
         "path": str(ckpt.root.resolve()),
         "index_sha256": ckpt.index_sha256,
         "config_sha256": ckpt.config_sha256,
+        "headers_sha256": ckpt.headers_sha256,
         "fingerprint": fingerprint,
     }
 
@@ -213,6 +247,8 @@ def assemble_checkpoint(
         tied_embeddings=schema.tied_embeddings(config),
         files=tuple(files),
         file_sizes={file: headers[file].file_size for file in files},
+        headers_sha256=hashlib.sha256("".join(headers[f].sha256 for f in files).encode()).hexdigest(),
+        stamps={file: headers[file].stamp for file in files if headers[file].stamp is not None},
         tensors=tensors,
         extra_files=extra,
         unlisted=unlisted,

@@ -7,11 +7,12 @@ writer's metadata order varies between runs, and byte-identical output needs a f
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from itertools import accumulate, chain
 from operator import attrgetter, itemgetter, mul
@@ -70,6 +71,12 @@ class Header:
     columns: Columns = field(repr=False)
     metadata: dict[str, str]
     raw: bytes = field(repr=False, compare=False)  # the JSON as read (the loader compares it later)
+    stamp: tuple[int, ...] | None = None  # the file read, as file_stamp says (local files only)
+
+    @cached_property
+    def sha256(self) -> str:
+        """The sha256 of the header's JSON bytes (what a source's fingerprint covers)."""
+        return hashlib.sha256(self.raw).hexdigest()
 
     @cached_property
     def tensors(self) -> tuple[TensorEntry, ...]:
@@ -85,7 +92,8 @@ def read_header(path: str | os.PathLike[str], *, display: str | None = None) -> 
     where = display or str(path)
     try:
         with open(path, "rb") as f:
-            file_size = os.fstat(f.fileno()).st_size
+            st = os.fstat(f.fileno())
+            file_size = st.st_size
             prefix = f.read(8)
             if len(prefix) < 8:
                 raise ReshardError(f"{where}: not a safetensors file (shorter than 8 bytes)")
@@ -103,7 +111,7 @@ def read_header(path: str | os.PathLike[str], *, display: str | None = None) -> 
             raw = f.read(n)
     except OSError as e:
         raise ReshardError(f"{where}: cannot read ({e.strerror})") from e
-    return parse_header(raw, file_size=file_size, where=where)
+    return replace(parse_header(raw, file_size=file_size, where=where), stamp=file_stamp(st))
 
 
 def parse_header(raw: bytes, *, file_size: int, where: str) -> Header:
@@ -155,6 +163,12 @@ def parse_header(raw: bytes, *, file_size: int, where: str) -> Header:
             else Columns([], [], [], [], [])
         )
     return Header(str(where), data_start, file_size, columns, dict(metadata), raw)
+
+
+def file_stamp(st: os.stat_result) -> tuple[int, ...]:
+    """What tells one file from another at a path, and a changed file from itself: device,
+    inode, size, modification and status-change times (a rename keeps the mtime, not the inode)."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def _typed_header(raw: bytes, file_size: int, where: str) -> Header | None:

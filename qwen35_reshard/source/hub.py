@@ -40,13 +40,22 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from .._version import __version__
 from ..errors import JSON_ERRORS, ReshardError, param
-from ..format.names import CONFIG_NAME, INDEX_NAME, PICKLE_SUFFIXES, SINGLE_FILE_NAME, TOOL_NAME
+from ..format.jsonio import is_sha256
+from ..format.names import (
+    CACHE_REPO_PREFIX,
+    COMMIT,
+    CONFIG_NAME,
+    INDEX_NAME,
+    PICKLE_SUFFIXES,
+    SINGLE_FILE_NAME,
+    TOOL_NAME,
+)
 from ..format.paths import is_plain_name
 from ..units import plural
 from .header import Header, parse_header
@@ -56,13 +65,12 @@ if TYPE_CHECKING:
     from .checkpoint import Checkpoint
 
 REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
-CACHE_REPO_PREFIX = "models--"
-COMMIT = re.compile(r"[0-9a-f]{40}")
 # config.json model_type of a Qwen3.5 MoE checkpoint (multimodal save, text-only save).
 MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
 HEADER_PROBE_BYTES = 8  # the length prefix; then exactly the header: not a byte of tensor data
 HEADER_WORKERS = 8  # headers fetched at once while planning
 LISTING_NAME = "files.json"  # kept beside the headers: the repo's files and sizes at the commit
+LFS_NAME = "lfs-sha256.json"  # kept with it: each LFS file's sha256, as the Hub names its blob
 HEADER_SUFFIX = ".header"
 # First wait before retrying a failed request (doubled each time, up to MAX_RETRY_WAIT s).
 RETRY_WAIT_ENV = "QWEN35_RESHARD_RETRY_WAIT"
@@ -401,7 +409,7 @@ def read_hub_checkpoint(repo: HubRepo, *, traffic: Traffic | None = None) -> Che
         extra = tuple(n for n in top if n not in (INDEX_NAME, *files) and not n.endswith(weights))
         return extra, tuple(n for n in top if n.endswith(".safetensors") and n not in files)
 
-    return assemble_checkpoint(
+    ckpt = assemble_checkpoint(
         root=repo.snapshot,
         display=repo.describe(),
         config=config,
@@ -411,6 +419,7 @@ def read_hub_checkpoint(repo: HubRepo, *, traffic: Traffic | None = None) -> Che
         other_files=other_files,
         hub=repo.identity(),
     )
+    return replace(ckpt, blob_sha256=repo_lfs_sha256(repo, ckpt.files))
 
 
 def repo_listing(repo: HubRepo) -> dict[str, int]:
@@ -434,16 +443,36 @@ def repo_listing(repo: HubRepo) -> dict[str, int]:
 
     api = HfApi(endpoint=repo.settings.endpoint, library_name=TOOL_NAME, library_version=__version__)
 
-    def fetch() -> dict[str, int]:
-        entries = api.list_repo_tree(repo.repo_id, revision=repo.commit, token=repo.settings.token)
-        return {e.path: e.size for e in entries if hasattr(e, "size") and e.size is not None}
+    def fetch() -> list:
+        return list(api.list_repo_tree(repo.repo_id, revision=repo.commit, token=repo.settings.token))
 
     try:
-        listing = _retrying(fetch, f"{repo.describe()}: the file list")
+        entries = _retrying(fetch, f"{repo.describe()}: the file list")
+        listing = {e.path: e.size for e in entries if hasattr(e, "size") and e.size is not None}
     except Exception as e:
         raise hub_error(e, repo, what="the file list") from e
+    lfs = {e.path: e.lfs.sha256 for e in entries if getattr(e, "lfs", None) and is_sha256(e.lfs.sha256)}
+    _write_kept(repo.assets / LFS_NAME, json.dumps(lfs, sort_keys=True).encode())
     _write_kept(kept, json.dumps(listing, sort_keys=True).encode())
     return listing
+
+
+def repo_lfs_sha256(repo: HubRepo, files: tuple[str, ...]) -> dict[str, str]:
+    """The Hub's LFS sha256 of each of ``files`` at the commit, kept with the file list (the
+    etag the Hub serves the blob under); offline or where none was kept, the blob names of the
+    cached snapshot's files (which huggingface_hub names by that sha256)."""
+    try:
+        kept = json.loads((repo.assets / LFS_NAME).read_bytes())
+    except (OSError, *JSON_ERRORS):
+        kept = None
+    if isinstance(kept, dict):
+        return {f: kept[f] for f in files if is_sha256(kept.get(f))}
+    found = {}
+    for f in files:
+        target = repo.snapshot / f
+        if target.is_symlink() and is_sha256(name := Path(os.readlink(target)).name):
+            found[f] = name
+    return found
 
 
 def _snapshot_listing(repo: HubRepo) -> dict[str, int] | None:

@@ -16,6 +16,7 @@ KINDS = (MISSING, EXTRA, DIFFERENT, CORRUPT, INCOMPLETE)
 
 RERUN = f"run the same {TOOL_NAME} command again to resume"
 REBUILD = f"delete it and run the same {TOOL_NAME} command again (or copy the stage again)"
+REPAIR = "restore it from the source with verify --source MODEL --repair"
 
 
 @dataclass(frozen=True)

@@ -27,13 +27,17 @@ from ..format.names import (
     CLONE,
     GATHERED,
     INDEX_NAME,
+    JOURNAL,
     LAYOUTS,
     MTP_ABSENT,
     MTP_DROPPED,
     MTP_KEPT,
+    RUN_MANIFEST,
+    RUN_MARKER,
+    SIDE_FILE_CHUNK,
     STAGE_MANIFEST,
 )
-from ..format.paths import is_plain_safetensors_name
+from ..format.paths import checked_file, is_plain_name, is_plain_safetensors_name
 from ..model.runtimes import RUNTIMES, layer_ranges
 
 
@@ -85,6 +89,7 @@ class StageManifest:
     identity: RunIdentity | None  # of the split the stage belongs to; None if not recorded
     source: dict  # what identifies the source checkpoint (config_sha256, fingerprint, ...)
     index_sha256: str | None
+    side_files: dict[str, str]  # non-weight file (config.json, tokenizer, ...) -> sha256
     files: dict[str, int]  # data file -> size in bytes
     layouts: dict[str, dict]  # data file -> {"layout", "source", "sha256" (a clone's, if known)}
     tensors: dict[str, StageTensor]  # in load order (file, then offset) once read by read_stage
@@ -133,6 +138,9 @@ def parse_stage_manifest(m: dict) -> StageManifest | str:
             return f"file {file!r} holds no tensors"
         if info["tensors"] != per_file[file]:
             return f"file {file!r} should hold {per_file[file]} tensors, not {info['tensors']}"
+    side_files = parse_side_files(m.get("side_files", {}))
+    if side_files is None:
+        return "side_files is not a map of plain file names to sha256 digests"
     identity, source = m.get("identity"), m.get("source")
     return StageManifest(
         rank=rank,
@@ -145,6 +153,7 @@ def parse_stage_manifest(m: dict) -> StageManifest | str:
         identity=RunIdentity.from_json(identity),
         source=source if isinstance(source, dict) else {},
         index_sha256=m.get("index_sha256"),
+        side_files=side_files,
         files={f: info["bytes"] for f, info in files.items()},
         layouts={
             f: {k: info.get(k) for k in ("source", "sha256")} | {"layout": info.get("layout", GATHERED)}
@@ -239,6 +248,48 @@ def _dict_entries(tensors: dict[str, object], files: dict) -> dict[str, StageTen
             return t
         entries[name] = t
     return entries
+def parse_side_files(obj: object) -> dict[str, str] | None:
+    """A manifest's ``side_files`` (name -> sha256 of each non-weight file), or None when it is
+    not one: every name a plain file name that is no data file or record of the tool's."""
+    if not isinstance(obj, dict):
+        return None
+    for name, digest in obj.items():
+        if not (
+            is_plain_name(name)
+            and not name.endswith(".safetensors")
+            and name not in (INDEX_NAME, STAGE_MANIFEST, RUN_MANIFEST, RUN_MARKER, JOURNAL)
+            and is_sha256(digest)
+        ):
+            return None
+    return dict(obj)
+
+
+def damaged_side_files(directory: Path, side_files: dict[str, str]) -> list[tuple[str, str]]:
+    """``(name, why)`` for each recorded non-weight file of ``directory`` (a stage or OUT) that is
+    missing ("missing"), cannot be read ("cannot be read (...)") or is not the recorded bytes
+    ("changed")."""
+    damaged = []
+    for name, recorded in sorted(side_files.items()):
+        try:
+            digest = file_sha256(checked_file(directory, name))
+        except FileNotFoundError:
+            damaged.append((name, "missing"))
+            continue
+        except OSError as e:
+            damaged.append((name, f"cannot be read ({e.strerror or e})"))
+            continue
+        if digest != recorded:
+            damaged.append((name, "changed"))
+    return damaged
+
+
+def file_sha256(path: Path) -> str:
+    """The sha256 of the file at ``path``, read in chunks of SIDE_FILE_CHUNK."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(SIDE_FILE_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def _parse_tensor(name: str, info: object, files: dict) -> StageTensor | str:
@@ -266,8 +317,9 @@ def _parse_tensor(name: str, info: object, files: dict) -> StageTensor | str:
 def stage_is_complete(stage_dir: Path, identity: RunIdentity | None = None) -> bool:
     """True when ``stage_dir`` holds a finished stage (of the split ``identity``, when given).
 
-    Cheap: manifest and index present, the index's digest as recorded, every data file present
-    with its recorded size. ``verify`` checks the bytes.
+    Cheap: manifest and index present, the index's digest as recorded, the non-weight files
+    (config, tokenizer: small) with their recorded digests, every data file present with its
+    recorded size. ``verify`` checks the data files' bytes.
     """
     try:
         manifest = read_json(stage_dir / STAGE_MANIFEST)
@@ -279,6 +331,9 @@ def stage_is_complete(stage_dir: Path, identity: RunIdentity | None = None) -> b
     if identity is not None and RunIdentity.from_json(manifest.get("identity")) != identity:
         return False
     if manifest.get("index_sha256") != hashlib.sha256(index_bytes).hexdigest():
+        return False
+    side_files = parse_side_files(manifest.get("side_files", {}))
+    if side_files is None or damaged_side_files(stage_dir, side_files):
         return False
     for name, info in manifest.get("files", {}).items():
         try:

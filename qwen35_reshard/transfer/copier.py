@@ -115,6 +115,7 @@ def copy_segments(
     kernel: bool = True,
     share_fds: frozenset[int] = frozenset(),
     on_shared: Callable[[int], None] = lambda n: None,
+    on_read: Callable[[memoryview], None] | None = None,
 ) -> dict[str, str | None]:
     """Copy ``segments`` out of ``src_path``; return each tensor's sha256 hex digest.
 
@@ -126,7 +127,9 @@ def copy_segments(
     written or the source cannot be mapped. A ``RangeSource`` instead of a path is read the
     buffer way, one ranged read per run of adjacent segments. Runs going to an output in
     ``share_fds`` share the source's blocks where the filesystem allows (``on_shared`` gets
-    the bytes shared); tensors going only there get None, not a digest.
+    the bytes shared); tensors going only there get None, not a digest. ``on_read`` gets the
+    bytes of each window's hashed segments as they are hashed, in source order (from the
+    hashing thread): a whole-file digest of a source whose segments tile it.
     """
     segments = sorted(segments, key=lambda s: s.offset)
     unhashed = {s.name for s in segments if s.dests and all(fd in share_fds for fd, _ in s.dests)}
@@ -134,7 +137,7 @@ def copy_segments(
     digests.update({s.name: _EMPTY_SHA256 for s in segments if s.nbytes == 0 and s.name not in unhashed})
     remote = not isinstance(src_path, (str, os.PathLike))
     fd = -1 if remote else os.open(src_path, os.O_RDONLY)
-    hasher = _Hasher(fd, [s for s in segments if s.nbytes and s.name not in unhashed], digests)
+    hasher = _Hasher(fd, [s for s in segments if s.nbytes and s.name not in unhashed], digests, on_read)
     try:
         if remote:
             src_path.expect(_spans(segments))
@@ -451,8 +454,15 @@ class _Hasher:
     Mappings are closed here, once hashed.
     """
 
-    def __init__(self, src_fd: int, segments: list[Segment], digests: dict[str, str]) -> None:
+    def __init__(
+        self,
+        src_fd: int,
+        segments: list[Segment],
+        digests: dict[str, str],
+        on_read: Callable[[memoryview], None] | None = None,
+    ) -> None:
         self._src_fd = src_fd
+        self._on_read = on_read
         self._room = threading.Semaphore(RING_BUFFERS)
         self._jobs: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
         self._hashers = {s.name: hashlib.sha256() for s in segments}
@@ -519,6 +529,8 @@ class _Hasher:
             hashers[seg.name].update(view[a - base : b - base])
             if b == seg.offset + seg.nbytes:
                 self._digests[seg.name] = hashers.pop(seg.name).hexdigest()
+        if self._on_read is not None and pieces:
+            self._on_read(view[pieces[0][1] - base : pieces[-1][2] - base])
 
 
 def _close(window: mmap.mmap) -> None:

@@ -24,6 +24,7 @@ A stage without its manifest or index is reported as incomplete, never accepted.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import os
@@ -33,13 +34,14 @@ from pathlib import Path
 
 from ..errors import JSON_ERRORS, ReshardError
 from ..format.dtypes import DTYPE_SIZES
-from ..format.identity import RunIdentity
+from ..format.identity import RunIdentity, describe_differences
 from ..format.jsonio import is_uint
 from ..format.names import (
     CLONE,
     CONFIG_NAME,
     INDEX_NAME,
     JOURNAL,
+    LOCAL_SOURCE,
     MTP_DROPPED,
     OLD_MARKER_PARTIAL,
     PARTIAL_SUFFIX,
@@ -54,16 +56,19 @@ from ..format.names import (
 from ..format.paths import checked_file
 from ..model.names import LAYER, classify
 from ..plan.planner import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_HEADER_BYTES, Plan, make_plan
-from ..source.checkpoint import Checkpoint, source_identity
+from ..source.checkpoint import Checkpoint, source_identity, source_name
 from ..source.header import Header
 from ..source.hub import HubFetcher, HubRepo, HubSettings, header_bytes, open_model
-from ..stage.findings import CORRUPT, DIFFERENT, EXTRA, INCOMPLETE, KINDS, MISSING, RERUN, Finding
-from ..stage.manifest import StageManifest
+from ..stage.findings import CORRUPT, DIFFERENT, EXTRA, INCOMPLETE, KINDS, MISSING, REPAIR, RERUN, Finding
+from ..stage.manifest import StageManifest, damaged_side_files, parse_side_files
 from ..stage.reader import read_run_record, read_stage, stage_dirs
 from ..transfer.copier import CHUNK_BYTES, Segment, copy_segments
 
 # transformers refuses safetensors files whose metadata lacks one of these formats.
 METADATA_FORMATS = ("pt", "tf", "flax", "mlx")
+
+# How verify reports a damaged non-weight file, by what stage.manifest.damaged_side_files says of it.
+_SIDE_KIND = collections.defaultdict(lambda: CORRUPT, {"missing": MISSING, "changed": DIFFERENT})
 
 # add(kind, message, file=..., tensor=...): records a finding of one stage.
 _Add = Callable[..., None]
@@ -94,10 +99,19 @@ class VerifyReport:
     not_built: list[int] = field(default_factory=list)  # stages of the split absent on purpose (--rank)
     source_bytes_hashed: int = 0
     recorded_source: str | None = None  # the checkpoint path the stage manifests record
+    recorded_split: bool = False  # a run record or a stage manifest says which split this is
 
     @property
     def ok(self) -> bool:
         return not self.findings
+
+    @property
+    def repairable(self) -> bool:
+        """Whether ``verify --source MODEL --repair`` mends everything found: not a run in
+        progress or interrupted (the same command finishes it), a stage directory outside the
+        split (deleted by hand), or a directory that records no split at all."""
+        outside = [f for f in self.findings if f.kind == EXTRA and f.stage and not (f.file or f.tensor)]
+        return self.recorded_split and not outside and not any(f.file == RUN_MARKER for f in self.findings)
 
     def findings_for(self, stage: str) -> list[Finding]:
         return [f for f in self.findings if f.stage == stage]
@@ -181,6 +195,7 @@ def verify(
         )
     for stage in stages:
         _check_stage(stage, report, ckpt, chunk_bytes)
+    _check_same_split(stages, report)
     if ckpt is not None:
         _check_against_source(ckpt, [s for s in stages if s.manifest is not None], report, chunk_bytes, repo)
     return report
@@ -245,6 +260,15 @@ def _check_run_dir(root: Path, display: str, report: VerifyReport) -> list[_Stag
             )
         )
 
+    side_files = parse_side_files(run.get("side_files", {})) if run is not None else {}
+    if side_files is None:
+        report.findings.append(
+            Finding(CORRUPT, f"{display}/{RUN_MANIFEST}: side_files is damaged; {REPAIR}", file=RUN_MANIFEST)
+        )
+    for name, why in damaged_side_files(root, side_files or {}):
+        report.findings.append(Finding(_SIDE_KIND[why], _side_file_message(display, name, why), file=name))
+
+    report.recorded_split |= identity is not None
     dirs = stage_dirs(root)
     pp = identity.pp if identity else None
     complete = _recorded_complete(run)
@@ -274,6 +298,34 @@ def _check_run_dir(root: Path, display: str, report: VerifyReport) -> list[_Stag
     if pp is not None:
         report.not_built = [r for r in range(pp) if r not in dirs and r not in complete]
     return stages
+
+
+def _check_same_split(stages: list[_Stage], report: VerifyReport) -> None:
+    """Every stage records the identity of the first (by rank): the stages of one OUT are of
+    one split, from one source, even where no run record says which (where one does, each
+    stage is compared with it instead)."""
+    if any(s.run is not None for s in stages):
+        return  # each stage is compared with the run record (read_stage)
+    known = [s for s in stages if s.manifest is not None and s.manifest.identity is not None]
+    for stage in known[1:]:
+        first, mine = known[0].manifest.identity, stage.manifest.identity
+        if mine != first:
+            _adder(report, stage)(
+                DIFFERENT,
+                f"{stage.display} belongs to another split than {known[0].display} "
+                f"({describe_differences(first, mine)}): delete the stage that is not of the split you "
+                "want and run the qwen35-reshard command for that split again",
+                file=STAGE_MANIFEST,
+            )
+
+
+def _side_file_message(display: str, name: str, why: str) -> str:
+    """What verify says of a recorded non-weight file of ``display`` that is damaged: ``why``
+    as :func:`~..stage.manifest.damaged_side_files` gives it."""
+    record = STAGE_MANIFEST if stage_dir_rank(Path(display)) is not None else RUN_MANIFEST
+    if why == "changed":
+        why = f"not the file the split recorded (its sha256 differs from {record}'s)"
+    return f"{display}/{name} is {why}; servers read it: {REPAIR}"
 
 
 def _recorded_complete(run: dict | None) -> set[int]:
@@ -338,10 +390,19 @@ def _check_stage(stage: _Stage, report: VerifyReport, ckpt: Checkpoint | None, c
     m = stage.manifest = found.manifest
     if m is None:
         return
+    report.recorded_split |= m.identity is not None
     if report.recorded_source is None and isinstance(m.source.get("path"), str):
         report.recorded_source = m.source["path"]
     stage.summary.rank = m.rank
     stage.summary.complete = not any(p.file == INDEX_NAME for p in found.problems)
+    # config.json has its own check (read_stage): it must be the source's.
+    recorded = {n: d for n, d in m.side_files.items() if n != CONFIG_NAME}
+    damaged = damaged_side_files(stage.path, recorded)
+    for name, why in damaged:
+        add(_SIDE_KIND[why], _side_file_message(stage.display, name, why), file=name)
+    for name in ckpt.extra_files if ckpt is not None else ():
+        if name not in dict(damaged):
+            _compare_side_file(stage, ckpt, name, add)
     on_disk = {n for n in entries if n.endswith(".safetensors") and not n.startswith(".")}
     for name in sorted(on_disk - set(m.files)):
         add(
@@ -513,13 +574,18 @@ def _check_against_source(
     for stage in stages:
         add = _adder(report, stage)
         m = stage.manifest
-        for name in ckpt.extra_files:
-            _compare_side_file(stage, ckpt, name, add)
         if m.source.get("fingerprint") != fingerprint:
             add(
                 DIFFERENT,
                 f"{stage.display} was split from another checkpoint than {ckpt.root} (or the "
-                "source changed since): config, index or shard sizes differ",
+                "source changed since): config, index, shard sizes or headers differ",
+            )
+        elif ckpt.hub and m.identity and m.identity.source not in (LOCAL_SOURCE, source_name(ckpt)):
+            add(
+                DIFFERENT,
+                f"{stage.display} was split from {m.identity.source}, not {source_name(ckpt)}: the "
+                "same layout but other bytes; pass --source with the commit it was split from "
+                "(--revision) to compare it",
             )
         plan = _plan_for(ckpt, m, plans, add, stage.display)
         if plan is None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from ..transfer.copier import RangeSource, Segment, copy_segments, drop_pages
 from .datafile import OpenFile, clone, create, header
 from .durability import Durability, partial_path, remove
 from .journal import Digests, append_journal
+from .sources import BlobCheck, check_unchanged
 
 # Copied bytes a run that syncs its filesystem whole may hold unfinished (lost to a crash).
 PROGRESS_BYTES = 1 << 30
@@ -66,6 +68,7 @@ class _Copy:
         tmp = partial_path(final)
         if share and f.layout == CLONE and clone(plan, f, tmp):
             self.opened.append(OpenFile(stage, f, tmp, final, os.open(tmp, os.O_RDONLY), set()))
+            check_unchanged(plan, [f.source_file])  # the blocks shared were the planned file's
             self.on_shared(f.size)
             return dict.fromkeys(f.tensor_names)
         sharing = share and f.layout in (CLONE, ALIGNED)
@@ -160,17 +163,27 @@ def _copy_sources(
     """Copy every source shard's runs, finishing files in batches as shards complete them;
     returns the completed files not finished yet (``ready`` and those after it)."""
     stop = threading.Event()
+    # Tensors per shard, for telling a Hub shard copied whole (its bytes checked as they stream).
+    per_file = Counter(t.file for t in plan.checkpoint.tensors.values()) if plan.checkpoint.hub else Counter()
 
     def run(file: str) -> Digests:
         src = open_source(file) if open_source is not None else str(plan.checkpoint.path(file))
-        return copy_segments(
+        check_unchanged(plan, [file])  # the bytes about to be read are the planned file's ...
+        segments = list(copy.segments[file].values())
+        blob = BlobCheck.of(plan, file, src, segments) if len(segments) == per_file[file] else None
+        found = copy_segments(
             src,
-            list(copy.segments[file].values()),
+            segments,
             on_progress=reporter.advance,
             should_stop=stop.is_set,
             share_fds=frozenset(copy.share_fds.get(file, ())),
             on_shared=copy.on_shared,
+            on_read=blob.update if blob is not None else None,
         )
+        check_unchanged(plan, [file])  # ... and were, all along: nothing replaced it meanwhile
+        if blob is not None:
+            blob.check()
+        return found
 
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         futures: dict[Future[Digests], str] = {pool.submit(run, file): file for file in sorted(copy.segments)}

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import ReshardError, param
+from ..errors import JSON_ERRORS, ReshardError, param
 from ..format.identity import RunIdentity, describe_differences
 from ..format.names import (
     OLD_MARKER_PARTIAL,
@@ -24,12 +24,13 @@ from ..format.names import (
 )
 from ..plan.planner import Plan
 from ..stage.findings import Finding
-from ..stage.manifest import stage_is_complete
-from ..stage.reader import read_run_record
+from ..stage.manifest import damaged_side_files, parse_side_files, stage_is_complete
+from ..stage.reader import read_manifest, read_run_record, stage_dirs
 from ..transfer import reflink as reflinks
 from ..write.manifest import run_identity
 from .durability import write_error
 from .journal import Digests, keepable
+from .sources import source_stamps
 
 
 @dataclass(frozen=True)
@@ -108,14 +109,14 @@ def _assess_out(plan: Plan, out: Path, overwrite: bool) -> OutState:
     record = read_run_record(out, str(out))
     if isinstance(record, Finding):
         raise ReshardError(record.message)
-    recorded = record[1] if record is not None else None
+    recorded = record[1] if record is not None else _stages_identity(out)
     if recorded != identity:
         return _other_split(plan, out, entries, recorded, identity, overwrite)
-    changed = _changed_source_files(plan, out) if record[0] == RUN_MARKER else []
+    changed = _changed_source_files(plan, out) if record is not None and record[0] == RUN_MARKER else []
     if changed:
         return _source_changed(plan, out, changed[0], overwrite)
     complete = tuple(s.rank for s in plan.stages if stage_is_complete(out / s.dirname, identity))
-    if all(s.rank in complete for s in plan.selected) and (out / RUN_MANIFEST).exists():
+    if all(s.rank in complete for s in plan.selected) and _run_record_intact(out):
         return OutState("complete", complete)
     kept = {
         s.rank: keepable(plan, out / s.dirname, s)
@@ -123,6 +124,28 @@ def _assess_out(plan: Plan, out: Path, overwrite: bool) -> OutState:
         if s.rank not in complete and (out / s.dirname).is_dir()
     }
     return OutState("resume", complete, {rank: files for rank, files in kept.items() if files})
+
+
+def _stages_identity(out: Path) -> RunIdentity | None:
+    """The split OUT's stage directories record when OUT lost its run record (``reshard.json``
+    deleted): the identity all their manifests name, if they all name one."""
+    dirs = stage_dirs(out)
+    found = set()
+    for path in dirs.values():
+        m = read_manifest(path, str(path))
+        found.add(None if isinstance(m, Finding) else m.identity)
+    return found.pop() if len(found) == 1 else None
+
+
+def _run_record_intact(out: Path) -> bool:
+    """``reshard.json`` is there, and OUT's own non-weight files are the ones it records: else
+    the run writes them again (with the run record), whatever else is complete."""
+    try:
+        record = json.loads((out / RUN_MANIFEST).read_bytes())
+    except (OSError, *JSON_ERRORS):
+        return False
+    side_files = parse_side_files(record.get("side_files", {})) if isinstance(record, dict) else None
+    return side_files is not None and not damaged_side_files(out, side_files)
 
 
 def _check_creatable(out: Path) -> None:
@@ -177,15 +200,6 @@ def _source_changed(plan: Plan, out: Path, changed: str, overwrite: bool) -> Out
             f"pass {param('overwrite', True)} to split again from the start"
         )
     return OutState("replace", differences=f"source {changed} changed since the interrupted run started")
-
-
-def source_stamps(plan: Plan) -> dict:
-    """What tells that the source's bytes changed while its sizes, index and config did not (the
-    run identity's fingerprint): each shard's size and modification time, or a Hub commit."""
-    ckpt = plan.checkpoint
-    if ckpt.hub is not None:
-        return {"commit": ckpt.hub.get("commit")}
-    return {f: [st.st_size, st.st_mtime_ns] for f in ckpt.files for st in [os.stat(ckpt.path(f))]}
 
 
 def _changed_source_files(plan: Plan, out: Path) -> list[str]:

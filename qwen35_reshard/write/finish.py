@@ -4,21 +4,19 @@ everything in it is durable; then the run record."""
 
 from __future__ import annotations
 
+import hashlib
 import os
-import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..format.jsonio import dumps
-from ..format.names import INDEX_NAME, JOURNAL, RUN_MANIFEST, RUN_MARKER, STAGE_MANIFEST
+from ..format.names import INDEX_NAME, JOURNAL, RUN_MANIFEST, RUN_MARKER, SIDE_FILE_CHUNK, STAGE_MANIFEST
 from ..plan.planner import Plan, StagePlan
 from ..transfer.copier import pwrite_all
 from ..write.manifest import ManifestDraft, stage_index, stage_manifest
 from .durability import FILE_MODE, Durability, partial_path, remove, write_tmp
 from .journal import Digests
-
-# Non-weight files (config, tokenizer) up to this size are read once for all their copies.
-SIDE_FILE_IN_MEMORY = 64 << 20
 
 
 @dataclass
@@ -30,6 +28,7 @@ class Prepared:
     indexes: list[tuple[Path, Path]]
     manifests: list[ManifestDraft]
     side_files_of_out: bool
+    side_sha256: dict[str, str]  # each non-weight file's digest, as written in every copy
 
 
 def prepare_stages(
@@ -41,13 +40,15 @@ def prepare_stages(
     first: list[tuple[Path, Path]] = []
     indexes, manifests = [], []
     side_dirs = [*dirs, out] if side_files_of_out else dirs
+    side_sha256 = {}
     for name in plan.checkpoint.extra_files:
-        first += _copy_side_file(plan.checkpoint.path(name), [d / name for d in side_dirs])
+        pairs, side_sha256[name] = _copy_side_file(plan.checkpoint.path(name), [d / name for d in side_dirs])
+        first += pairs
     for stage, stage_dir in zip(stages, dirs, strict=True):
         index_bytes = dumps(stage_index(stage))
         indexes.append(write_tmp(stage_dir / INDEX_NAME, index_bytes))
-        manifests.append(stage_manifest(plan, stage, index_bytes))
-    return Prepared(dirs, first, indexes, manifests, side_files_of_out)
+        manifests.append(stage_manifest(plan, stage, index_bytes, side_sha256))
+    return Prepared(dirs, first, indexes, manifests, side_files_of_out, side_sha256)
 
 
 def finish_stages(
@@ -59,10 +60,13 @@ def finish_stages(
     *,
     run_record: bytes | None = None,
     data: list[tuple[Path, Path]] | None = None,
+    before_complete: Callable[[], None] = lambda: None,
 ) -> None:
     """Give each of ``stages`` its non-weight files, manifest and, last, its index (all but
     the manifests ``prepared``); then the run record, when given. ``data``: (temporary,
     final) names of data files written but not yet made durable; the rest are finished.
+    ``before_complete()`` runs just before the first of these files is put in place; what it
+    raises leaves every stage unfinished.
 
     Everything is written under temporary names first, then made durable and renamed in two
     steps, each behind a barrier: data, side files and manifests (and the journals removed: a
@@ -81,6 +85,7 @@ def finish_stages(
         return
     # Barrier 1: every byte written so far (and, synced whole, the data files' final names).
     durable.files([tmp for tmp, _ in (*first, *indexes, *last)])
+    before_complete()  # may refuse: then nothing of the stages' own files is in place yet
     for stage_dir in dirs:
         remove(stage_dir / JOURNAL)
     for tmp, final in first:
@@ -94,26 +99,22 @@ def finish_stages(
     durable.dirs([*dirs, out] if last else dirs)  # barrier 3: the stages complete, the run recorded
 
 
-def _copy_side_file(src: Path, finals: list[Path]) -> list[tuple[Path, Path]]:
-    """Copy the non-weight file ``src`` to the temporary names of ``finals``; returns
-    (temporary, final) pairs."""
+def _copy_side_file(src: Path, finals: list[Path]) -> tuple[list[tuple[Path, Path]], str]:
+    """Copy the non-weight file ``src`` to the temporary names of ``finals``; returns the
+    (temporary, final) pairs and the sha256 of the bytes written. The file is read once for
+    all its copies, in chunks of at most SIDE_FILE_CHUNK."""
     pairs = [(partial_path(final), final) for final in finals]
-    if not pairs:
-        return pairs
-    if os.path.getsize(src) > SIDE_FILE_IN_MEMORY:
-        for tmp, _ in pairs:
-            shutil.copyfile(src, tmp)
-    else:
-        _write_copies(src.read_bytes(), [tmp for tmp, _ in pairs])
-    return pairs
-
-
-def _write_copies(data: bytes, paths: list[Path]) -> None:
-    """Write ``data`` to each of ``paths``: a small file (all but rare ones) is read once for
-    all its copies instead of once per stage."""
-    for path in paths:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
-        try:
-            pwrite_all(fd, memoryview(data), 0)
-        finally:
+    digest = hashlib.sha256()
+    fds = [os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE) for tmp, _ in pairs]
+    try:
+        with open(src, "rb") as f:
+            pos = 0
+            while chunk := f.read(SIDE_FILE_CHUNK):
+                digest.update(chunk)
+                for fd in fds:
+                    pwrite_all(fd, memoryview(chunk), pos)
+                pos += len(chunk)
+    finally:
+        for fd in fds:
             os.close(fd)
+    return pairs, digest.hexdigest()

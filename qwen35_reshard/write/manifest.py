@@ -17,13 +17,14 @@ from ..format.jsonio import dumps_text, json_string
 from ..format.manifest import RUN_FORMAT, STAGE_FORMAT, TENSOR_FIELDS
 from ..format.names import CLONE, TOOL
 from ..plan.planner import OutputFile, PlacedTensor, Plan, StagePlan
-from ..source.checkpoint import SourceTensor, source_identity
+from ..source.checkpoint import SourceTensor, source_identity, source_name
 
 
 def run_identity(plan: Plan) -> RunIdentity:
     """The identity of the split ``plan`` makes."""
     return RunIdentity(
         source_fingerprint=source_identity(plan.checkpoint)["fingerprint"],
+        source=source_name(plan.checkpoint),
         pp=plan.pp,
         runtime=plan.runtime,
         partition=tuple(plan.partition),
@@ -45,9 +46,12 @@ def stage_index(stage: StagePlan) -> dict:
     }
 
 
-def stage_manifest(plan: Plan, stage: StagePlan, index_bytes: bytes) -> ManifestDraft:
-    """The stage manifest for ``stage`` (given its index bytes), but for the tensors' sha256:
-    a run learns them while it copies, and encodes the rest before (see :class:`ManifestDraft`)."""
+def stage_manifest(
+    plan: Plan, stage: StagePlan, index_bytes: bytes, side_files: dict[str, str]
+) -> ManifestDraft:
+    """The stage manifest for ``stage`` (given its index bytes and the sha256 of each non-weight
+    file it gets), but for the tensors' sha256: a run learns them while it copies, and encodes
+    the rest before (see :class:`ManifestDraft`)."""
     head = {
         "format": STAGE_FORMAT,
         "tool": TOOL,
@@ -61,6 +65,7 @@ def stage_manifest(plan: Plan, stage: StagePlan, index_bytes: bytes) -> Manifest
         "mtp": plan.mtp,
         "launch_env": plan.launch_env,
         "index_sha256": hashlib.sha256(index_bytes).hexdigest(),
+        "side_files": dict(sorted(side_files.items())),
         "files": {f.name: _file_entry(plan, f) for f in stage.files},
     }
     return ManifestDraft(head, stage.files)
@@ -75,8 +80,9 @@ def _file_entry(plan: Plan, f: OutputFile) -> dict:
     return entry
 
 
-def run_manifest(plan: Plan, complete: list[int]) -> dict:
-    """The whole-run summary written as OUT/reshard.json after a successful run."""
+def run_manifest(plan: Plan, complete: list[int], side_files: dict[str, str] | None = None) -> dict:
+    """The whole-run summary written as OUT/reshard.json after a successful run, with the sha256
+    of each non-weight file OUT holds itself (``side_files``; none in a preview)."""
     return {
         "format": RUN_FORMAT,
         "tool": TOOL,
@@ -88,6 +94,7 @@ def run_manifest(plan: Plan, complete: list[int]) -> dict:
         "mtp": plan.mtp,
         "dropped": list(plan.dropped),
         "launch_env": plan.launch_env,
+        **({"side_files": dict(sorted(side_files.items()))} if side_files is not None else {}),
         "stages": [
             {
                 "stage": s.rank,

@@ -2,8 +2,9 @@
 
 :func:`qwen35_reshard.api.repair` verifies with the source, rebuilds the plan from
 :func:`recorded_identity`, has :func:`repair_files` rewrite the :func:`damaged_files` from the
-source (a stage's index and manifest only when they are among them), and verifies again. Files
-verify finds fine are never rewritten; what a rewrite cannot mend (stray files, a split from
+source (a stage's index and manifest only when they are among them, OUT's own non-weight
+files too), has :func:`remove_leftovers` delete stray data files and temporaries, and verifies
+again. Files verify finds fine are never rewritten; what a rewrite cannot mend (a split from
 another checkpoint, an unfinished run) is left for the second verify to report.
 """
 
@@ -15,10 +16,19 @@ from pathlib import Path
 from ..errors import ReshardError
 from ..format.identity import RunIdentity
 from ..format.jsonio import dumps
-from ..format.names import INDEX_NAME, JOURNAL, RUN_MANIFEST, RUN_MARKER, STAGE_MANIFEST, stage_dir_rank
+from ..format.names import (
+    INDEX_NAME,
+    JOURNAL,
+    PARTIAL_SUFFIX,
+    RUN_MANIFEST,
+    RUN_MARKER,
+    STAGE_MANIFEST,
+    stage_dir_rank,
+)
+from ..format.paths import is_plain_name
 from ..plan.planner import OutputFile, Plan, StagePlan
-from ..stage.findings import Finding
-from ..stage.manifest import stage_is_complete
+from ..stage.findings import EXTRA, INCOMPLETE, Finding
+from ..stage.manifest import file_sha256, stage_is_complete
 from ..stage.reader import read_manifest, read_run_record
 from ..transfer.copier import Segment, copy_segments
 from ..write.manifest import run_manifest
@@ -27,6 +37,7 @@ from .datafile import header, matches
 from .durability import Durability, fsync_dir, remove, remove_partials, write_atomic, write_error
 from .finish import finish_stages, prepare_stages
 from .journal import Digests
+from .outdir import check_free_space, side_file_bytes
 from .writer import DEFAULT_WORKERS
 
 
@@ -47,8 +58,11 @@ def recorded_identity(out: Path, stage_dir: Path | None) -> RunIdentity:
     )
 
 
-def damaged_files(findings: list[Finding], target: Path, plan: Plan) -> tuple[dict[int, set[str]], bool]:
-    """Files to rewrite per stage rank, and whether reshard.json is one of them.
+def damaged_files(
+    findings: list[Finding], target: Path, plan: Plan
+) -> tuple[dict[int, set[str]], bool, set[str]]:
+    """Files to rewrite per stage rank, whether reshard.json is one of them, and OUT's own
+    non-weight files to restore.
 
     A finding about a stage file names it; one about a tensor only (missing from the stage)
     names the data file the plan puts it in, and the manifest; a stage directory that is gone
@@ -56,10 +70,13 @@ def damaged_files(findings: list[Finding], target: Path, plan: Plan) -> tuple[di
     """
     files: dict[int, set[str]] = {}
     run_manifest = False
+    out_side: set[str] = set()
     side = {*plan.checkpoint.extra_files, INDEX_NAME, STAGE_MANIFEST}
     for f in findings:
         if f.stage is None:
             run_manifest |= f.file == RUN_MANIFEST
+            if f.file in plan.checkpoint.extra_files:
+                out_side.add(f.file)
             continue
         rank = stage_dir_rank(Path(f.stage))
         if rank is None or rank >= plan.pp:
@@ -75,7 +92,23 @@ def damaged_files(findings: list[Finding], target: Path, plan: Plan) -> tuple[di
             names |= {*planned.values(), *side}
     if (target / RUN_MARKER).exists():
         run_manifest = False  # an unfinished run: the same command finishes it
-    return {r: n for r, n in files.items() if n}, run_manifest
+    return {r: n for r, n in files.items() if n}, run_manifest, out_side
+
+
+def remove_leftovers(findings: list[Finding], plan: Plan, out: Path) -> None:
+    """Delete what verify found that no split holds: stray data files beside a stage's own (stale
+    data a loader globbing ``*.safetensors`` would read) and temporaries of an earlier run."""
+    for f in findings:
+        if f.file is None or not is_plain_name(f.file):
+            continue
+        where = out / f.stage if f.stage is not None else out
+        rank = stage_dir_rank(where) if f.stage is not None else None
+        in_plan = rank is not None and rank < plan.pp
+        planned = {file.name for file in plan.stages[rank].files} if in_plan else set()
+        stray = f.kind == EXTRA and f.file.endswith(".safetensors") and f.file not in planned
+        leftover = f.kind == INCOMPLETE and (f.file.endswith(PARTIAL_SUFFIX) or f.file == JOURNAL)
+        if stray or leftover:
+            remove(where / f.file)
 
 
 def repair_files(
@@ -84,6 +117,7 @@ def repair_files(
     files: dict[int, set[str]],
     *,
     rewrite_run_manifest: bool = False,
+    side_files_of_out: set[str] | frozenset[str] = frozenset(),
     workers: int = DEFAULT_WORKERS,
     reporter: Reporter | None = None,
 ) -> list[str]:
@@ -100,6 +134,7 @@ def repair_files(
             non-weight files, manifest and index are written again, the manifest's digests
             taken from the data files, and those that are not the source's rewritten too).
         rewrite_run_manifest: Rewrite ``reshard.json`` too.
+        side_files_of_out: OUT's own non-weight files to restore from the source.
         workers: Source shards copied at once.
         reporter: Progress callbacks; none by default.
 
@@ -118,6 +153,11 @@ def repair_files(
         # symlink out of OUT), as a resumed split clears them.
         remove_partials(out, stages)
         to_write, redo_meta = _files_to_rewrite(plan, out, files, stages, digests)
+        # What the rewritten files take before the old ones go, checked before anything changes.
+        side = side_file_bytes(plan) * (len(redo_meta) + bool(side_files_of_out))
+        check_free_space(out, sum(f.size for _, f in to_write) + side)
+        for stage in redo_meta:
+            remove(out / stage.dirname / INDEX_NAME)  # not a complete-looking stage while it is mended
         # Mended files are copied, not shared: their bytes are read and get their digests.
         durable = Durability(out, whole_fs=False)
         copy_files(plan, out, to_write, digests, workers, reporter, share=False, durable=durable)
@@ -128,9 +168,13 @@ def repair_files(
         meta = (*plan.checkpoint.extra_files, STAGE_MANIFEST, INDEX_NAME)
         done = [f"{s.dirname}/{f.name}" for s, f in to_write]
         done += [f"{s.dirname}/{name}" for s in redo_meta for name in meta]
+        for name in sorted(side_files_of_out):
+            write_atomic(out / name, plan.checkpoint.path(name).read_bytes())
+            done.append(name)
         if rewrite_run_manifest:
             complete = [s.rank for s in plan.stages if stage_is_complete(out / s.dirname)]
-            write_atomic(out / RUN_MANIFEST, dumps(run_manifest(plan, complete)))
+            side_files = {n: file_sha256(plan.checkpoint.path(n)) for n in plan.checkpoint.extra_files}
+            write_atomic(out / RUN_MANIFEST, dumps(run_manifest(plan, complete, side_files)))
             done.append(RUN_MANIFEST)
         fsync_dir(out)
     except OSError as e:
@@ -144,7 +188,8 @@ def _files_to_rewrite(
     plan: Plan, out: Path, files: dict[int, set[str]], stages: list[StagePlan], digests: dict[int, Digests]
 ) -> tuple[list[tuple[StagePlan, OutputFile]], list[StagePlan]]:
     """The data files to rewrite, and the stages whose side files, manifest and index are
-    written again (their index removed now); fills ``digests`` with those of the files kept."""
+    written again; fills ``digests`` with those of the files kept. Changes nothing but a
+    missing stage directory, made again."""
     to_write: list[tuple[StagePlan, OutputFile]] = []
     redo_meta: list[StagePlan] = []
     for stage in stages:
@@ -154,7 +199,6 @@ def _files_to_rewrite(
         stage_dir.mkdir(exist_ok=True)
         if names - {f.name for f in stage.files}:
             redo_meta.append(stage)
-            remove(stage_dir / INDEX_NAME)  # not a complete-looking stage while it is mended
             # The new manifest records the digests of the data files kept, which nothing
             # vouched for (a damaged manifest is no measure): a file is kept only if its
             # header and tensors are the plan's and the source's, else it is rewritten too.

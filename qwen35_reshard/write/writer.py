@@ -37,7 +37,7 @@ from ..format.names import RUN_MANIFEST, RUN_MARKER
 from ..plan.planner import OutputFile, Plan, StagePlan
 from ..write.manifest import run_identity, run_manifest
 from .assemble import OpenSource, Reporter, copy_files
-from .assess import OutState, assess_out, check_out_dir, source_stamps
+from .assess import OutState, assess_out, check_out_dir
 from .durability import Durability, remove, remove_partials, write_atomic, write_error
 from .finish import Prepared, finish_stages, prepare_stages
 from .journal import Digests
@@ -51,6 +51,7 @@ from .outdir import (
     split_bytes,
     undo,
 )
+from .sources import check_unchanged, source_stamps
 
 __all__ = [
     "DEFAULT_WORKERS",
@@ -78,11 +79,14 @@ class WriteResult:
     bytes_shared: int = 0  # bytes of the data files sharing the source's blocks (never read)
     sharing: bool = False  # OUT could share blocks with the source
     complete: list[int] = field(default_factory=list)  # every stage of the split complete in OUT now
+    # OUT's run record and non-weight files written (with the stages built, or alone: they
+    # were missing or damaged while every stage was complete)
+    wrote_run_files: bool = False
 
     @property
     def nothing_to_do(self) -> bool:
-        """Whether the write built no stage (all were complete already)."""
-        return not self.built
+        """Whether the write wrote nothing (every stage and OUT's own files were complete already)."""
+        return not self.built and not self.wrote_run_files
 
 
 def write_plan(
@@ -168,6 +172,8 @@ def _open_out(plan: Plan, out: Path, overwrite: bool) -> tuple[OutState, list[Pa
         # written to: on a read-only filesystem, unlinking even a missing file fails.
         if state.action == "complete" and (out / RUN_MARKER).exists():
             remove(out / RUN_MARKER)
+        if state.action == "complete":  # temporaries of a run killed before, which verify reports
+            remove_partials(out, plan.selected)
     except OSError as e:  # OUT cannot be created or read: nothing was written
         raise write_error(e, out, 0) from e
     return state, created
@@ -241,8 +247,18 @@ def _write_stages(
     # OUT itself is the model path of `vllm serve OUT --load-format qwen35-stages`: vLLM reads
     # the config and the tokenizer there (and refuses a split for SGLang in the plugin, with
     # the shim's message), each rank's weights from OUT/pp{rank}.
-    run_record = dumps(run_manifest(plan, result.complete))
-    finish_stages(out, todo, digests, durable, prepared[0], run_record=run_record, data=deferred)
+    run_record = dumps(run_manifest(plan, result.complete, prepared[0].side_sha256))
+    finish_stages(
+        out,
+        todo,
+        digests,
+        durable,
+        prepared[0],
+        run_record=run_record,
+        data=deferred,
+        before_complete=lambda: check_unchanged(plan, sorted({f for s in todo for f in s.source_files})),
+    )
+    result.wrote_run_files = True
     for stage in todo:
         result.built.append(stage.rank)
         reporter.stage_done(stage)

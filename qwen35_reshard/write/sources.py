@@ -1,0 +1,97 @@
+"""The source files a run reads are the ones it planned from.
+
+A local checkpoint's shards are stamped as their headers are read (``file_stamp``: device,
+inode, size, modification and status-change times). A shard replaced while a run copies (a
+rename over it keeps the mtime, not the inode or the ctime; a rewrite in place changes the
+times) would put other bytes under digests computed from those very bytes, and nothing after
+the run could tell. So each shard is checked against its stamp just before it is copied and
+just after (the bytes read in between are then the planned file's: replacing it, or putting it
+back, changes its ctime), and every shard once more before any stage is declared complete.
+A Hub source is pinned to one commit: every byte fetched is named by it; a shard copied whole
+from a cached blob is hashed as it streams by and compared with the Hub's LFS sha256
+(:class:`BlobCheck`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+from ..errors import ReshardError, param
+from ..plan.planner import Plan
+from ..source.header import file_stamp
+from ..transfer.copier import RangeSource, Segment
+
+# What each field of a stamp is, for the message naming what changed.
+_STAMP_FIELDS = ("device", "inode", "size", "modification time", "status-change time")
+
+
+def source_stamps(plan: Plan) -> dict:
+    """What the run marker records of the source, for a later run to tell whether it changed:
+    each shard's stamp as planned from, or a Hub source's commit."""
+    ckpt = plan.checkpoint
+    if ckpt.hub is not None:
+        return {"commit": ckpt.hub.get("commit")}
+    return {f: list(stamp) for f, stamp in ckpt.stamps.items()}
+
+
+def check_unchanged(plan: Plan, files: list[str] | tuple[str, ...]) -> None:
+    """Raise ReshardError unless each local source file of ``files`` is still the one the run
+    planned from (its stamp as its header was read); a Hub source's files are not stamped.
+
+    Raises:
+        ReshardError: A file changed or is gone: one line naming it and what changed.
+    """
+    ckpt = plan.checkpoint
+    for name in files:
+        planned = ckpt.stamps.get(name)
+        if planned is None:
+            continue
+        path = ckpt.path(name)
+        try:
+            now = file_stamp(os.stat(path))
+        except OSError as e:
+            what = f"it is gone ({e.strerror})"
+        else:
+            if now == planned:
+                continue
+            what = ", ".join(f for f, a, b in zip(_STAMP_FIELDS, planned, now, strict=True) if a != b)
+            what = f"its {what} changed: it was replaced or rewritten"
+        raise ReshardError(
+            f"{path}: the source changed during the run ({what}); no stage was finished from it: once "
+            f"{param('model_dir')} is stable, run the same command again with {param('overwrite', True)}"
+        )
+
+
+class BlobCheck:
+    """The sha256 of a whole Hub shard, taken as its bytes stream by, against the Hub's LFS
+    sha256 of it: huggingface_hub checks only a download's size, and the copy reads every byte
+    of a shard it needs whole anyway."""
+
+    def __init__(self, where: str, path: str, want: str, head: bytes) -> None:
+        self.where, self.path, self.want = where, path, want
+        self.digest = hashlib.sha256(head)
+        self.update = self.digest.update
+
+    @classmethod
+    def of(cls, plan: Plan, file: str, src: str | RangeSource, segments: list[Segment]) -> BlobCheck | None:
+        """The check of source ``file``, whose every tensor ``segments`` copies, read from the
+        local path ``src`` (a cached blob): when it is a Hub shard with a known LFS sha256."""
+        ckpt = plan.checkpoint
+        want = ckpt.blob_sha256.get(file)
+        if ckpt.hub is None or want is None or not isinstance(src, str | os.PathLike):
+            return None
+        data_start = ckpt.file_sizes[file] - sum(s.nbytes for s in segments)  # tensors tile the data
+        with open(src, "rb") as f:
+            head = f.read(data_start)
+        return cls(f"{ckpt.display}: {file}", os.path.realpath(src), want, head)
+
+    def check(self) -> None:
+        """Raise ReshardError unless the bytes read are the Hub's."""
+        got = self.digest.hexdigest()
+        if got != self.want:
+            raise ReshardError(
+                f"{self.where}: the bytes read (sha256 {got[:12]}...) are not the Hub's (LFS sha256 "
+                f"{self.want[:12]}...): the cached copy {self.path} is damaged or was replaced; delete it "
+                "and run the same command again"
+            )
