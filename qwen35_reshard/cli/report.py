@@ -124,6 +124,9 @@ class RichReporter(ReshardProgress):
         if self.download_task is not None:
             self.progress.advance(self.download_task, nbytes)
 
+    def waiting(self, message: str) -> None:
+        self.console.print(message, highlight=False, markup=False, soft_wrap=True)
+
     def stage_done(self, stage: StagePlan) -> None:
         self.close()  # copying is over once stages finish; the bar stays as the last record
         tensors = plural(len(stage.tensors), "tensor")

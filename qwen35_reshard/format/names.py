@@ -27,6 +27,10 @@ STAGE_DIR = re.compile(r"pp(0|[1-9][0-9]*)")
 RUN_MARKER = ".reshard-run.json"  # identity of a run in progress; removed on success
 JOURNAL = ".reshard-journal.jsonl"  # finished data files of an unfinished stage, with digests
 PARTIAL_SUFFIX = ".partial"
+# Runs sharing one OUT (see write/claims.py): held while a run decides or records what OUT
+# holds, and, in a stage directory, while a run builds that stage.
+LOCK = ".reshard-lock"
+CLAIM = ".reshard-claim"
 
 # How a stage's data file is laid out:
 # - CLONE: exactly the bytes of one source shard the stage needs whole, header included;

@@ -36,10 +36,12 @@ from ..format.dtypes import DTYPE_SIZES
 from ..format.identity import RunIdentity
 from ..format.jsonio import is_uint
 from ..format.names import (
+    CLAIM,
     CLONE,
     CONFIG_NAME,
     INDEX_NAME,
     JOURNAL,
+    LOCK,
     MTP_DROPPED,
     PARTIAL_SUFFIX,
     RUN_MANIFEST,
@@ -190,9 +192,12 @@ def verify(
 
 
 def _is_run_dir(root: Path) -> bool:
-    # A run killed before its marker was renamed into place leaves only the marker's temporary.
-    names = (RUN_MANIFEST, RUN_MARKER, f".{RUN_MARKER}{PARTIAL_SUFFIX}", f".{RUN_MANIFEST}{PARTIAL_SUFFIX}")
-    if any((root / name).exists() for name in names):
+    # A run killed before its marker was renamed into place leaves only the marker's temporary
+    # (``.NAME.HOST.PID.NONCE.partial``; ``.NAME.partial`` from older releases), or OUT's lock.
+    if any((root / name).exists() for name in (RUN_MANIFEST, RUN_MARKER, LOCK)):
+        return True
+    temporaries = tuple(f".{name}." for name in (RUN_MARKER, RUN_MANIFEST, LOCK))
+    if any(p.name.startswith(temporaries) and p.name.endswith(PARTIAL_SUFFIX) for p in root.iterdir()):
         return True
     return any(STAGE_DIR.fullmatch(p.name) and p.is_dir() for p in root.iterdir())
 
@@ -217,6 +222,16 @@ def _check_run_dir(root: Path, display: str, report: VerifyReport) -> list[_Stag
                     INCOMPLETE, f"{display}/{p.name} is left from an unfinished run; {RERUN}", file=p.name
                 )
             )
+    if (root / LOCK).exists():
+        report.findings.append(
+            Finding(
+                INCOMPLETE,
+                f"{display}/{LOCK} is present: a qwen35-reshard run is changing {display}, or one "
+                f"was killed while it did; {RERUN} (it waits for a live run, and removes what a "
+                "killed one left)",
+                file=LOCK,
+            )
+        )
     marker = _read_json_finding(root / RUN_MARKER, display, report)
     run = _read_json_finding(root / RUN_MANIFEST, display, report)
     if (root / RUN_MARKER).exists():
@@ -332,6 +347,14 @@ def _check_stage(stage: _Stage, report: VerifyReport, ckpt: Checkpoint | None, c
     for name in entries:
         if name.endswith(PARTIAL_SUFFIX) or name == JOURNAL:
             add(INCOMPLETE, f"{stage.display}/{name} is left from an unfinished run; {RERUN}", file=name)
+        elif name == CLAIM:
+            add(
+                INCOMPLETE,
+                f"{stage.display}/{name} is present: a qwen35-reshard run is building this stage, or "
+                f"one was killed while it did; {RERUN} (it waits for a live run, and takes over from a "
+                "killed one)",
+                file=name,
+            )
     found = read_stage(stage.path, stage.display, stage.run)
     for p in found.problems:
         add(p.kind, p.message, file=p.file, tensor=p.tensor)
