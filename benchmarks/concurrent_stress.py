@@ -8,12 +8,16 @@ Each round starts ``--procs`` real ``qwen35-reshard`` processes together into a 
   of one tensor-parallel group do);
 - ``whole``: every process runs the whole split (the same command started twice or more).
 
+With ``--hosts``, each process runs as its own "host": its own hostname and pid namespace
+(``unshare --uts --pid``, as root), so that no run can see another's pid, as across machines
+sharing a filesystem, and each judges the others by their claims' lease alone.
+
 A round passes when every process exits 0, OUT is byte-identical to one sequential run's
 (every file, hidden ones included, and so the same reshard.json), and ``verify --source``
 passes. Prints one line per round and a JSON summary last.
 
     python benchmarks/concurrent_stress.py --procs 4 8 16 --rounds 10 [--mode ranks whole]
-        [--root DIR] [--model MODEL]
+        [--root DIR] [--model MODEL] [--hosts]
 
 ``--root`` puts the checkpoint and the OUTs there (an NFS mount, say); ``PYTHONPATH`` pointing
 at another tree runs that tree's code (a baseline).
@@ -48,11 +52,20 @@ def split(model: Path, out: Path, pp: int, *extra: str) -> list[str]:
     return [sys.executable, "-m", "qwen35_reshard", "--pp", str(pp), str(model), str(out), "--quiet", *extra]
 
 
-def round_once(model: Path, out: Path, procs: int, pp: int, mode: str) -> tuple[list[int], list[str]]:
+def as_host(i: int, cmd: list[str]) -> list[str]:
+    """``cmd`` run as host ``node{i}``: its own hostname and pid namespace."""
+    script = 'hostname "$1"; shift; exec "$@"'
+    return ["unshare", "--uts", "--pid", "--fork", "--mount-proc", "sh", "-c", script, "sh", f"node{i}", *cmd]
+
+
+def round_once(
+    model: Path, out: Path, procs: int, pp: int, mode: str, hosts: bool
+) -> tuple[list[int], list[str]]:
     """Start ``procs`` runs together into ``out``; returns their exit codes and stderr tails."""
     cmds = [
         split(model, out, pp, *(["--rank", str(i % pp)] if mode == "ranks" else [])) for i in range(procs)
     ]
+    cmds = [as_host(i, c) for i, c in enumerate(cmds)] if hosts else cmds
     running = [
         subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for c in cmds
     ]
@@ -69,6 +82,7 @@ def main() -> int:
     ap.add_argument("--root", type=Path, default=None)
     ap.add_argument("--model", type=Path, default=None)
     ap.add_argument("--no-verify", action="store_true", help="skip verify --source each round")
+    ap.add_argument("--hosts", action="store_true", help="each process its own hostname and pid namespace")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="stress-", dir=args.root))
     model = args.model
@@ -92,7 +106,7 @@ def main() -> int:
                 started = time.monotonic()
                 for r in range(args.rounds):
                     out = root / f"out-{procs}-{mode}-{r}"
-                    codes, tails = round_once(model, out, procs, pp, mode)
+                    codes, tails = round_once(model, out, procs, pp, mode, args.hosts)
                     same = digests(out) == want
                     verified = (
                         args.no_verify
@@ -127,6 +141,7 @@ def main() -> int:
                         "procs": procs,
                         "pp": pp,
                         "mode": mode,
+                        "hosts": args.hosts,
                         "rounds": args.rounds,
                         "rounds_ok": ok,
                         "seconds": round(time.monotonic() - started, 1),

@@ -90,7 +90,16 @@ def _read(path: str) -> str:
 
 
 def _start_time(pid: int) -> str | None:
-    """Process ``pid``'s start time (clock ticks since boot), or None when it is not running."""
+    """Process ``pid``'s start time (clock ticks since boot), or None when it is not running.
+    Without /proc (not Linux), "" for any running process: pid reuse goes unseen there."""
+    if not os.path.exists("/proc/self/stat"):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass  # runs, as another user
+        return ""
     stat = _read(f"/proc/{pid}/stat")
     if not stat:
         return None
@@ -325,6 +334,21 @@ def locked(out: Path, on_wait: Callable[[str], None]) -> Iterator[int]:
         yield os.stat(lock).st_mtime_ns
     finally:
         release(lock)
+
+
+def wait_for_change(paths: list[Path]) -> None:
+    """Wait until one of the held files ``paths`` is released or changes hands, or a lease has
+    half run out (another host's holder may be gone by then: only OUT's lock can tell).
+
+    Looks only at the files themselves: a waiting run does not take OUT's lock (or read a
+    stage's manifest) every moment, for the hours another node may take to build its stage.
+    """
+    seen = [_holder(p)[1] for p in paths]
+    deadline = time.monotonic() + LEASE_SECONDS / 2
+    waited = 0
+    while time.monotonic() < deadline and [_holder(p)[1] for p in paths] == seen:
+        time.sleep(pause(waited))
+        waited += 1
 
 
 def pause(waited: int) -> float:

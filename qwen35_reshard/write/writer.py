@@ -34,7 +34,6 @@ stages' other files, manifests and indexes), all on ``durability``.
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -185,7 +184,6 @@ def _write_rounds(
     for the stages others are building, until every one is complete and the run recorded."""
     pending = list(plan.selected)
     told: set[int] = set()
-    waited = 0
     while True:
         needed = 0
         try:
@@ -224,8 +222,8 @@ def _write_rounds(
                     f"{out / plan.stages[rank].dirname} is being built by another qwen35-reshard run "
                     f"({claims.describe(holder)}): waiting for it"
                 )
-        time.sleep(claims.pause(waited))
-        waited += 1
+        if busy:  # else the stages were finished as this run looked: the next round sees them
+            claims.wait_for_change([out / plan.stages[rank].dirname / CLAIM for rank in busy])
 
 
 def _claimed(out: Path) -> bool:
