@@ -124,9 +124,6 @@ class RichReporter(ReshardProgress):
         if self.download_task is not None:
             self.progress.advance(self.download_task, nbytes)
 
-    def waiting(self, message: str) -> None:
-        self.console.print(message, highlight=False, markup=False, soft_wrap=True)
-
     def stage_done(self, stage: StagePlan) -> None:
         self.close()  # copying is over once stages finish; the bar stays as the last record
         tensors = plural(len(stage.tensors), "tensor")
@@ -138,10 +135,14 @@ class RichReporter(ReshardProgress):
 
 
 class QuietView(ReshardProgress):
-    """What ``--quiet`` shows as a run goes: its warnings only (on stderr)."""
+    """What ``--quiet`` shows as a run goes: its warnings, and that it waits for another run
+    writing OUT (on stderr)."""
 
     def warning(self, message: str) -> None:
         print(f"warning: {message}", file=sys.stderr)
+
+    def waiting(self, message: str) -> None:
+        print(message, file=sys.stderr)
 
 
 class SplitView(QuietView, RichReporter):
