@@ -274,21 +274,24 @@ def _foreign_claim(stage_dir: Path, age: float) -> Path:
     return path
 
 
-def test_a_claim_from_another_host_is_waited_for_until_its_lease_runs_out(model, clean, tmp_path):
-    """Another host's run cannot be asked whether it lives: its claim is honoured while it is
-    refreshed, and taken over once it has not been for the lease."""
-    out = Path(shutil.copytree(clean, tmp_path / "out"))
-    shutil.rmtree(out / "pp1")
-    claim = _foreign_claim(out / "pp1", age=0)
-    b = Run(split_args(model, out, "--rank", "1"), tmp_path / "b")
-    b.wait_ended_or_waiting()
-    assert b.proc.poll() is None
-    assert "host other-node, pid 4242" in b.stderr.read_text()
+@pytest.mark.parametrize("refreshed", [True, False], ids=["live", "lease-ran-out"])
+def test_a_claim_from_another_host_is_judged_by_its_lease(model, clean, tmp_path, refreshed):
+    """Another host's run cannot be asked whether it lives: its claim is waited for while it is
+    refreshed (until it is released), and taken over once it has not been for the lease."""
     from qwen35_reshard.write.claims import LEASE_SECONDS
 
-    past = time.time() - 2 * LEASE_SECONDS
-    os.utime(claim, (past, past))  # its run stopped refreshing it long ago
+    out = Path(shutil.copytree(clean, tmp_path / "out"))
+    shutil.rmtree(out / "pp1")
+    claim = _foreign_claim(out / "pp1", age=0 if refreshed else 2 * LEASE_SECONDS)
+    b = Run(split_args(model, out, "--rank", "1"), tmp_path / "b")
+    if refreshed:
+        b.wait_ended_or_waiting()
+        assert b.proc.poll() is None
+        said = b.stderr.read_text()
+        assert "pp1 is being built by another qwen35-reshard run (host other-node, pid 4242)" in said
+        claim.unlink()  # that run finished (here: without building anything)
     assert b.finish() == 0, b.stderr.read_text()
+    assert ("waiting for it" in b.stderr.read_text()) == refreshed
     assert_sequential(out, model, clean)
 
 

@@ -202,30 +202,32 @@ def try_take(path: Path) -> Held | None:
     """
     mine = me().to_bytes()
     cand = path.with_name(temp_name(path.name))
-    with open(cand, "wb") as f:
-        f.write(mine)
     try:
-        os.utime(cand)  # the server's "now", for judging another host's file below
         for _ in range(3):
+            with open(cand, "wb") as f:
+                f.write(mine)
+            os.utime(cand)  # the server's "now", for judging another host's file below
+            now = os.stat(cand).st_mtime_ns
             try:
                 os.link(cand, path)
+                _hold(path)
+                return None
             except FileExistsError:
                 pass
-            except FileNotFoundError:  # removed by another run clearing temporaries: try again
+            except FileNotFoundError:  # removed by a run clearing temporaries: write it again
                 continue
             except OSError as e:
                 if e.errno in _NO_LINKS:
-                    return _take_exclusive(path, mine, os.stat(cand).st_mtime_ns)
+                    return _take_exclusive(path, mine, now)
                 # NFS: a retransmitted LINK whose first reply was lost fails although it was done.
                 if os.stat(cand).st_nlink != 2:
                     raise
-            if os.stat(cand).st_nlink == 2:
                 _hold(path)
                 return None
             holder, raw, mtime = _holder(path)
             if raw is None:
                 continue  # released meanwhile
-            if not gone(holder, mtime, os.stat(cand).st_mtime_ns):
+            if not gone(holder, mtime, now):
                 return Held(holder)
             _break(path, raw)
         return Held(None)
