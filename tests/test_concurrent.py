@@ -25,18 +25,19 @@ from qwen35_reshard.verify import verify
 PP = 4
 CLAIM = ".reshard-claim"
 
-# Runs the CLI with an audit hook that stops the process (SIGSTOP) the first time it opens a
-# path containing argv[1]; argv[2:] are the CLI's arguments.
+# Runs the CLI with an audit hook that stops the process (SIGSTOP) the first time it raises
+# the audit event argv[1] ("open", "os.mkdir") on a path containing argv[2]; argv[3:] are the
+# CLI's arguments.
 _STOP_AT = (
     "import os, runpy, signal, sys\n"
-    "where = sys.argv[1]\n"
+    "event, where = sys.argv[1:3]\n"
     "hit = []\n"
     "def hook(name, args):\n"
-    "    if name == 'open' and not hit and where in str(args[0]):\n"
+    "    if name == event and not hit and where in str(args[0]):\n"
     "        hit.append(1)\n"
     "        os.kill(os.getpid(), signal.SIGSTOP)\n"
     "sys.addaudithook(hook)\n"
-    "sys.argv = ['qwen35_reshard', *sys.argv[2:]]\n"
+    "sys.argv = ['qwen35_reshard', *sys.argv[3:]]\n"
     "runpy.run_module('qwen35_reshard', run_name='__main__')\n"
 )
 
@@ -48,12 +49,12 @@ def split_args(model: Path, out: Path, *extra: str, pp: int = PP) -> list[str]:
 class Run:
     """A real run in the background, its stderr in a file (a full pipe never blocks it)."""
 
-    def __init__(self, args: list[str], logs: Path, stop_at: str | None = None) -> None:
+    def __init__(self, args: list[str], logs: Path, stop_at: str | None = None, event: str = "open") -> None:
         logs.mkdir(parents=True, exist_ok=True)
         self.stdout, self.stderr = logs / "stdout", logs / "stderr"
-        prefix = (
-            [sys.executable, "-c", _STOP_AT, stop_at] if stop_at else [sys.executable, "-m", "qwen35_reshard"]
-        )
+        prefix = [sys.executable, "-m", "qwen35_reshard"]
+        if stop_at is not None:
+            prefix = [sys.executable, "-c", _STOP_AT, event, stop_at]
         with open(self.stdout, "w") as o, open(self.stderr, "w") as e:
             self.proc = subprocess.Popen([*prefix, *args], stdout=o, stderr=e)
 
@@ -155,6 +156,18 @@ def test_a_rank_stopped_while_another_rank_runs_loses_nothing(model, clean, tmp_
     assert verify(out).not_built == [0, 3]
     assert cli(*split_args(model, out, "--rank", "0", "--rank", "3")).returncode == 0
     assert_sequential(out, model, clean)
+
+
+def test_two_runs_creating_out_at_once(model, clean, tmp_path):
+    """Two runs find OUT missing and create it at the same moment: the second to mkdir finds
+    it there, and goes on (it used to fail with "File exists")."""
+    out = tmp_path / "out"
+    a = Run(split_args(model, out, "--rank", "1"), tmp_path / "a", stop_at=str(out), event="os.mkdir")
+    a.wait_stopped()
+    b = Run(split_args(model, out, "--rank", "2"), tmp_path / "b")
+    assert b.finish() == 0, b.stderr.read_text()
+    assert a.resume() == 0, a.stderr.read_text()
+    assert recorded_complete(out) == [1, 2]
 
 
 def test_two_whole_runs_write_each_stage_once(model, clean, tmp_path):

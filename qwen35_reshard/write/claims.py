@@ -283,6 +283,8 @@ def _break(path: Path, raw: bytes) -> None:
                 os.link(aside, path)
             except FileExistsError:
                 pass
+    except FileNotFoundError:
+        pass  # cleared meanwhile by the run that took the lock since
     finally:
         _remove(aside)
 

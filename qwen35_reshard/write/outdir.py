@@ -56,7 +56,12 @@ def make_dirs(path: Path) -> list[Path]:
     created = []
     try:
         for d in reversed(missing):
-            d.mkdir()
+            try:
+                d.mkdir()
+            except FileExistsError:
+                if not d.is_dir():
+                    raise
+                continue  # made by another run starting at the same moment: not ours to undo
             created.append(d)
     except OSError:
         undo(created)
