@@ -49,7 +49,8 @@ def digests(root: Path) -> dict[str, str]:
 
 
 def split(model: Path, out: Path, pp: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "qwen35_reshard", "--pp", str(pp), str(model), str(out), "--quiet", *extra]
+    # As the commands are typed (not --quiet: the progress output is part of the timing).
+    return [sys.executable, "-m", "qwen35_reshard", "--pp", str(pp), str(model), str(out), *extra]
 
 
 def as_host(i: int, cmd: list[str]) -> list[str]:

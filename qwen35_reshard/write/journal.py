@@ -7,8 +7,9 @@ costs its file being redone.
 
 A file is kept only when its bytes are proven to be the ones the run that journaled it
 finished: the file is still the one it renamed into place, unchanged since (its inode, size,
-modification and change times as journaled; the change time moves with any write, and no
-call can set it back), or else its tensors hash to the digests journaled. Anything else (a
+modification and change times as journaled; the change time moves with any write, to the
+filesystem's timestamp granularity, and no call can set it back), or else its tensors hash to
+the digests journaled. Anything else (a
 file replaced or written to by another writer, copied, or journaled without digests because it
 shares the source's blocks) is rewritten.
 """
