@@ -12,7 +12,7 @@ from __future__ import annotations
 import gc
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -28,7 +28,14 @@ from .source import hub
 from .source.checkpoint import Checkpoint, read_checkpoint, source_identity
 from .verify.check import VerifyReport, recorded_plan, verify
 from .write.manifest import run_manifest
-from .write.repair import damaged_files, recorded_identity, remove_leftovers, repair_files
+from .write.repair import (
+    damaged_files,
+    recorded_identity,
+    remove_leftovers,
+    repair_files,
+    repair_lock,
+    without_lock,
+)
 from .write.writer import (
     DEFAULT_WORKERS,
     OutState,
@@ -377,26 +384,33 @@ class RepairResult:
 
 
 def repair(
-    out_dir: str | os.PathLike[str], source: str | os.PathLike[str], *, workers: int = DEFAULT_WORKERS
+    out_dir: str | os.PathLike[str],
+    source: str | os.PathLike[str],
+    *,
+    workers: int = DEFAULT_WORKERS,
+    on_wait: Callable[[str], None] = lambda message: None,
 ) -> RepairResult:
     """Verify the split in ``out_dir`` against ``source``, rewrite what is damaged, verify again.
 
     The plan is rebuilt from the settings the split records (as ``verify`` with a source does);
     only the files verify finds damaged, missing or truncated are rewritten, a stage's index and
     manifest only when among them; stray data files and temporaries verify names are deleted.
-    What a rewrite cannot mend (an unfinished run) is left for the second verify to report.
+    What a rewrite cannot mend (an unfinished run) is left for the second verify to report. In
+    a run directory all of it holds OUT's lock: a split of the same OUT started meanwhile
+    waits, and a split another live run is writing is refused, not mended under its feet.
 
     Args:
         out_dir: the run directory OUT, or one stage directory OUT/ppN.
         source: the local checkpoint directory the split was made from.
         workers: source shards copied at once.
+        on_wait: called with a message when the repair waits for another run changing OUT.
 
     Returns:
         A :class:`RepairResult`: the report before, the files rewritten, the report after.
 
     Raises:
         ReshardError: ``source`` is not a directory, the split records no readable settings,
-            or it was made from another checkpoint.
+            it was made from another checkpoint, or another live run is writing it.
 
     Example:
         >>> import os
@@ -416,11 +430,25 @@ def repair(
             f"{param('source')}"
         )
     target = Path(out_dir)
-    before = verify(target, source)
-    if before.ok:
-        return RepairResult(before, [], before)
     single = stage_dir_rank(target) is not None and not (target / RUN_MANIFEST).exists()
     out = target.parent if single else target
+    with repair_lock(out, single, on_wait):
+        return _repair(target, out, single, source, workers)
+
+
+def _verify_locked(target: Path, source: str | os.PathLike[str]) -> VerifyReport:
+    report = verify(target, source)
+    report.findings = without_lock(report.findings)
+    return report
+
+
+def _repair(
+    target: Path, out: Path, single: bool, source: str | os.PathLike[str], workers: int
+) -> RepairResult:
+    """:func:`repair` under OUT's lock."""
+    before = _verify_locked(target, source)
+    if before.ok:
+        return RepairResult(before, [], before)
     ckpt = read_checkpoint(source)
     identity = recorded_identity(out, target if single else None)
     if identity.source_fingerprint != source_identity(ckpt)["fingerprint"]:
@@ -442,4 +470,4 @@ def repair(
     done = repair_files(
         plan, out, files, rewrite_run_manifest=redo_run_manifest, side_files_of_out=out_side, workers=workers
     )
-    return RepairResult(before, [str(out / p) for p in done], verify(target, source))
+    return RepairResult(before, [str(out / p) for p in done], _verify_locked(target, source))

@@ -33,8 +33,9 @@ LAYERS = [
     (6, "stage", ["stage", "stage.findings", "stage.manifest", "stage.reader"]),
     (7, "verify", ["verify", "verify.check"]),
     (7, "loader", ["loader", "loader.vllm", "loader.sglang"]),
-    (7, "write", ["write", "write.durability", "write.journal", "write.datafile", "write.assemble",
-                  "write.assess", "write.sources", "write.outdir", "write.finish", "write.manifest",
+    (7, "write", ["write", "write.claims", "write.durability", "write.journal", "write.datafile",
+                  "write.assemble", "write.assess", "write.sources", "write.outdir", "write.finish",
+                  "write.manifest",
                   "write.writer", "write.repair"]),
     (8, "api", ["", "api"]),  # "": the package itself, whose names load on first use
     (9, "cli", ["cli", "cli.report", "cli.app", "__main__"]),

@@ -228,14 +228,14 @@ def test_reflink_always_is_refused_on_ext4_with_one_line(checkpoints, filesystem
 def cloning(out: Path) -> bool:
     """Whole-shard clones are being made: a data file is under its temporary name, and the
     stages' indexes (written once the copy has started) are not yet."""
-    partial = any(out.glob("pp*/.model-*.safetensors.partial"))
-    return partial and not any(out.glob("pp*/.model.safetensors.index.json.partial"))
+    partial = any(out.glob("pp*/.model-*.safetensors.*.partial"))
+    return partial and not any(out.glob("pp*/.model.safetensors.index.json.*.partial"))
 
 
 def indexing(out: Path) -> bool:
     """The clones are made and the stages' side files and indexes are being written (under
     temporary names) while the rest is copied: no data file has its final name yet."""
-    indexes = any(out.glob("pp*/.model.safetensors.index.json.partial"))
+    indexes = any(out.glob("pp*/.model.safetensors.index.json.*.partial"))
     return indexes and not any(out.glob("pp*/model-*.safetensors"))
 
 

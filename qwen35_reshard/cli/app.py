@@ -677,7 +677,7 @@ def _verify(args: VerifyArgs, output: Output) -> int:
             raise ReshardError("--repair rewrites files from the checkpoint: pass --source MODEL")
         from ..api import repair
 
-        result = repair(args.out, args.source)
+        result = repair(args.out, args.source, on_wait=lambda message: print(message, file=sys.stderr))
         if not result.before.ok:
             for line in verify_lines(result.before, problems_only=output.quiet)[:-1]:
                 print(line, file=out)

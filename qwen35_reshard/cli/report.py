@@ -135,10 +135,14 @@ class RichReporter(ReshardProgress):
 
 
 class QuietView(ReshardProgress):
-    """What ``--quiet`` shows as a run goes: its warnings only (on stderr)."""
+    """What ``--quiet`` shows as a run goes: its warnings, and that it waits for another run
+    writing OUT (on stderr)."""
 
     def warning(self, message: str) -> None:
         print(f"warning: {message}", file=sys.stderr)
+
+    def waiting(self, message: str) -> None:
+        print(message, file=sys.stderr)
 
 
 class SplitView(QuietView, RichReporter):

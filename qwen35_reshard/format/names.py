@@ -27,9 +27,6 @@ STAGE_DIR = re.compile(r"pp(0|[1-9][0-9]*)")
 RUN_MARKER = ".reshard-run.json"  # identity of a run in progress; removed on success
 JOURNAL = ".reshard-journal.jsonl"  # finished data files of an unfinished stage, with digests
 PARTIAL_SUFFIX = ".partial"
-# The marker's temporary as earlier versions named it (a dot too many): a killed run of one may
-# have left it, and it is the tool's own.
-OLD_MARKER_PARTIAL = f".{RUN_MARKER}{PARTIAL_SUFFIX}"
 # Non-weight files (config, tokenizer) are read, copied and hashed in chunks of this size.
 SIDE_FILE_CHUNK = 64 << 20
 # A Hugging Face cache: a repo's folder (models--org--name) and a commit's snapshot (snapshots/<sha1>).
@@ -37,6 +34,15 @@ CACHE_REPO_PREFIX = "models--"
 COMMIT = re.compile(r"[0-9a-f]{40}")
 # The source a run identity records for a local checkpoint directory (a Hub source: repo@commit).
 LOCAL_SOURCE = "local"
+# Runs sharing one OUT (see write/claims.py): held while a run decides or records what OUT
+# holds, and, in a stage directory, while a run builds that stage.
+LOCK = ".reshard-lock"
+CLAIM = ".reshard-claim"
+# The tool's own dotfiles: a temporary of one keeps its single leading dot.
+DOTFILES = (RUN_MARKER, JOURNAL, LOCK, CLAIM)
+# What the writing process adds to a temporary's name: ".HOST.PID.NONCE" (HOST without dots;
+# see write/claims.py), so that no two runs sharing OUT write, rename or delete each other's.
+TEMP_TOKEN = re.compile(r"\.[A-Za-z0-9-]+\.[0-9]+\.[0-9a-f]{8}$")
 
 # How a stage's data file is laid out:
 # - CLONE: exactly the bytes of one source shard the stage needs whole, header included;
@@ -63,7 +69,18 @@ def stage_dir_rank(path: Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def partial_name(name: str) -> str:
+def partial_name(name: str, token: str = "") -> str:
     """The name a file ``name`` is written under before its atomic rename: hidden by one
-    leading dot (a dotfile keeps its own) and ending in PARTIAL_SUFFIX."""
-    return f"{'' if name.startswith('.') else '.'}{name}{PARTIAL_SUFFIX}"
+    leading dot (a dotfile keeps its own), the writing process's ``token`` (see TEMP_TOKEN),
+    and PARTIAL_SUFFIX: ``.config.json.HOST.PID.NONCE.partial``, ``.reshard-run.json.....partial``."""
+    return f"{'' if name.startswith('.') else '.'}{name}{'.' + token if token else ''}{PARTIAL_SUFFIX}"
+
+
+def partial_base(name: str) -> str | None:
+    """The name the temporary file ``name`` stands for (what :func:`partial_name` was given,
+    token or not; also an older release's ``..reshard-run.json.partial``); None when ``name``
+    is no temporary."""
+    if not (name.startswith(".") and name.endswith(PARTIAL_SUFFIX)):
+        return None
+    base = TEMP_TOKEN.sub("", name[: -len(PARTIAL_SUFFIX)])
+    return base if base in DOTFILES else base[1:]

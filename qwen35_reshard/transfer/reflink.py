@@ -38,8 +38,8 @@ _NO_SHARING = {
     errno.EPERM,
     errno.ETXTBSY,
 }
-# The probe's file in OUT, ``{PROBE_PREFIX}{pid}.partial``: a run killed while probing leaves it.
-PROBE_PREFIX = ".reflink-probe-"
+# The name the probe's temporary file in OUT stands for: a run killed while probing leaves it.
+PROBE_NAME = "reflink-probe"
 
 
 def clone_file(src_fd: int, dst_fd: int) -> bool:
@@ -72,13 +72,12 @@ def block_size(fd: int) -> int:
     return os.fstatvfs(fd).f_bsize
 
 
-def probe(src_path: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> bool:
-    """True when files in ``out_dir`` can share blocks with the file ``src_path``.
+def probe(src_path: str | os.PathLike[str], tmp: str | os.PathLike[str]) -> bool:
+    """True when files beside ``tmp`` can share blocks with the file ``src_path``.
 
-    Shares the source's first block (or the whole file, if smaller) into a temporary file in
-    ``out_dir``, which is removed again.
+    Shares the source's first block (or the whole file, if smaller) into the temporary file
+    ``tmp`` (a name of the caller's own), which is removed again.
     """
-    tmp = os.path.join(out_dir, f"{PROBE_PREFIX}{os.getpid()}.partial")
     src = os.open(src_path, os.O_RDONLY)
     try:
         dst = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

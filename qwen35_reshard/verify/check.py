@@ -37,19 +37,20 @@ from ..format.dtypes import DTYPE_SIZES
 from ..format.identity import RunIdentity, describe_differences
 from ..format.jsonio import is_uint
 from ..format.names import (
+    CLAIM,
     CLONE,
     CONFIG_NAME,
     INDEX_NAME,
     JOURNAL,
     LOCAL_SOURCE,
+    LOCK,
     MTP_DROPPED,
-    OLD_MARKER_PARTIAL,
     PARTIAL_SUFFIX,
     RUN_MANIFEST,
     RUN_MARKER,
     STAGE_DIR,
     STAGE_MANIFEST,
-    partial_name,
+    partial_base,
     stage_dir_rank,
     stage_dirname,
 )
@@ -205,9 +206,11 @@ def verify(
 
 
 def _is_run_dir(root: Path) -> bool:
-    # A run killed before its marker was renamed into place leaves only the marker's temporary.
-    names = (RUN_MANIFEST, RUN_MARKER, OLD_MARKER_PARTIAL, *map(partial_name, (RUN_MARKER, RUN_MANIFEST)))
-    if any((root / name).exists() for name in names):
+    # A run killed before its marker was renamed into place leaves only the marker's temporary
+    # (an older release's too), or OUT's lock.
+    if any((root / name).exists() for name in (RUN_MANIFEST, RUN_MARKER, LOCK)):
+        return True
+    if any(partial_base(p.name) in (RUN_MARKER, RUN_MANIFEST, LOCK) for p in root.iterdir()):
         return True
     return any(STAGE_DIR.fullmatch(p.name) and p.is_dir() for p in root.iterdir())
 
@@ -232,6 +235,16 @@ def _check_run_dir(root: Path, display: str, report: VerifyReport) -> list[_Stag
                     INCOMPLETE, f"{display}/{p.name} is left from an unfinished run; {RERUN}", file=p.name
                 )
             )
+    if (root / LOCK).exists():
+        report.findings.append(
+            Finding(
+                INCOMPLETE,
+                f"{display}/{LOCK} is present: a qwen35-reshard run is changing {display}, or one "
+                f"was killed while it did; {RERUN} (it waits for a live run, and removes what a "
+                "killed one left)",
+                file=LOCK,
+            )
+        )
     marker = _read_json_finding(root / RUN_MARKER, display, report)
     run = _read_json_finding(root / RUN_MANIFEST, display, report)
     if (root / RUN_MARKER).exists():
@@ -384,6 +397,14 @@ def _check_stage(stage: _Stage, report: VerifyReport, ckpt: Checkpoint | None, c
     for name in entries:
         if name.endswith(PARTIAL_SUFFIX) or name == JOURNAL:
             add(INCOMPLETE, f"{stage.display}/{name} is left from an unfinished run; {RERUN}", file=name)
+        elif name == CLAIM:
+            add(
+                INCOMPLETE,
+                f"{stage.display}/{name} is present: a qwen35-reshard run is building this stage, or "
+                f"one was killed while it did; {RERUN} (it waits for a live run, and takes over from a "
+                "killed one)",
+                file=name,
+            )
     found = read_stage(stage.path, stage.display, stage.run)
     for p in found.problems:
         add(p.kind, p.message, file=p.file, tensor=p.tensor)

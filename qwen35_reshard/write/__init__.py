@@ -5,5 +5,6 @@ Those two are the package's entry points; the rest are the writer's rooms, each 
 ``assess`` (what a run does with an existing OUT), ``outdir`` (making OUT ready), ``assemble``
 (the data files, one worker per source shard) on ``datafile`` (one file's header, clone or
 creation) and ``journal`` (what a resumed run keeps), ``finish`` (side files, manifests,
-indexes), and ``durability`` (barriers, atomic writes, temporary files) beneath them all.
+indexes), ``durability`` (barriers, atomic writes, temporary files) beneath them all, and
+``claims`` (runs sharing one OUT: its lock, stage claims, proving a run gone) beneath that.
 """

@@ -39,6 +39,9 @@ class Reporter:
     def stage_done(self, stage: StagePlan) -> None:
         """Called when ``stage`` is complete in OUT."""
 
+    def waiting(self, message: str) -> None:
+        """Called once as the run starts waiting for another run writing OUT (``message`` says which)."""
+
 
 @dataclass
 class _Copy:

@@ -9,19 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import JSON_ERRORS, ReshardError, param
 from ..format.identity import RunIdentity, describe_differences
-from ..format.names import (
-    OLD_MARKER_PARTIAL,
-    PARTIAL_SUFFIX,
-    RUN_MANIFEST,
-    RUN_MARKER,
-    STAGE_DIR,
-    partial_name,
-)
+from ..format.names import LOCK, RUN_MANIFEST, RUN_MARKER, STAGE_DIR, partial_base
 from ..plan.planner import Plan
 from ..stage.findings import Finding
 from ..stage.manifest import damaged_side_files, parse_side_files, stage_is_complete
@@ -102,7 +96,8 @@ def _assess_out(plan: Plan, out: Path, overwrite: bool) -> OutState:
     _check_creatable(out)
     # A run killed while writing its marker or run manifest, or while probing for sharing, leaves
     # only temporary files: ours, never worth keeping, and they must not make OUT look foreign.
-    entries = sorted(p for p in out.iterdir() if not run_temporary(p.name)) if out.is_dir() else []
+    side = plan.checkpoint.extra_files
+    entries = sorted(p for p in out.iterdir() if not run_temporary(p.name, side)) if out.is_dir() else []
     if not entries:
         return OutState("new")
     identity = run_identity(plan)
@@ -212,8 +207,9 @@ def _changed_source_files(plan: Plan, out: Path) -> list[str]:
     return [name for name in sorted({*recorded, *now}) if recorded.get(name) != now.get(name)]
 
 
-def run_temporary(name: str) -> bool:
-    """A temporary file a killed run may leave in OUT itself: its marker's or run manifest's, or
-    the probe for sharing."""
-    ours = {partial_name(RUN_MARKER), partial_name(RUN_MANIFEST), OLD_MARKER_PARTIAL}
-    return name in ours or (name.startswith(reflinks.PROBE_PREFIX) and name.endswith(PARTIAL_SUFFIX))
+def run_temporary(name: str, side_files: Iterable[str] = ()) -> bool:
+    """A file a run keeps in OUT itself while it works (it may be running, or killed): OUT's
+    lock, or the temporary file of the lock, the marker, the run manifest, the probe for
+    sharing or one of OUT's ``side_files``."""
+    ours = {RUN_MARKER, RUN_MANIFEST, LOCK, f"{LOCK}.gone", reflinks.PROBE_NAME, *side_files}
+    return name == LOCK or partial_base(name) in ours

@@ -9,11 +9,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import ReshardError
 from ..format.names import CLONE
 from ..plan.planner import OutputFile, Plan, StagePlan
 from ..transfer import reflink as reflinks
-from ..transfer.copier import RangeSource
+from ..transfer.copier import RangeSource, Segment, copy_segments
 from .durability import FILE_MODE, remove
+
+Digests = dict[str, str | None]  # tensor name -> sha256 (None: shared, never read)
 
 
 @dataclass
@@ -49,6 +52,26 @@ def matches(path: Path, f: OutputFile, head: bytes) -> bool:
             return os.fstat(fh.fileno()).st_size == f.size and fh.read(len(head)) == head
     except OSError:
         return False
+
+
+def stamp(path: Path) -> list[int] | None:
+    """What tells that the file ``path`` is still the one seen before, unchanged: its inode,
+    size, and modification and change times (None when it is gone)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return [st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def file_digests(path: Path, f: OutputFile) -> Digests | None:
+    """sha256 of each tensor of the stage's data file ``path``, laid out as ``f``; None when it
+    cannot be read whole (missing, short, changed while read)."""
+    segments = [Segment(t.name, f.data_start + t.out_offset, t.source.nbytes) for t in f.tensors]
+    try:
+        return copy_segments(str(path), segments)
+    except (OSError, ReshardError):
+        return None
 
 
 def clone(plan: Plan, f: OutputFile, tmp: Path) -> bool:

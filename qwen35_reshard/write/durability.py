@@ -1,7 +1,8 @@
 """Durability: what makes a write survive a crash, and the temporary files it goes through.
 
-Every file is written under a temporary name (``.NAME.partial``), made durable and renamed, so
-a name never becomes final before the bytes behind it are durable. :class:`Durability` issues
+Every file is written under a temporary name (``.NAME.HOST.PID.NONCE.partial``: this process's
+own, see :func:`~.claims.temp_name`), made durable and renamed, so a name never becomes final
+before the bytes behind it are durable. :class:`Durability` issues
 the barriers: file by file with fsync, or a whole filesystem with one ``syncfs``.
 """
 
@@ -14,9 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..errors import ReshardError, param
-from ..format.names import PARTIAL_SUFFIX, partial_name
+from ..format.names import partial_base
 from ..plan.planner import StagePlan
 from ..units import format_bytes
+from .claims import is_mine, temp_name
 
 # fsyncs issued at once: enough for a journaling filesystem to commit them in one log
 # write, few enough not to start a thread per file for a stage of hundreds of files.
@@ -111,7 +113,7 @@ def fsync_dir(path: Path) -> None:
 
 def partial_path(path: Path) -> Path:
     """``path``'s temporary name, in the same directory (a rename stays within it)."""
-    return path.with_name(partial_name(path.name))
+    return path.with_name(temp_name(path.name))
 
 
 def write_tmp(path: Path, data: bytes) -> tuple[Path, Path]:
@@ -144,15 +146,18 @@ def remove(path: Path) -> None:
         pass
 
 
-def remove_partials(out: Path, stages: list[StagePlan]) -> None:
-    """Delete the temporary ``.NAME.partial`` files in OUT and in the stages of this run."""
-    for d in (out, *(out / s.dirname for s in stages)):
+def remove_partials(out: Path, stages: list[StagePlan], *, own: bool = True) -> None:
+    """Delete this process's temporary files in OUT and in the stages of this run: never
+    another run's, which may be writing beside it. ``own=False``: every run's, in the stages
+    only, for a caller whose claims prove that no other live run writes them."""
+    dirs = [out / s.dirname for s in stages]
+    for d in [out, *dirs] if own else dirs:
         try:
             entries = list(d.iterdir())
         except (FileNotFoundError, NotADirectoryError):  # never made, or not ours to clean
             continue
         for p in entries:
-            if p.name.startswith(".") and p.name.endswith(PARTIAL_SUFFIX):
+            if is_mine(p.name) if own else partial_base(p.name) is not None:
                 remove(p)
 
 

@@ -1,6 +1,6 @@
 """Finishing stages: each stage's non-weight files, manifest and, last, its index, written
 under temporary names and renamed behind barriers, so that a stage looks complete only when
-everything in it is durable; then the run record."""
+everything in it is durable; then, under OUT's lock, OUT's own files and the run record."""
 
 from __future__ import annotations
 
@@ -27,28 +27,24 @@ class Prepared:
     first: list[tuple[Path, Path]]  # (temporary, final): side files, renamed before any index
     indexes: list[tuple[Path, Path]]
     manifests: list[ManifestDraft]
-    side_files_of_out: bool
     side_sha256: dict[str, str]  # each non-weight file's digest, as written in every copy
 
 
-def prepare_stages(
-    plan: Plan, out: Path, stages: list[StagePlan], *, side_files_of_out: bool = False
-) -> Prepared:
-    """Write each of ``stages``' non-weight files and index (and OUT's own non-weight files,
-    when asked) under temporary names, and make their manifests but for the digests."""
+def prepare_stages(plan: Plan, out: Path, stages: list[StagePlan]) -> Prepared:
+    """Write each of ``stages``' non-weight files and index under temporary names, and make
+    their manifests but for the digests."""
     dirs = [out / s.dirname for s in stages]
     first: list[tuple[Path, Path]] = []
     indexes, manifests = [], []
-    side_dirs = [*dirs, out] if side_files_of_out else dirs
     side_sha256 = {}
     for name in plan.checkpoint.extra_files:
-        pairs, side_sha256[name] = _copy_side_file(plan.checkpoint.path(name), [d / name for d in side_dirs])
+        pairs, side_sha256[name] = _copy_side_file(plan.checkpoint.path(name), [d / name for d in dirs])
         first += pairs
     for stage, stage_dir in zip(stages, dirs, strict=True):
         index_bytes = dumps(stage_index(stage))
         indexes.append(write_tmp(stage_dir / INDEX_NAME, index_bytes))
         manifests.append(stage_manifest(plan, stage, index_bytes, side_sha256))
-    return Prepared(dirs, first, indexes, manifests, side_files_of_out, side_sha256)
+    return Prepared(dirs, first, indexes, manifests, side_sha256)
 
 
 def finish_stages(
@@ -58,45 +54,61 @@ def finish_stages(
     durable: Durability,
     prepared: Prepared,
     *,
-    run_record: bytes | None = None,
     data: list[tuple[Path, Path]] | None = None,
     before_complete: Callable[[], None] = lambda: None,
 ) -> None:
     """Give each of ``stages`` its non-weight files, manifest and, last, its index (all but
-    the manifests ``prepared``); then the run record, when given. ``data``: (temporary,
-    final) names of data files written but not yet made durable; the rest are finished.
-    ``before_complete()`` runs just before the first of these files is put in place; what it
-    raises leaves every stage unfinished.
+    the manifests ``prepared``). ``data``: (temporary, final) names of data files written but
+    not yet made durable; the rest are finished. ``before_complete()`` runs just before the
+    first of these files is put in place; what it raises leaves every stage unfinished.
 
     Everything is written under temporary names first, then made durable and renamed in two
     steps, each behind a barrier: data, side files and manifests (and the journals removed: a
     finished stage never holds one, and later runs skip finished stages); then the indexes,
-    which make the stages complete, and the run record. A last barrier makes those durable.
-    The run record shares its step with the indexes: nothing trusts it alone (the next run
-    and ``verify`` check every stage it records as complete), so a crash that kept it and lost
-    an index costs a stage redone, not a wrong answer.
+    which make the stages complete. A last barrier makes those durable.
     """
     dirs, indexes = prepared.dirs, prepared.indexes
     first = [*(data or []), *prepared.first]  # (temporary, final) renamed before any index
     for stage, stage_dir, draft in zip(stages, dirs, prepared.manifests, strict=True):
         first.append(write_tmp(stage_dir / STAGE_MANIFEST, draft.encode(digests[stage.rank])))
-    last = [write_tmp(out / RUN_MANIFEST, run_record)] if run_record is not None else []
-    if not first and not last:
+    if not first:
         return
     # Barrier 1: every byte written so far (and, synced whole, the data files' final names).
-    durable.files([tmp for tmp, _ in (*first, *indexes, *last)])
+    durable.files([tmp for tmp, _ in (*first, *indexes)])
     before_complete()  # may refuse: then nothing of the stages' own files is in place yet
     for stage_dir in dirs:
         remove(stage_dir / JOURNAL)
     for tmp, final in first:
         os.replace(tmp, final)
-    durable.dirs([*dirs, out] if prepared.side_files_of_out else dirs)  # 2: all of a stage but its index
+    durable.dirs(dirs)  # barrier 2: all of a stage but its index
     for tmp, final in indexes:
         os.replace(tmp, final)
-    if last:
-        os.replace(*last[0])
+    durable.dirs(dirs)  # barrier 3: the stages complete
+
+
+def record_run(plan: Plan, out: Path, run_record: bytes, *, side_files: bool, remove_marker: bool) -> None:
+    """Write OUT's own non-weight files (``side_files``), then ``run_record`` as reshard.json,
+    and remove the run marker (``remove_marker``: no other run is writing OUT).
+
+    Called under OUT's lock, after the stages are complete, with a record derived from the
+    stage manifests OUT holds then: whichever of several runs writes it last records every
+    stage any of them finished. Nothing trusts it alone (the next run and ``verify`` check
+    every stage it records as complete), so a crash that kept it and lost an index costs a
+    stage redone, not a wrong answer.
+    """
+    first: list[tuple[Path, Path]] = []
+    for name in plan.checkpoint.extra_files if side_files else ():
+        first += _copy_side_file(plan.checkpoint.path(name), [out / name])[0]
+    last = write_tmp(out / RUN_MANIFEST, run_record)
+    durable = Durability(out, whole_fs=False)
+    durable.files([tmp for tmp, _ in (*first, last)])
+    for tmp, final in first:
+        os.replace(tmp, final)
+    durable.dirs([out] if first else [])  # OUT's files before the record that says it is done
+    os.replace(*last)
+    if remove_marker:
         remove(out / RUN_MARKER)
-    durable.dirs([*dirs, out] if last else dirs)  # barrier 3: the stages complete, the run recorded
+    durable.dirs([out])
 
 
 def _copy_side_file(src: Path, finals: list[Path]) -> tuple[list[tuple[Path, Path]], str]:

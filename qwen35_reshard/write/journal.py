@@ -4,6 +4,14 @@ tensors' digests, so that the same command run again keeps them and redoes only 
 A stage being written holds ``JOURNAL``, one JSON line per finished file, appended after the
 file's bytes and name are durable; a finished stage holds none. A line torn by a crash only
 costs its file being redone.
+
+A file is kept only when its bytes are proven to be the ones the run that journaled it
+finished: the file is still the one it renamed into place, unchanged since (its inode, size,
+modification and change times as journaled; the change time moves with any write, to the
+filesystem's timestamp granularity, and no call can set it back), or else its tensors hash to
+the digests journaled. Anything else (a
+file replaced or written to by another writer, copied, or journaled without digests because it
+shares the source's blocks) is rewritten.
 """
 
 from __future__ import annotations
@@ -14,14 +22,13 @@ from pathlib import Path
 from ..errors import JSON_ERRORS
 from ..format.names import CLONE, JOURNAL
 from ..plan.planner import Plan, StagePlan
-from .datafile import header, matches
-
-Digests = dict[str, str | None]  # tensor name -> sha256 (None: shared, never read)
+from .datafile import Digests, file_digests, header, matches, stamp
 
 
-def read_journal(path: Path) -> dict[str, dict[str, str]]:
-    """The journal ``path``'s entries, file name -> digests; none when it is missing."""
-    entries: dict[str, dict[str, str]] = {}
+def read_journal(path: Path) -> dict[str, tuple[Digests, list[int] | None]]:
+    """The journal ``path``'s entries, file name -> (digests, the file's stamp as journaled);
+    none when it is missing."""
+    entries: dict[str, tuple[Digests, list[int] | None]] = {}
     try:
         lines = path.read_bytes().splitlines()
     except FileNotFoundError:
@@ -29,15 +36,20 @@ def read_journal(path: Path) -> dict[str, dict[str, str]]:
     for line in lines:
         try:
             rec = json.loads(line)
-            entries[rec["file"]] = rec["digests"]
+            if isinstance(rec["digests"], dict):
+                entries[rec["file"]] = (rec["digests"], rec.get("stamp"))
         except (*JSON_ERRORS, KeyError, TypeError):
             continue  # a line torn by a crash (bytes of any kind): that file is simply redone
     return entries
 
 
 def append_journal(stage_dir: Path, finished: dict[str, Digests]) -> None:
-    """Record the files ``finished`` (name -> digests) in ``stage_dir``'s journal."""
-    records = [{"file": name, "digests": digests} for name, digests in finished.items()]
+    """Record the files ``finished`` (name -> digests), renamed into ``stage_dir`` just now, in
+    its journal, each with its stamp (see :func:`~.datafile.stamp`)."""
+    records = [
+        {"file": name, "digests": digests, "stamp": stamp(stage_dir / name)}
+        for name, digests in finished.items()
+    ]
     with open(stage_dir / JOURNAL, "a") as j:
         j.write("".join(json.dumps(r) + "\n" for r in records))
 
@@ -48,11 +60,15 @@ def keepable(plan: Plan, stage_dir: Path, stage: StagePlan) -> dict[str, Digests
     journal = read_journal(stage_dir / JOURNAL)
     kept: dict[str, Digests] = {}
     for f in stage.files:
-        entry = journal.get(f.name)
-        if entry is None or set(entry) != {t.name for t in f.tensors}:
+        digests, journaled = journal.get(f.name, ({}, None))
+        if set(digests) != {t.name for t in f.tensors}:
             continue
+        path = stage_dir / f.name
         # A CLONE's header is its source's own: from the Hub it is not read just to compare.
         head = b"" if f.layout == CLONE and plan.checkpoint.hub is not None else header(plan, f)
-        if matches(stage_dir / f.name, f, head):
-            kept[f.name] = entry
+        if not matches(path, f, head):
+            continue
+        unchanged = journaled is not None and journaled == stamp(path)
+        if unchanged or (None not in digests.values() and file_digests(path, f) == digests):
+            kept[f.name] = digests
     return kept

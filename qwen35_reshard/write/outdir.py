@@ -15,35 +15,39 @@ from ..format.names import (
     CLONE,
     CONFIG_NAME,
     INDEX_NAME,
+    LOCK,
     PARTIAL_SUFFIX,
     RUN_MANIFEST,
     RUN_MARKER,
     STAGE_MANIFEST,
+    partial_base,
 )
 from ..plan.planner import OutputFile, Plan, StagePlan
 from ..stage.reader import read_run_record, stage_dirs
 from ..transfer import reflink as reflinks
 from ..units import format_bytes
+from . import claims
 from .assess import run_temporary
-from .durability import remove, write_atomic
+from .claims import is_mine
+from .durability import partial_path, remove, write_atomic
 from .journal import Digests
 
 STAT_BLOCK_BYTES = 512  # the unit of ``st_blocks`` (POSIX), whatever the filesystem's block size
 
 
-def make_out(out: Path) -> list[Path]:
-    """Create OUT if needed, without the temporary run files a killed run may have left.
-
-    Returns the directories created (OUT and any missing parents, outermost first).
-    """
-    created = _make_dirs(out)
+def clear_temporaries(out: Path, side_files: list[str], now: int) -> None:
+    """Delete the temporary files of other runs in OUT itself. Called under OUT's lock, under
+    which alone those are written: what is there is a killed run's. But for the records of
+    runs taking the lock, written beside it: those only when their run is gone (``now``: see
+    :func:`~.claims.gone`)."""
     for p in list(out.iterdir()):
-        if run_temporary(p.name):
+        if p.name == LOCK or not run_temporary(p.name, side_files) or is_mine(p.name):
+            continue
+        if partial_base(p.name) != LOCK or claims.gone_file(p, now):
             remove(p)
-    return created
 
 
-def _make_dirs(path: Path) -> list[Path]:
+def make_dirs(path: Path) -> list[Path]:
     """``mkdir -p path``, returning the directories it created, outermost first."""
     missing = []
     p = path
@@ -53,7 +57,12 @@ def _make_dirs(path: Path) -> list[Path]:
     created = []
     try:
         for d in reversed(missing):
-            d.mkdir()
+            try:
+                d.mkdir()
+            except FileExistsError:
+                if not d.is_dir():
+                    raise
+                continue  # made by another run starting at the same moment: not ours to undo
             created.append(d)
     except OSError:
         undo(created)
@@ -76,7 +85,7 @@ def can_share(plan: Plan, out: Path, to_write: list[tuple[StagePlan, OutputFile]
     if reflink == "never" or not to_write or (not shareable and reflink == "auto"):
         return False
     src = plan.checkpoint.path(shareable[0] if shareable else plan.checkpoint.files[0])
-    ok = reflinks.probe(src, out)
+    ok = reflinks.probe(src, partial_path(out / reflinks.PROBE_NAME))
     if not ok and reflink == "always":
         raise ReshardError(
             f"{param('out_dir')} {out} cannot share blocks with {src} (another filesystem, or one "
@@ -132,7 +141,7 @@ def clear_split(out: Path) -> None:
     for p in entries:
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p)
-        elif p.name not in (RUN_MANIFEST, RUN_MARKER):
+        elif p.name not in (RUN_MANIFEST, RUN_MARKER, LOCK):  # the lock: this run holds it
             p.unlink()
 
 

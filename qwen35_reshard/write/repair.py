@@ -5,20 +5,26 @@
 source (a stage's index and manifest only when they are among them, OUT's own non-weight
 files too), has :func:`remove_leftovers` delete stray data files and temporaries, and verifies
 again. Files verify finds fine are never rewritten; what a rewrite cannot mend (a split from
-another checkpoint, an unfinished run) is left for the second verify to report.
+another checkpoint, an unfinished run) is left for the second verify to report. All of that
+under :func:`repair_lock`: a split of the same OUT meanwhile waits, and one being written is
+not mended under its feet.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import ReshardError
 from ..format.identity import RunIdentity
 from ..format.jsonio import dumps
 from ..format.names import (
+    CLAIM,
     INDEX_NAME,
     JOURNAL,
+    LOCK,
     PARTIAL_SUFFIX,
     RUN_MANIFEST,
     RUN_MARKER,
@@ -29,11 +35,12 @@ from ..format.paths import is_plain_name
 from ..plan.planner import OutputFile, Plan, StagePlan
 from ..stage.findings import EXTRA, INCOMPLETE, Finding
 from ..stage.manifest import file_sha256, stage_is_complete
-from ..stage.reader import read_manifest, read_run_record
+from ..stage.reader import read_manifest, read_run_record, stage_dirs
 from ..transfer.copier import Segment, copy_segments
 from ..write.manifest import run_manifest
+from . import claims
 from .assemble import Reporter, copy_files
-from .datafile import header, matches
+from .datafile import file_digests, header, matches
 from .durability import Durability, fsync_dir, remove, remove_partials, write_atomic, write_error
 from .finish import finish_stages, prepare_stages
 from .journal import Digests
@@ -56,6 +63,37 @@ def recorded_identity(out: Path, stage_dir: Path | None) -> RunIdentity:
         f"{out}: no readable {RUN_MANIFEST} or stage manifest records the split's settings; it "
         "cannot be repaired: split again"
     )
+
+
+@contextmanager
+def repair_lock(out: Path, single: bool, on_wait: Callable[[str], None]) -> Iterator[None]:
+    """Hold OUT's lock for a repair of ``out`` (``single``: of one stage directory in it),
+    refusing while another live run builds a stage there (see :mod:`~.claims`). A stage
+    directory with no run record beside it is on its own: nothing to lock.
+
+    Raises:
+        ReshardError: A live run claims a stage of OUT, or OUT's lock cannot be written.
+    """
+    if single and not any((out / name).exists() for name in (RUN_MANIFEST, RUN_MARKER)):
+        yield
+        return
+    try:
+        with claims.locked(out, on_wait) as now:
+            for stage_dir in stage_dirs(out).values():
+                holder = claims.holder_of(stage_dir / CLAIM, now)
+                if holder is not False:
+                    raise ReshardError(
+                        f"{stage_dir} is being built by a qwen35-reshard run ({claims.describe(holder)}): "
+                        "run the repair again once it has finished"
+                    )
+            yield
+    except OSError as e:
+        raise write_error(e, out, 0) from e
+
+
+def without_lock(findings: list[Finding]) -> list[Finding]:
+    """``findings`` of a verify run under :func:`repair_lock`, but for OUT's lock (the repair's own)."""
+    return [f for f in findings if not (f.file == LOCK and f.stage is None)]
 
 
 def damaged_files(
@@ -124,7 +162,8 @@ def repair_files(
     """Rewrite from the source exactly ``files`` of a finished split in ``out_dir``.
 
     Every other file is left untouched; each rewritten one is replaced atomically, so a stage
-    whose manifest and index are intact stays consistent throughout.
+    whose manifest and index are intact stays consistent throughout. The caller holds
+    :func:`repair_lock`: no live run claims a stage of ``files``.
 
     Args:
         plan: The plan the split was made with (rebuilt from the settings it records).
@@ -149,9 +188,9 @@ def repair_files(
     stages = [plan.stages[r] for r in sorted(files)]
     digests: dict[int, Digests] = {s.rank: {} for s in stages}
     try:
-        # Temporaries left by an earlier run are replaced, never written through (one may be a
-        # symlink out of OUT), as a resumed split clears them.
-        remove_partials(out, stages)
+        # Temporaries left by a killed run are removed, never written through (one may be a
+        # symlink out of OUT): under the repair's lock no live run writes these stages.
+        remove_partials(out, stages, own=False)
         to_write, redo_meta = _files_to_rewrite(plan, out, files, stages, digests)
         # What the rewritten files take before the old ones go, checked before anything changes.
         side = side_file_bytes(plan) * (len(redo_meta) + bool(side_files_of_out))
@@ -217,12 +256,11 @@ def _source_digests(plan: Plan, path: Path, f: OutputFile) -> Digests | None:
     when it is missing or short)."""
     if not matches(path, f, header(plan, f)):
         return None
-    segments = [Segment(t.name, f.data_start + t.out_offset, t.source.nbytes) for t in f.tensors]
     by_source: dict[str, list[Segment]] = {}
     for t in f.tensors:
         by_source.setdefault(t.source.file, []).append(Segment(t.name, t.source.offset, t.source.nbytes))
+    found = file_digests(path, f)
     try:
-        found = copy_segments(str(path), segments)
         want = {}
         for file, of_source in by_source.items():
             want.update(copy_segments(str(plan.checkpoint.path(file)), of_source))

@@ -20,6 +20,12 @@ one ``syncfs`` of OUT's filesystem instead. Either way the order is the same: a 
 are durable before its final name is; a stage's data files, journal removal, side files and
 manifest are durable before its index is; every index before the run manifest.
 
+Runs sharing OUT (see :mod:`~.claims`): any number of runs of the same split may write one
+OUT at once, on one machine or on many sharing a filesystem. Each decides what to do, and
+records what it did, under OUT's lock; it builds only the stages it claims, and waits for a
+stage another live run is building, then finds it complete. A run with other settings is
+refused while another run writes OUT, naming that run.
+
 The rooms, in the order of a run: ``assess`` (what to do with OUT), ``outdir`` (making OUT
 ready), ``assemble`` with ``datafile`` and ``journal`` (the data files), ``finish`` (the
 stages' other files, manifests and indexes), all on ``durability``.
@@ -31,21 +37,26 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import ReshardError
+from ..errors import ReshardError, param
+from ..format.identity import describe_differences
 from ..format.jsonio import dumps
-from ..format.names import RUN_MANIFEST, RUN_MARKER
+from ..format.names import CLAIM, RUN_MANIFEST, RUN_MARKER
 from ..plan.planner import OutputFile, Plan, StagePlan
+from ..stage.manifest import damaged_side_files, file_sha256, stage_is_complete
+from ..stage.reader import read_run_record, stage_dirs
 from ..write.manifest import run_identity, run_manifest
+from . import claims
 from .assemble import OpenSource, Reporter, copy_files
 from .assess import OutState, assess_out, check_out_dir
 from .durability import Durability, remove, remove_partials, write_atomic, write_error
-from .finish import Prepared, finish_stages, prepare_stages
-from .journal import Digests
+from .finish import Prepared, finish_stages, prepare_stages, record_run
+from .journal import Digests, keepable
 from .outdir import (
     can_share,
     check_free_space,
     clear_split,
-    make_out,
+    clear_temporaries,
+    make_dirs,
     resume_stage,
     side_file_bytes,
     split_bytes,
@@ -102,7 +113,9 @@ def write_plan(
     """Write the stages ``plan.ranks`` of ``plan`` under ``out_dir``.
 
     Resumes an interrupted run with the same settings; refuses a non-empty ``out_dir``
-    holding anything else unless ``overwrite``.
+    holding anything else unless ``overwrite``. Other runs of the same split may write
+    ``out_dir`` at the same time (see :mod:`~.claims`): a stage one of them is building is
+    waited for (``reporter.waiting``), not built twice.
 
     Args:
         plan: The plan to write (``make_plan``); its selected stages are written.
@@ -120,9 +133,10 @@ def write_plan(
         A :class:`WriteResult`: the stages built and already complete, bytes copied and shared.
 
     Raises:
-        ReshardError: A bad ``reflink``; an OUT the run refuses (see :func:`assess_out`); too
-            little free space; no block sharing with ``reflink="always"``; or a failed write
-            (a full disk, no permission), after which the same command resumes.
+        ReshardError: A bad ``reflink``; an OUT the run refuses (see :func:`assess_out`), or
+            one another run with other settings is writing; too little free space; no block
+            sharing with ``reflink="always"``; or a failed write (a full disk, no permission),
+            after which the same command resumes.
 
     Example:
         >>> from qwen35_reshard import make_plan, read_checkpoint, write_plan
@@ -135,48 +149,148 @@ def write_plan(
         raise ReshardError(f"reflink must be one of {', '.join(REFLINK_MODES)}, not {reflink!r}")
     reporter = reporter or Reporter()
     out = Path(out_dir)
-    state, created = _open_out(plan, out, overwrite)
-    result = WriteResult(complete=list(state.complete))
-    result.already_complete = [s.rank for s in plan.selected if s.rank in state.complete]
-    todo = [s for s in plan.selected if s.rank not in state.complete]
-    if state.action == "complete":
-        return result
-    to_write = [(s, f) for s in todo for f in s.files if f.name not in state.kept.get(s.rank, {})]
-    # What this run adds before its first data file, so that a run that cannot start (a
-    # read-only or full OUT, no permission, no sharing where it is required) leaves OUT as it
-    # found it: every check comes before anything is removed, the old run record last of all.
-    created += [out / name for name in (RUN_MARKER, *(s.dirname for s in todo)) if not (out / name).exists()]
-    needed = 0
+    result = WriteResult()
     try:
-        # Sharing needs the source on this machine: not for a source read from the Hub.
-        result.sharing = open_source is None and can_share(plan, out, to_write, reflink)
-        needed = _bytes_needed(plan, todo, to_write, result.sharing)
-        digests = _start_run(plan, out, todo, state, needed, created)
-        result.files_kept = state.files_kept
-        _write_stages(plan, out, todo, to_write, digests, result, workers, reporter, open_source)
-    except OSError as e:  # a full disk, a file-size limit, ... while writing anything
-        raise write_error(e, out, needed) from e
+        try:
+            state = assess_out(plan, out, overwrite=overwrite)
+        except ReshardError:
+            if not _claimed(out):
+                raise
+            state = None  # decided under the lock, which can name the run writing OUT
+        # A finished split is not written to (on a read-only filesystem, not even its lock).
+        if state is not None and state.action == "complete" and not (out / RUN_MARKER).exists():
+            result.complete = list(state.complete)
+            result.already_complete = [s.rank for s in plan.selected]
+            return result
+        created = make_dirs(out)
+    except OSError as e:  # OUT cannot be created or read: nothing was written
+        raise write_error(e, out, 0) from e
+    try:
+        _write_rounds(plan, out, overwrite, result, workers, reporter, open_source, reflink)
     finally:
-        # Whatever stopped the run (Ctrl-C, SIGTERM, a full disk), leave no temporary file.
-        remove_partials(out, todo)
-        undo(created)
+        undo(created)  # only what is still empty: a run that could not start, no other run beside
+    result.already_complete = [s.rank for s in plan.selected if s.rank not in result.built]
     return result
 
 
-def _open_out(plan: Plan, out: Path, overwrite: bool) -> tuple[OutState, list[Path]]:
-    """Decide what the run does in OUT and create OUT; returns that and the directories created."""
+def _write_rounds(
+    plan: Plan,
+    out: Path,
+    overwrite: bool,
+    result: WriteResult,
+    workers: int,
+    reporter: Reporter,
+    open_source: OpenSource | None,
+    reflink: str,
+) -> None:
+    """Build the selected stages not complete, in rounds: under OUT's lock, claim those no
+    other live run is building and make OUT ready for them; build them; and again, waiting
+    for the stages others are building, until every one is complete and the run recorded."""
+    pending = list(plan.selected)
+    told: set[int] = set()
+    while True:
+        needed = 0
+        try:
+            with claims.locked(out, reporter.waiting) as now:
+                state = _assess_shared(plan, out, overwrite, now)
+                clear_temporaries(out, plan.checkpoint.extra_files, now)
+                result.complete = list(state.complete)
+                pending = [s for s in pending if s.rank not in state.complete]
+                if not pending:
+                    result.complete = _record(plan, out, now, result)
+                    return
+                marked = _mark(plan, out) if state.action != "replace" else False
+                mine, busy = _claim(plan, out, pending, state)
+                if mine:
+                    to_write, digests, needed = _start_run(
+                        plan, out, mine, state, result, reflink, open_source, marked
+                    )
+                elif marked:
+                    remove(out / RUN_MARKER)
+            if mine:
+                try:
+                    _write_stages(plan, out, mine, to_write, digests, result, workers, reporter, open_source)
+                finally:
+                    # Whatever stopped the run (Ctrl-C, SIGTERM, a full disk), leave no temporary
+                    # file of its own; other runs' are theirs.
+                    remove_partials(out, mine)
+                    for stage in mine:
+                        claims.release(out / stage.dirname / CLAIM)
+                continue
+        except OSError as e:  # a full disk, a file-size limit, ... while writing anything
+            raise write_error(e, out, needed) from e
+        for rank, holder in busy.items():
+            if rank not in told:
+                told.add(rank)
+                reporter.waiting(
+                    f"{out / plan.stages[rank].dirname} is being built by another qwen35-reshard run "
+                    f"({claims.describe(holder)}): waiting for it"
+                )
+        if busy:  # else the stages were finished as this run looked: the next round sees them
+            claims.wait_for_change([out / plan.stages[rank].dirname / CLAIM for rank in busy])
+
+
+def _claimed(out: Path) -> bool:
+    """Whether any stage directory in OUT holds a claim (of a live run or a killed one)."""
     try:
-        state = assess_out(plan, out, overwrite=overwrite)
-        created = make_out(out)
-        # Left if a run was killed between its last two steps. Only then is a finished split
-        # written to: on a read-only filesystem, unlinking even a missing file fails.
-        if state.action == "complete" and (out / RUN_MARKER).exists():
-            remove(out / RUN_MARKER)
-        if state.action == "complete":  # temporaries of a run killed before, which verify reports
-            remove_partials(out, plan.selected)
-    except OSError as e:  # OUT cannot be created or read: nothing was written
-        raise write_error(e, out, 0) from e
-    return state, created
+        return any((d / CLAIM).exists() for d in stage_dirs(out).values())
+    except OSError:
+        return False
+
+
+def _assess_shared(plan: Plan, out: Path, overwrite: bool, now: int) -> OutState:
+    """:func:`assess_out` under OUT's lock, refusing to replace or join a split that another
+    live run is writing with other settings (even with ``overwrite``: that run would be harmed)."""
+    record = read_run_record(out, str(out))
+    identity = run_identity(plan)
+    other = isinstance(record, tuple) and record[1] != identity
+    state = None if other else assess_out(plan, out, overwrite=overwrite)
+    if other or state.action == "replace":
+        for stage_dir in stage_dirs(out).values():
+            holder = claims.holder_of(stage_dir / CLAIM, now)
+            if holder is False:
+                continue
+            why = (
+                f"with other settings ({describe_differences(record[1], identity)})"
+                if other
+                else ("from a source that changed since")
+            )
+            raise ReshardError(
+                f"{param('out_dir')} {out} is being written by another qwen35-reshard run "
+                f"({claims.describe(holder)}) {why}; wait for it to finish, or choose another directory"
+            )
+    return state or assess_out(plan, out, overwrite=overwrite)
+
+
+def _mark(plan: Plan, out: Path) -> bool:
+    """Mark OUT as being written by a run of ``plan``'s split, before any stage directory is
+    made: what a killed run leaves is then known as this tool's. Returns whether it is new."""
+    new = not (out / RUN_MARKER).exists()
+    marker = {"identity": run_identity(plan).to_json(), "source_files": source_stamps(plan)}
+    write_atomic(out / RUN_MARKER, dumps(marker), sync_dir=False)
+    return new
+
+
+def _claim(
+    plan: Plan, out: Path, pending: list[StagePlan], state: OutState
+) -> tuple[list[StagePlan], dict[int, claims.Owner | None]]:
+    """Claim the stages of ``pending`` that no other live run is building (breaking the claims
+    of gone ones); returns those, and the holders of the others by rank. A split being replaced
+    is cleared first: no live run writes it (see :func:`_assess_shared`)."""
+    if state.action == "replace":
+        return list(pending), {}
+    mine, busy = [], {}
+    for stage in pending:
+        stage_dir = out / stage.dirname
+        stage_dir.mkdir(exist_ok=True)
+        held = claims.try_take(stage_dir / CLAIM)
+        if held is not None:
+            busy[stage.rank] = held.owner
+        elif stage_is_complete(stage_dir, run_identity(plan)):  # finished as we looked
+            claims.release(stage_dir / CLAIM)
+        else:
+            mine.append(stage)
+    return mine, busy
 
 
 def _bytes_needed(
@@ -189,26 +303,50 @@ def _bytes_needed(
 
 
 def _start_run(
-    plan: Plan, out: Path, todo: list[StagePlan], state: OutState, needed: int, created: list[Path]
-) -> dict[int, Digests]:
-    """Check the free space, clear a split being replaced, mark the run as in progress and
-    prepare its stages; returns the digests of the files kept, by rank. Empties ``created``
-    once the run has begun: from then on, finished files are kept for the next run to resume."""
+    plan: Plan,
+    out: Path,
+    todo: list[StagePlan],
+    state: OutState,
+    result: WriteResult,
+    reflink: str,
+    open_source: OpenSource | None,
+    marked: bool,
+) -> tuple[list[tuple[StagePlan, OutputFile]], dict[int, Digests], int]:
+    """Under OUT's lock, for the stages ``todo`` this run claimed: check that the run can start
+    (sharing, free space), clear a split being replaced, mark the run as in progress and
+    prepare the stages. Returns the files to write, the digests of the files kept by rank, and
+    the bytes the run writes. A run that cannot start leaves OUT as it found it: every check
+    comes before anything is removed, and its claims (and its marker, when ``marked`` new)
+    are given up."""
     replaced = state.action == "replace"
-    check_free_space(out, needed, freed=split_bytes(out) if replaced else 0)
+    # What an earlier run finished, looked at now that this run holds the stages' claims.
+    kept = {} if replaced else {s.rank: keepable(plan, out / s.dirname, s) for s in todo}
+    to_write = [(s, f) for s in todo for f in s.files if f.name not in kept.get(s.rank, {})]
+    try:
+        # Sharing needs the source on this machine: not for a source read from the Hub.
+        result.sharing = open_source is None and can_share(plan, out, to_write, reflink)
+        needed = _bytes_needed(plan, todo, to_write, result.sharing)
+        check_free_space(out, needed, freed=split_bytes(out) if replaced else 0)
+    except BaseException:
+        for stage in todo:
+            claims.release(out / stage.dirname / CLAIM)
+            undo([out / stage.dirname])
+        if marked:
+            remove(out / RUN_MARKER)
+        raise
     if replaced:
-        created[:] = [p for p in created if p != out / RUN_MARKER]  # the old split's record, until replaced
         clear_split(out)
-    marker = {"identity": run_identity(plan).to_json(), "source_files": source_stamps(plan)}
-    write_atomic(out / RUN_MARKER, dumps(marker), sync_dir=False)
+        _mark(plan, out)
+        for stage in todo:  # no live run writes OUT (see _assess_shared): every claim is taken
+            (out / stage.dirname).mkdir(exist_ok=True)
+            claims.try_take(out / stage.dirname / CLAIM)
     digests: dict[int, Digests] = {}
     for stage in todo:
-        kept = state.kept.get(stage.rank, {})
-        resume_stage(out / stage.dirname, stage, kept)
-        digests[stage.rank] = {t: d for file in kept.values() for t, d in file.items()}
-    created.clear()
+        resume_stage(out / stage.dirname, stage, kept.get(stage.rank, {}))
+        digests[stage.rank] = {t: d for file in kept.get(stage.rank, {}).values() for t, d in file.items()}
+    result.files_kept += sum(len(files) for files in kept.values())
     remove(out / RUN_MANIFEST)
-    return digests
+    return to_write, digests, needed
 
 
 def _write_stages(
@@ -222,14 +360,14 @@ def _write_stages(
     reporter: Reporter,
     open_source: OpenSource | None,
 ) -> None:
-    """Copy the data files, finish every stage of ``todo`` and record the run in ``result``."""
+    """Copy the data files and finish every stage of ``todo``, recording them in ``result``."""
     durable = Durability(out, whole_fs=result.sharing)
     # The marker must be in place before any data file is; when synced whole, the barrier
     # before the first data file gets its name covers it.
     durable.dirs([out], lazy=True)
     deferred: list[tuple[Path, Path]] = []
     prepared: list[Prepared] = []
-    result.bytes_copied, result.bytes_shared = copy_files(
+    copied, shared = copy_files(
         plan,
         out,
         to_write,
@@ -241,24 +379,46 @@ def _write_stages(
         durable=durable,
         deferred=deferred,
         # What needs no digest is written while the workers copy.
-        meanwhile=lambda: prepared.append(prepare_stages(plan, out, todo, side_files_of_out=True)),
+        meanwhile=lambda: prepared.append(prepare_stages(plan, out, todo)),
     )
-    result.complete = sorted({*result.complete, *(s.rank for s in todo)})
-    # OUT itself is the model path of `vllm serve OUT --load-format qwen35-stages`: vLLM reads
-    # the config and the tokenizer there (and refuses a split for SGLang in the plugin, with
-    # the shim's message), each rank's weights from OUT/pp{rank}.
-    run_record = dumps(run_manifest(plan, result.complete, prepared[0].side_sha256))
+    result.bytes_copied += copied
+    result.bytes_shared += shared
     finish_stages(
         out,
         todo,
         digests,
         durable,
         prepared[0],
-        run_record=run_record,
         data=deferred,
         before_complete=lambda: check_unchanged(plan, sorted({f for s in todo for f in s.source_files})),
     )
-    result.wrote_run_files = True
     for stage in todo:
         result.built.append(stage.rank)
         reporter.stage_done(stage)
+
+
+def _record(plan: Plan, out: Path, now: int, result: WriteResult) -> list[int]:
+    """Under OUT's lock, once this run's stages are complete: record the split as OUT holds it
+    now (reshard.json from the stage manifests there, so that no run's stages are lost to
+    another's record), with OUT's own files when this run built stages or they are not the
+    source's (missing, damaged); the run marker goes when no other live run is writing OUT.
+    Writes nothing when all that is so already; else sets ``result.wrote_run_files``.
+    Returns the stages complete."""
+    identity = run_identity(plan)
+    complete = [s.rank for s in plan.stages if stage_is_complete(out / s.dirname, identity)]
+    # OUT itself is the model path of `vllm serve OUT --load-format qwen35-stages`: vLLM reads
+    # the config and the tokenizer there (and refuses a split for SGLang in the plugin, with
+    # the shim's message), each rank's weights from OUT/pp{rank}.
+    side_sha256 = {name: file_sha256(plan.checkpoint.path(name)) for name in plan.checkpoint.extra_files}
+    record = dumps(run_manifest(plan, complete, side_sha256))
+    others = any(claims.holder_of(d / CLAIM, now) is not False for d in stage_dirs(out).values())
+    marker = (out / RUN_MARKER).exists() and not others
+    side_files = bool(result.built) or bool(damaged_side_files(out, side_sha256))
+    try:
+        current = (out / RUN_MANIFEST).read_bytes()
+    except FileNotFoundError:
+        current = None
+    if current != record or marker or side_files:
+        record_run(plan, out, record, side_files=side_files, remove_marker=marker)
+        result.wrote_run_files = True
+    return complete

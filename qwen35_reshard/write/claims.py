@@ -1,0 +1,354 @@
+"""Runs sharing one OUT: its lock, stage claims, and proving a run gone.
+
+Several runs may write one OUT at once: one per node building its own stage into storage the
+nodes share, several stages built side by side on one machine, or the same command twice.
+What keeps them apart uses only what every filesystem does atomically, NFS included: creating
+a name that must not exist yet (``link``) and ``rename``. No ``flock``/``fcntl`` lock: across
+NFS clients those need a lock manager and its lease recovery, often absent or off on shared
+storage, and a lock that silently does not exclude is worse than none.
+
+- ``OUT/.reshard-lock`` (:data:`LOCK`) is held for the short steps that decide or record what
+  OUT holds: what a run does there, the run marker, OUT's own files and ``reshard.json``. Those
+  are decided by one run at a time, and OUT's temporary files are written only under it.
+- ``OUT/ppN/.reshard-claim`` (:data:`CLAIM`), taken under the lock, is held while a run builds
+  stage N; a run that wants the same stage waits, then finds it complete. A stage directory's
+  temporary files are written only by its claimant.
+
+Both record their holder (:class:`Owner`). A holder is gone when that is proven: on this host
+(same hostname, boot and pid namespace), when its pid no longer runs the process that started
+at the recorded time; on another host, when the file's modification time, which its holder
+refreshes every :data:`HEARTBEAT_SECONDS`, is :data:`LEASE_SECONDS` older than a file this run
+has just touched. Both times are set by the file server's clock, so no two hosts' clocks are
+compared. A run stopped for longer than the lease on another host is taken as gone: the price
+of not needing a lock manager.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+from ..errors import JSON_ERRORS
+from ..format.names import LOCK, PARTIAL_SUFFIX, partial_name
+
+HEARTBEAT_SECONDS = 5.0  # a holder refreshes its files' modification time this often
+# A holder on another host is gone once its files went this long unrefreshed: many heartbeats,
+# so that a busy file server or a slow client does not make a live run look gone.
+LEASE_SECONDS = 60.0
+POLL_SECONDS = (0.01, 0.5)  # waiting for a holder: first and longest pause between looks
+_NO_LINKS = (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP)  # link() refused by the filesystem
+_TOKEN_CHARS = re.compile(r"[^A-Za-z0-9-]")
+
+
+@dataclass(frozen=True)
+class Owner:
+    """A run (one process on one host), as its lock and claims record it."""
+
+    host: str  # hostname, for people
+    machine: str  # hostname, boot id and pid namespace: where ``pid`` means this process
+    pid: int
+    start: str  # the process's start time on its machine (``/proc/PID/stat``), against pid reuse
+    token: str  # unique to this process: in every temporary name it writes
+
+    def describe(self) -> str:
+        """``host NAME, pid N``: how messages name the run."""
+        return f"host {self.host}, pid {self.pid}"
+
+    def to_bytes(self) -> bytes:
+        """The record written into a lock or claim."""
+        return (json.dumps(self.__dict__, sort_keys=True) + "\n").encode()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> Owner | None:
+        """The owner recorded as ``raw``; None when it is not a well-formed record."""
+        try:
+            obj = json.loads(raw)
+            return cls(**obj) if isinstance(obj, dict) else None
+        except (*JSON_ERRORS, TypeError):
+            return None
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _start_time(pid: int) -> str | None:
+    """Process ``pid``'s start time (clock ticks since boot), or None when it is not running.
+    Without /proc (not Linux), "" for any running process: pid reuse goes unseen there."""
+    if not os.path.exists("/proc/self/stat"):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass  # runs, as another user
+        return ""
+    stat = _read(f"/proc/{pid}/stat")
+    if not stat:
+        return None
+    fields = stat.rsplit(")", 1)[-1].split()  # after "(comm)", which may hold spaces
+    return None if fields[0] in ("Z", "X") else fields[19]  # a zombie has ended
+
+
+@cache
+def _me(pid: int) -> Owner:
+    host = socket.gethostname()
+    machine = f"{host}/{_read('/proc/sys/kernel/random/boot_id')}/{_ns()}"
+    token = f"{_TOKEN_CHARS.sub('-', host)[:32]}.{pid}.{secrets.token_hex(4)}"
+    return Owner(host, machine, pid, _start_time(pid) or "", token)
+
+
+def _ns() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def me() -> Owner:
+    """This process as an :class:`Owner` (a forked child is another)."""
+    return _me(os.getpid())
+
+
+def temp_name(name: str) -> str:
+    """The temporary name this process writes ``name`` under: unique to it, so that no two
+    runs (on any hosts sharing OUT) ever write, rename or delete each other's temporaries."""
+    return partial_name(name, me().token)
+
+
+def is_mine(name: str) -> bool:
+    """Whether the temporary file ``name`` was written by this process."""
+    return name.endswith(f".{me().token}{PARTIAL_SUFFIX}")
+
+
+def gone(holder: Owner | None, mtime_ns: int, now_ns: int) -> bool:
+    """Whether the holder of a file last refreshed at ``mtime_ns`` is proven gone; ``now_ns``:
+    the modification time of a file this run just touched (the same server clock)."""
+    if holder is not None and holder.machine == me().machine:
+        return holder.start != _start_time(holder.pid)
+    return now_ns - mtime_ns > LEASE_SECONDS * 1e9  # another host (or a record torn by a crash)
+
+
+# --------------------------------------------------------------------------- holding files
+
+_held: set[Path] = set()
+_held_lock = threading.Lock()
+_beating: list[threading.Thread] = []
+
+
+def _heartbeat() -> None:
+    """Refresh the modification time of every file held, until none is (see :func:`gone`)."""
+    while True:
+        time.sleep(HEARTBEAT_SECONDS)
+        with _held_lock:
+            if not _held:
+                _beating.clear()
+                return
+            held = list(_held)
+        for path in held:
+            try:
+                os.utime(path)  # no times given: NFS sets the server's own (SET_TO_SERVER_TIME)
+            except OSError:
+                pass
+
+
+def _hold(path: Path) -> None:
+    with _held_lock:
+        _held.add(path)
+        if not _beating:
+            beat = threading.Thread(target=_heartbeat, name="qwen35-reshard-heartbeat", daemon=True)
+            _beating.append(beat)
+            beat.start()
+
+
+@dataclass(frozen=True)
+class Held:
+    """Someone else holds the file: who (None when its record is unreadable)."""
+
+    owner: Owner | None
+
+
+def try_take(path: Path) -> Held | None:
+    """Create ``path`` recording this process, unless a live holder has it (then returns who).
+
+    A gone holder's file is broken and taken. The record is written under a temporary name
+    first and linked into place, so that a crash never leaves a torn record under ``path``.
+    """
+    mine = me().to_bytes()
+    cand = path.with_name(temp_name(path.name))
+    try:
+        for _ in range(3):
+            with open(cand, "wb") as f:
+                f.write(mine)
+            os.utime(cand)  # the server's "now", for judging another host's file below
+            now = os.stat(cand).st_mtime_ns
+            try:
+                os.link(cand, path)
+                _hold(path)
+                return None
+            except FileExistsError:
+                pass
+            except FileNotFoundError:  # removed by a run clearing temporaries: write it again
+                continue
+            except OSError as e:
+                if e.errno in _NO_LINKS:
+                    return _take_exclusive(path, mine, now)
+                # NFS: a retransmitted LINK whose first reply was lost fails although it was done.
+                if os.stat(cand).st_nlink != 2:
+                    raise
+                _hold(path)
+                return None
+            holder, raw, mtime = _holder(path)
+            if raw is None:
+                continue  # released meanwhile
+            if not gone(holder, mtime, now):
+                return Held(holder)
+            _break(path, raw)
+        return Held(None)
+    finally:
+        _remove(cand)
+
+
+def _take_exclusive(path: Path, mine: bytes, now_ns: int) -> Held | None:
+    """``try_take`` where the filesystem has no hard links (some FUSE and SMB mounts): an
+    exclusive create, whose record a crash may leave torn (then judged by its age alone)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        holder, raw, mtime = _holder(path)
+        if raw is not None and gone(holder, mtime, now_ns):
+            _break(path, raw)
+        return Held(holder)
+    with os.fdopen(fd, "wb") as f:
+        f.write(mine)
+    _hold(path)
+    return None
+
+
+def _holder(path: Path) -> tuple[Owner | None, bytes | None, int]:
+    """Who holds ``path`` (its record and modification time); raw None when it is not there.
+
+    Opened, then read: on NFS, opening revalidates the attributes and data cached (close-to-open
+    consistency), so the record and time are the server's, not a stale copy."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+            mtime = os.fstat(f.fileno()).st_mtime_ns
+    except FileNotFoundError:
+        return None, None, 0
+    return Owner.from_bytes(raw), raw, mtime
+
+
+def _break(path: Path, raw: bytes) -> None:
+    """Remove ``path``, held by a gone run whose record is ``raw``.
+
+    Moved aside under a name of this process's first, then checked: when two runs break the
+    same file at once and a third takes it in between, the one that moved the third's away
+    puts it back.
+    """
+    aside = path.with_name(temp_name(path.name + ".gone"))
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return  # broken by another run
+    try:
+        if aside.read_bytes() != raw:
+            try:
+                os.link(aside, path)
+            except FileExistsError:
+                pass
+    except FileNotFoundError:
+        pass  # cleared meanwhile by the run that took the lock since
+    finally:
+        _remove(aside)
+
+
+def release(path: Path) -> None:
+    """Give up ``path`` if this process still holds it."""
+    with _held_lock:
+        _held.discard(path)
+    _, raw, _ = _holder(path)
+    if raw == me().to_bytes():
+        _remove(path)
+
+
+def holder_of(path: Path, now_ns: int) -> Owner | None | bool:
+    """The live holder of ``path`` other than this process (None: unreadable record); False
+    when nobody else holds it (absent, ours, or its holder gone)."""
+    holder, raw, mtime = _holder(path)
+    if raw is None or raw == me().to_bytes() or gone(holder, mtime, now_ns):
+        return False
+    return holder
+
+
+def gone_file(path: Path, now_ns: int) -> bool:
+    """Whether the run whose record ``path`` is (a lock or claim, or one being taken) is gone."""
+    holder, raw, mtime = _holder(path)
+    return raw is not None and gone(holder, mtime, now_ns)
+
+
+def _remove(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+
+
+@contextmanager
+def locked(out: Path, on_wait: Callable[[str], None]) -> Iterator[int]:
+    """Hold OUT's lock; yields the server's time at which it was taken (for :func:`gone`).
+
+    Waits for a live holder (``on_wait(message)`` once), and breaks the lock of a gone one.
+    """
+    lock = out / LOCK
+    waited = 0
+    while (held := try_take(lock)) is not None:
+        if not waited:
+            who = describe(held.owner)
+            on_wait(f"{out} is being changed by another qwen35-reshard run ({who}): waiting for it")
+        time.sleep(pause(waited))
+        waited += 1
+    try:
+        yield os.stat(lock).st_mtime_ns
+    finally:
+        release(lock)
+
+
+def wait_for_change(paths: list[Path]) -> None:
+    """Wait until one of the held files ``paths`` is released or changes hands, or a lease has
+    half run out (another host's holder may be gone by then: only OUT's lock can tell).
+
+    Looks only at the files themselves: a waiting run does not take OUT's lock (or read a
+    stage's manifest) every moment, for the hours another node may take to build its stage.
+    """
+    seen = [_holder(p)[1] for p in paths]
+    deadline = time.monotonic() + LEASE_SECONDS / 2
+    waited = 0
+    while time.monotonic() < deadline and [_holder(p)[1] for p in paths] == seen:
+        time.sleep(pause(waited))
+        waited += 1
+
+
+def pause(waited: int) -> float:
+    """Seconds to wait before looking again, after ``waited`` looks: short at first, then longer."""
+    return min(POLL_SECONDS[0] * 2**waited, POLL_SECONDS[1])
+
+
+def describe(owner: Owner | None) -> str:
+    """How a message names the run ``owner`` (which may be unknown)."""
+    return owner.describe() if owner is not None else "unknown host and pid"
