@@ -12,6 +12,7 @@ from ..errors import ReshardError, param
 from ..format.jsonio import dumps
 from ..format.names import (
     ALIGNED,
+    CLAIM,
     CLONE,
     CONFIG_NAME,
     INDEX_NAME,
@@ -29,7 +30,7 @@ from ..units import format_bytes
 from . import claims
 from .assess import run_temporary
 from .claims import is_mine
-from .durability import partial_path, remove, write_atomic
+from .durability import partial_path, remove, remove_partials, write_atomic
 from .journal import Digests
 
 STAT_BLOCK_BYTES = 512  # the unit of ``st_blocks`` (POSIX), whatever the filesystem's block size
@@ -156,3 +157,23 @@ def resume_stage(stage_dir: Path, stage: StagePlan, kept: dict[str, Digests]) ->
     for p in sorted(stage_dir.iterdir()):
         if p.name not in kept and (p.name.endswith(PARTIAL_SUFFIX) or p.name in planned):
             p.unlink()
+
+
+def has_temporaries(out: Path, stages: list[StagePlan]) -> bool:
+    """Whether any stage directory of ``stages`` holds a temporary file (a killed run's, or a
+    live run's at work): then even a complete split is looked at under OUT's lock."""
+    for stage in stages:
+        try:
+            if any(partial_base(p.name) is not None for p in (out / stage.dirname).iterdir()):
+                return True
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+    return False
+
+
+def clear_stage_temporaries(out: Path, stages: list[StagePlan], now: int) -> None:
+    """Under OUT's lock: delete the temporary files in those of ``stages`` that no live run
+    claims. Only a stage's claim holder writes temporaries there, and no claim is taken while
+    this run holds the lock, so what is left is a killed run's (``now``: see :func:`~.claims.gone`)."""
+    free = [s for s in stages if claims.holder_of(out / s.dirname / CLAIM, now) is False]
+    remove_partials(out, free, own=False)

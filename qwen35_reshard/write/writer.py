@@ -55,7 +55,9 @@ from .outdir import (
     can_share,
     check_free_space,
     clear_split,
+    clear_stage_temporaries,
     clear_temporaries,
+    has_temporaries,
     make_dirs,
     resume_stage,
     side_file_bytes,
@@ -158,7 +160,8 @@ def write_plan(
                 raise
             state = None  # decided under the lock, which can name the run writing OUT
         # A finished split is not written to (on a read-only filesystem, not even its lock).
-        if state is not None and state.action == "complete" and not (out / RUN_MARKER).exists():
+        finished = state is not None and state.action == "complete" and not (out / RUN_MARKER).exists()
+        if finished and not has_temporaries(out, plan.selected):
             result.complete = list(state.complete)
             result.already_complete = [s.rank for s in plan.selected]
             return result
@@ -197,6 +200,7 @@ def _write_rounds(
                 result.complete = list(state.complete)
                 pending = [s for s in pending if s.rank not in state.complete]
                 if not pending:
+                    clear_stage_temporaries(out, plan.selected, now)
                     result.complete = _record(plan, out, now, result)
                     return
                 marked = _mark(plan, out) if state.action != "replace" else False
