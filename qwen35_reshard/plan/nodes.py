@@ -62,6 +62,10 @@ class Node:
     stages: range
     source: str
 
+    def to_dict(self) -> dict:
+        """Plain JSON-ready data: rank, nnodes, stages (a list) and source."""
+        return {"rank": self.rank, "nnodes": self.nnodes, "stages": list(self.stages), "source": self.source}
+
     def describe(self, flags: Mapping[str, str] | None = None) -> str:
         """E.g. ``rank 2 of 4 from LWS_WORKER_INDEX, LWS_GROUP_SIZE: stage 2``; parameters
         named in ``source`` are spelt as ``flags`` maps them (see :func:`errors.spell`)."""
