@@ -216,3 +216,40 @@ def test_a_task_killed_mid_run_then_the_step_again(slurm, model, tmp_path):
     )
     verify_source(out, model)
     assert digests(out) == sequential(model, tmp_path / "ref", 4)
+
+
+# Stands in for the server on PATH: records, per node, the command line each task ran.
+FAKE_PYTHON3 = """#!/bin/sh
+echo "$SLURMD_NODENAME $*" > "$RECORD/$SLURM_NODEID"
+"""
+
+
+def test_the_readme_sbatch_script_as_written(slurm, model, tmp_path):
+    """The README's Slurm script, run by sbatch with only MODEL and OUT changed and the server's
+    `python3` replaced by one that records its arguments: step 1 builds every node's stage,
+    step 2 starts on each node the server on that node's own stage with its own --node-rank
+    (expanded in each task, not once in the batch shell)."""
+    readme = (REPO / "README.md").read_text()
+    (script,) = [b for b in re.findall(r"```\n(.*?)```", readme, re.S) if "#SBATCH --nodes=4" in b]
+    out = tmp_path / "out"
+    script = re.sub(r"(?m)^MODEL=\S+", f"MODEL={model}", script)
+    script = re.sub(r"(?m)^OUT=\S+", f"OUT={out}", script)
+    (tmp_path / "serve.sbatch").write_text(script)
+    fake, record = tmp_path / "bin", tmp_path / "record"
+    fake.mkdir()
+    record.mkdir()
+    (fake / "python3").write_text(FAKE_PYTHON3)
+    (fake / "python3").chmod(0o755)
+    env = {**slurm.env, "PATH": f"{fake}:{Path(CLI).parent}:{os.environ['PATH']}", "RECORD": str(record)}
+    p = subprocess.run(
+        ["sbatch", "--wait", f"--output={tmp_path}/job.out", str(tmp_path / "serve.sbatch")],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=STEP_TIMEOUT,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr + (tmp_path / "job.out").read_text()
+    verify_source(out, model)
+    for n in range(NODES):
+        line = (record / str(n)).read_text().strip()
+        assert line == (
+            f"n{n} -m sglang.launch_server --model-path {out}/pp{n} --pp-size 4 --tp-size 8 --nnodes 4 "
+            f"--node-rank {n} --dist-init-addr n0:5000"
+        ), line
