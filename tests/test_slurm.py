@@ -94,6 +94,18 @@ def verify_source(out: Path, model: Path) -> None:
     assert p.returncode == 0, p.stdout + p.stderr
 
 
+def task_errors(logs: Path) -> str:
+    return "".join(f.read_text() for f in sorted(logs.glob("*.err")))
+
+
+def assert_built(p: subprocess.CompletedProcess, logs: Path, model: Path, out: Path, pp: int) -> None:
+    """The step or job ended well, and OUT verifies against the source and holds exactly what
+    one sequential run builds."""
+    assert p.returncode == 0, p.stderr + task_errors(logs)
+    verify_source(out, model)
+    assert digests(out) == sequential(model, out.parent / "sequential", pp)
+
+
 def srun(slurm: Cluster, logs: Path, *command: str) -> subprocess.CompletedProcess:
     """``command`` as one task on each of the four nodes; each task's stderr in logs/N.err,
     N being the task's node (Slurm's %n)."""
@@ -123,12 +135,10 @@ def test_srun_one_stage_per_node(slurm, model, tmp_path):
     started = time.monotonic()
     p = srun(slurm, logs, CLI, "--pp", "4", "--rank", "auto", str(model), str(out))
     seconds = time.monotonic() - started
-    assert p.returncode == 0, p.stderr + "".join(f.read_text() for f in sorted(logs.glob("*.err")))
+    assert_built(p, logs, model, out, 4)
     assert node_lines(logs) == {
         n: f"rank {n} of 4 from SLURM_NODEID, SLURM_NNODES: stage {n}" for n in range(4)
     }
-    verify_source(out, model)
-    assert digests(out) == sequential(model, tmp_path / "ref", 4)
     print(f"srun -N4 --pp 4 --rank auto: {seconds:.1f} s ({slurm.startup})", file=sys.stderr)
 
 
@@ -141,12 +151,10 @@ def test_sbatch_array_into_one_out(slurm, model, tmp_path):
         "sbatch", "--array=0-3", "--wait", f"--output={logs}/%a.out", f"--error={logs}/%a.err",
         f"--wrap={CLI} --pp 4 --rank auto {model} {out}", cwd=logs,
     )  # fmt: skip
-    assert p.returncode == 0, p.stderr + "".join(f.read_text() for f in sorted(logs.glob("*.err")))
+    assert_built(p, logs, model, out, 4)
     assert node_lines(logs) == {
         n: f"rank {n} of 4 from SLURM_ARRAY_TASK_ID, SLURM_ARRAY_TASK_COUNT: stage {n}" for n in range(4)
     }
-    verify_source(out, model)
-    assert digests(out) == sequential(model, tmp_path / "ref", 4)
 
 
 def test_two_nodes_per_stage(slurm, model, tmp_path):
@@ -154,12 +162,10 @@ def test_two_nodes_per_stage(slurm, model, tmp_path):
     it): nodes 0 and 1 both build stage 0, nodes 2 and 3 stage 1, into the same OUT at once."""
     out, logs = tmp_path / "out", tmp_path / "logs"
     p = srun(slurm, logs, CLI, "--pp", "2", "--rank", "auto", str(model), str(out))
-    assert p.returncode == 0, p.stderr + "".join(f.read_text() for f in sorted(logs.glob("*.err")))
+    assert_built(p, logs, model, out, 2)
     assert node_lines(logs) == {
         n: f"rank {n} of 4 from SLURM_NODEID, SLURM_NNODES: stage {n // 2}" for n in range(4)
     }
-    verify_source(out, model)
-    assert digests(out) == sequential(model, tmp_path / "ref", 2)
 
 
 def test_broken_checkpoint_fails_every_task_in_one_line(slurm, model, tmp_path):
@@ -211,11 +217,7 @@ def test_a_task_killed_mid_run_then_the_step_again(slurm, model, tmp_path):
         assert (out / f"pp{n}" / "model.safetensors.index.json").exists(), (logs / f"{n}.err").read_text()
     assert not (out / "pp2" / "model.safetensors.index.json").exists()
     again = srun(slurm, tmp_path / "logs-again", CLI, *args)
-    assert again.returncode == 0, again.stderr + "".join(
-        f.read_text() for f in sorted((tmp_path / "logs-again").glob("*.err"))
-    )
-    verify_source(out, model)
-    assert digests(out) == sequential(model, tmp_path / "ref", 4)
+    assert_built(again, tmp_path / "logs-again", model, out, 4)
 
 
 # Stands in for the server on PATH: records, per node, the command line each task ran.
@@ -242,11 +244,10 @@ def test_the_readme_sbatch_script_as_written(slurm, model, tmp_path):
     (fake / "python3").chmod(0o755)
     env = {**slurm.env, "PATH": f"{fake}:{Path(CLI).parent}:{os.environ['PATH']}", "RECORD": str(record)}
     p = subprocess.run(
-        ["sbatch", "--wait", f"--output={tmp_path}/job.out", str(tmp_path / "serve.sbatch")],
+        ["sbatch", "--wait", f"--output={tmp_path}/job.err", str(tmp_path / "serve.sbatch")],
         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=STEP_TIMEOUT,
     )  # fmt: skip
-    assert p.returncode == 0, p.stderr + (tmp_path / "job.out").read_text()
-    verify_source(out, model)
+    assert_built(p, tmp_path, model, out, 4)
     for n in range(NODES):
         line = (record / str(n)).read_text().strip()
         assert line == (
