@@ -295,6 +295,7 @@ def test_description_spells_the_callers_flags():
     assert given.describe({"nnodes": "--nnodes", "node_rank": "--node-rank"}) == (
         "rank 1 of 2 from --nnodes, --node-rank: stages 2, 3"
     )
+    assert given.to_dict() == {"rank": 1, "nnodes": 2, "stages": [2, 3], "source": "nnodes, node_rank"}
 
 
 # (case, env, pp, nnodes given, what the one-line refusal must say)

@@ -54,7 +54,8 @@ class Node:
         rank: the node's index, 0 to ``nnodes - 1`` (the servers' ``--node-rank``).
         nnodes: how many nodes the deployment has (the servers' ``--nnodes``).
         stages: the pipeline ranks the node runs.
-        source: where rank and count came from, e.g. ``LWS_WORKER_INDEX, LWS_GROUP_SIZE``.
+        source: where rank and count came from, e.g. ``LWS_WORKER_INDEX, LWS_GROUP_SIZE``; a
+            parameter in it is marked with :func:`errors.param`, spelt by :meth:`describe`.
     """
 
     rank: int
@@ -62,16 +63,18 @@ class Node:
     stages: range
     source: str
 
-    def to_dict(self) -> dict:
-        """Plain JSON-ready data: rank, nnodes, stages (a list) and source."""
-        return {"rank": self.rank, "nnodes": self.nnodes, "stages": list(self.stages), "source": self.source}
+    def to_dict(self, flags: Mapping[str, str] | None = None) -> dict:
+        """Plain JSON-ready data: rank, nnodes, stages (a list) and source (spelt as in
+        :meth:`describe`)."""
+        source = spell(self.source, flags or {})
+        return {"rank": self.rank, "nnodes": self.nnodes, "stages": list(self.stages), "source": source}
 
     def describe(self, flags: Mapping[str, str] | None = None) -> str:
         """E.g. ``rank 2 of 4 from LWS_WORKER_INDEX, LWS_GROUP_SIZE: stage 2``; parameters
         named in ``source`` are spelt as ``flags`` maps them (see :func:`errors.spell`)."""
         stages = list(self.stages)
         which = f"stage {stages[0]}" if len(stages) == 1 else f"stages {', '.join(map(str, stages))}"
-        return spell(f"rank {self.rank} of {self.nnodes} from {self.source}: {which}", flags or {})
+        return f"rank {self.rank} of {self.nnodes} from {spell(self.source, flags or {})}: {which}"
 
 
 def node_stages(pp: int, nnodes: int, node_rank: int) -> range:
