@@ -254,3 +254,27 @@ def test_the_readme_sbatch_script_as_written(slurm, model, tmp_path):
             f"n{n} -m sglang.launch_server --model-path {out}/pp{n} --pp-size 4 --tp-size 8 --nnodes 4 "
             f"--node-rank {n} --dist-init-addr n0:5000"
         ), line
+
+
+def test_start_over_an_earlier_clusters_leftovers(slurm, tmp_path):
+    """start.sh where an earlier run's cluster still runs (a test session killed before its
+    teardown), with a job in it: that cluster's daemons are stopped by their pids, its jobs
+    cancelled and forgotten, and four idle nodes come up again. Runs last: it restarts the
+    session's cluster."""
+    job = slurm.run("sbatch", "--parsable", "-N2", "--wrap", "sleep 300", cwd=tmp_path)
+    assert job.returncode == 0, job.stderr
+    old = {f.name: int(f.read_text()) for f in (CLUSTER_DIR / "run").glob("*.pid")}
+    assert len(old) == NODES + 1, old  # slurmctld and four slurmd
+    again = subprocess.run(
+        ["bash", str(CI_DIR / "start.sh")], env=slurm.env, capture_output=True, text=True, timeout=120
+    )
+    assert again.returncode == 0, again.stderr
+    print(again.stdout.strip(), "(over a running cluster)", file=sys.stderr)
+    for name, pid in old.items():
+        assert (
+            not Path(f"/proc/{pid}").exists()
+            or f"{CLUSTER_DIR}" not in Path(f"/proc/{pid}/cmdline").read_text()
+        ), name
+    assert slurm.run("squeue", "-h", "-o", "%i", cwd=tmp_path).stdout.strip() == ""
+    p = srun(slurm, tmp_path / "logs", "true")
+    assert p.returncode == 0, p.stderr
