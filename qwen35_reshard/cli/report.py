@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from rich import box
@@ -136,18 +136,26 @@ class RichReporter(ReshardProgress):
 
 
 class QuietView(ReshardProgress):
-    """What ``--quiet`` shows as a run goes: its warnings only (on stderr)."""
+    """What ``--quiet`` shows as a run goes, on stderr: its warnings, and which node it builds
+    for (parameters spelt as ``flags`` maps them)."""
+
+    def __init__(self, flags: Mapping[str, str]) -> None:
+        self.flags = flags
 
     def warning(self, message: str) -> None:
         print(f"warning: {message}", file=sys.stderr)
 
+    def located(self, node: Node) -> None:
+        print(node.describe(self.flags), file=sys.stderr)
+
 
 class SplitView(QuietView, RichReporter):
-    """What ``split`` and ``plan`` show as a run goes: warnings, the plan (and the balanced
-    choice) on ``results`` once made, then the progress bar on ``progress``."""
+    """What ``split`` and ``plan`` show as a run goes: warnings and the node, the plan (and the
+    balanced choice) on ``results`` once made, then the progress bar on ``progress``."""
 
-    def __init__(self, results: Console, progress: Console) -> None:
-        super().__init__(progress)
+    def __init__(self, results: Console, progress: Console, flags: Mapping[str, str]) -> None:
+        QuietView.__init__(self, flags)
+        RichReporter.__init__(self, progress)
         self.results = results
 
     def planned(self, plan: Plan, choice: Choice | None) -> None:

@@ -1,5 +1,7 @@
-"""The command line's ``--rank auto`` and ``--nnodes N --node-rank R``: a real process, the
-scheduler's variables in its environment, and what it builds, says and prints as this node's."""
+"""A run that builds one node's stages: the library's ``ranks="auto"`` / ``nnodes`` and
+``node_rank``, and the command line's ``--rank auto`` and ``--nnodes N --node-rank R`` in a real
+process with the scheduler's variables in its environment: what it builds, says and prints as
+this node's."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from qwen35_reshard import ReshardError, ReshardProgress, reshard
 
 # Every variable plan.nodes reads: cleared from the tests' own environment (they may run under
 # a scheduler), then set per case.
@@ -136,7 +140,7 @@ def test_vllm_node_is_told_to_serve_out_with_its_load_format(make_checkpoint, tm
         (("--nnodes", "4"), {}, "--nnodes and --node-rank go together"),
         (("--rank", "auto", "--node-rank", "1"), {"NODE_RANK": "1"}, "drop --node-rank"),
         (("--rank", "1", "--nnodes", "2", "--node-rank", "1"), {}, "drop --nnodes and --node-rank"),
-        (("--rank", "auto", "--rank", "1"), {"NODE_RANK": "1"}, "--rank auto is no stage number"),
+        (("--rank", "auto", "--rank", "1"), {"NODE_RANK": "1"}, "'--rank': auto is no stage number"),
         (("--rank", "auto", "--nnodes", "2"), {"LWS_WORKER_INDEX": "1", "LWS_GROUP_SIZE": "4"},
          "--nnodes 2 but LWS_WORKER_INDEX=1 LWS_GROUP_SIZE=4"),
     ],
@@ -147,3 +151,55 @@ def test_refused_in_one_line_writing_nothing(model, tmp_path, args, env, needle)
     out = tmp_path / "out"
     assert needle in one_error(cli("--pp", "4", *args, str(model), str(out), env=env))
     assert not out.exists()
+
+
+# --------------------------------------------------------------------------- the library
+
+
+class Located(ReshardProgress):
+    def __init__(self):
+        self.events = []
+
+    def located(self, node):
+        self.events.append(("located", node.describe()))
+
+    def planned(self, plan, choice):
+        self.events.append(("planned", plan.ranks))
+
+
+def test_library_reads_the_env_it_is_given(model, tmp_path):
+    """ranks="auto" reads the mapping passed as env (not this process's environment), says so
+    before the checkpoint is read, and builds that node's stages."""
+    events = Located()
+    env = {"SLURM_ARRAY_TASK_ID": "1", "SLURM_ARRAY_TASK_COUNT": "2", "SLURM_NODEID": "0"}
+    result = reshard(model, tmp_path / "out", pp=4, ranks="auto", env=env, progress=events)
+    assert events.events == [
+        ("located", "rank 1 of 2 from SLURM_ARRAY_TASK_ID, SLURM_ARRAY_TASK_COUNT: stages 2, 3"),
+        ("planned", (2, 3)),
+    ]
+    assert result.written.built == [2, 3] and stages_in(tmp_path / "out") == ["pp2", "pp3"]
+    assert result.to_dict()["node"] == {
+        "rank": 1, "nnodes": 2, "stages": [2, 3], "source": "SLURM_ARRAY_TASK_ID, SLURM_ARRAY_TASK_COUNT",
+    }  # fmt: skip
+    given = reshard(model, None, pp=4, nnodes=4, node_rank=3, dry_run=True)
+    assert list(given.plan.ranks) == [3] and given.node.to_dict()["source"] == "nnodes, node_rank"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"ranks": "auto", "env": {}}, "ranks='auto' found no node index in the environment"),
+        ({"ranks": "auto", "node_rank": 1, "env": {"NODE_RANK": "1"}}, "drop node_rank"),
+        ({"ranks": "some", "env": {}}, "ranks='some' must be stage numbers or 'auto'"),
+        (
+            {"ranks": [1], "nnodes": 2, "node_rank": 1},
+            "ranks picks the stages itself: drop nnodes and node_rank",
+        ),
+        ({"node_rank": 1}, "nnodes and node_rank go together"),
+        ({"nnodes": 3, "node_rank": 0}, "nnodes=3 and pp=4 do not divide"),
+    ],
+)
+def test_library_errors_name_its_parameters(model, kwargs, message):
+    with pytest.raises(ReshardError, match=message) as e:
+        reshard(model, None, pp=4, dry_run=True, **kwargs)
+    assert "--" not in str(e.value)
