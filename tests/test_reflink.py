@@ -297,7 +297,7 @@ def test_a_damaged_clone_of_a_cache_blob_fails_plain_verify(filesystems, tiny):
     model = tiny.build_checkpoint(root, **CKPT, hf_cache=True)
     out = root.parent / "out-hf"
     done = qwen35_reshard.reshard(model, out, pp=4)
-    plan, result = done.plan, done.written
+    result = done.written
     try:
         assert result.sharing
         manifest = json.loads((out / "pp1" / "reshard-stage.json").read_bytes())
