@@ -12,7 +12,7 @@ from __future__ import annotations
 import gc
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -23,6 +23,7 @@ from .model.runtimes import parse_partition
 from .plan.balance import Choice, choose
 from .plan.capacity import DEFAULT_MEM_FRACTION, Capacity
 from .plan.fetch import fetch_report, needed_by
+from .plan.nodes import Node, given_node, node_from_env
 from .plan.planner import DEFAULT_MAX_FILE_BYTES, Plan, make_plan
 from .source import hub
 from .source.checkpoint import Checkpoint, read_checkpoint, source_identity
@@ -59,6 +60,10 @@ class ReshardProgress(Reporter):
     def warning(self, message: str) -> None:
         """Something the run goes on despite (a shard file the index does not list)."""
 
+    def located(self, node: Node) -> None:
+        """The node this run builds for (``ranks="auto"``, or ``nnodes`` and ``node_rank``),
+        found before the checkpoint is read."""
+
     def planned(self, plan: Plan, choice: Choice | None) -> None:
         """The plan is made (and the balanced ``choice``, if asked); nothing is written yet."""
 
@@ -79,7 +84,8 @@ class ReshardResult:
     servers ignore them). A dry run writes nothing: ``written`` is None and ``out_state`` says
     what a real run would do in OUT (None without OUT). A real run's ``written`` says what it
     did, in ``seconds``. ``fetch`` (a Hub repo id only) is what was fetched, or for a dry run
-    what a split would fetch (:func:`qwen35_reshard.plan.fetch.fetch_report`).
+    what a split would fetch (:func:`qwen35_reshard.plan.fetch.fetch_report`). ``node`` is the
+    node whose stages were built (``ranks="auto"``, or ``nnodes`` and ``node_rank``).
     """
 
     plan: Plan
@@ -90,6 +96,7 @@ class ReshardResult:
     written: WriteResult | None = None
     seconds: float = 0.0
     fetch: dict | None = None
+    node: Node | None = None
 
     @property
     def dry_run(self) -> bool:
@@ -116,9 +123,11 @@ class ReshardResult:
         return self.written.bytes_shared if self.written is not None else 0
 
     def to_dict(self) -> dict:
-        """Plain JSON-ready data (``--json``): OUT, the run manifest's record of the split, the
-        balanced choice, what the write did and what was fetched, where there is one."""
+        """Plain JSON-ready data (``--json``): OUT, the node, the run manifest's record of the
+        split, the balanced choice, what the write did and what was fetched, where there is one."""
         doc = {"out": None if self.out_dir is None else str(self.out_dir)}
+        if self.node is not None:
+            doc["node"] = self.node.to_dict()
         doc.update(run_manifest(self.plan, complete=self.complete))
         if self.choice is not None:
             doc["balanced"] = self.choice.to_dict()
@@ -148,7 +157,10 @@ def reshard(
     context_length: int | None = None,
     tp: int | None = None,
     mem_fraction: float | None = None,
-    ranks: Sequence[int] | None = None,
+    ranks: Sequence[int] | str | None = None,
+    nnodes: int | None = None,
+    node_rank: int | None = None,
+    env: Mapping[str, str] | None = None,
     keep_mtp: bool = True,
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
     workers: int = DEFAULT_WORKERS,
@@ -177,7 +189,14 @@ def reshard(
         tp: with ``gpu_memory``: tensor-parallel size of each stage (default 1).
         mem_fraction: with ``gpu_memory``: share of GPU memory the server uses for weights and
             cache (default 0.9).
-        ranks: build only these stages (default: all).
+        ranks: build only these stages (default: all); ``"auto"``: the stages of the node this
+            runs on, its index and the node count read from the scheduler's variables in
+            ``env`` (Slurm, Kubernetes, torchrun: :mod:`qwen35_reshard.plan.nodes` lists them).
+        nnodes: the nodes the servers run on: with ``node_rank``, build the stages SGLang and
+            vLLM run on that node; with ``ranks="auto"``, the count the environment must agree
+            with (or, where it gives none, the count).
+        node_rank: this node, 0 to ``nnodes - 1``.
+        env: the environment ``ranks="auto"`` reads (default: ``os.environ``).
         keep_mtp: False leaves the ``mtp.*`` tensors out on purpose (recorded in the manifest).
         max_file_bytes: largest output data file.
         workers: source shards copied at once.
@@ -188,7 +207,7 @@ def reshard(
         revision, token, offline: for a Hub repo id: branch, tag or commit; token (default:
             ``HF_TOKEN`` or the saved login); use only the Hugging Face cache.
         progress: progress callbacks: a :class:`Reporter`, or a :class:`ReshardProgress` to also
-            hear warnings, the plan before writing and Hub downloads.
+            hear warnings, the node, the plan before writing and Hub downloads.
 
     Returns:
         A :class:`ReshardResult`: the plan, the balanced choice, what was done to OUT (or would
@@ -206,11 +225,18 @@ def reshard(
         >>> result = reshard(MODEL, OUT, pp=4)
         >>> result.launch_env, result.written.built, result.bytes_copied > 0
         ('SGLANG_PP_LAYER_PARTITION=2,2,2,2', [0, 1, 2, 3], True)
+        >>> on_node = {"LWS_WORKER_INDEX": "1", "LWS_GROUP_SIZE": "2"}  # what LeaderWorkerSet sets
+        >>> reshard(MODEL, OUT, pp=4, ranks="auto", env=on_node, dry_run=True).node.describe()
+        'rank 1 of 2 from LWS_WORKER_INDEX, LWS_GROUP_SIZE: stages 2, 3'
     """
     out = None if out_dir is None else Path(out_dir)
     _check_run(model, out, dry_run=dry_run, workers=workers)
     capacity = _capacity(partition, gpu_memory, context_length, tp, mem_fraction)
     events = progress if isinstance(progress, ReshardProgress) else ReshardProgress()
+    node = _node(ranks, nnodes, node_rank, pp=pp, env=env)
+    if node is not None:
+        events.located(node)
+        ranks = node.stages
     traffic = hub.Traffic()
     with _collector_paused():
         ckpt, repo = _open(
@@ -229,7 +255,7 @@ def reshard(
             max_file_bytes=max_file_bytes,
         )
     events.planned(plan, choice)
-    planned = ReshardResult(plan, out, choice, tuple(ckpt.unlisted))
+    planned = ReshardResult(plan, out, choice, tuple(ckpt.unlisted), node=node)
     if dry_run:
         return _preview(planned, repo, traffic, overwrite=overwrite)
     return _write(
@@ -245,6 +271,39 @@ def _check_run(model: str | os.PathLike[str], out: Path | None, *, dry_run: bool
         check_out_dir(Path(model), out)
     if workers < 1:
         raise ReshardError(f"{param('workers')} must be at least 1, got {workers}")
+
+
+def _node(
+    ranks: Sequence[int] | str | None,
+    nnodes: int | None,
+    node_rank: int | None,
+    *,
+    pp: int,
+    env: Mapping[str, str] | None,
+) -> Node | None:
+    """The node whose stages this run builds (None: ``ranks`` or all stages), from the
+    environment (``ranks="auto"``) or from ``nnodes`` and ``node_rank``."""
+    if ranks == "auto":
+        if node_rank is not None:
+            raise ReshardError(
+                f"{param('ranks', 'auto')} reads the node rank from the environment: drop "
+                f"{param('node_rank')}"
+            )
+        return node_from_env(os.environ if env is None else env, pp, nnodes)
+    if isinstance(ranks, str):
+        raise ReshardError(f"{param('ranks', ranks)} must be stage numbers or 'auto'")
+    if nnodes is None and node_rank is None:
+        return None
+    if ranks is not None:
+        raise ReshardError(
+            f"{param('ranks')} picks the stages itself: drop {param('nnodes')} and {param('node_rank')}, "
+            f"or {param('ranks')}"
+        )
+    if nnodes is None or node_rank is None:
+        raise ReshardError(
+            f"{param('nnodes')} and {param('node_rank')} go together: pass both, or {param('ranks', 'auto')}"
+        )
+    return given_node(pp, nnodes, node_rank)
 
 
 def _open(

@@ -39,13 +39,19 @@ class ReshardError(ValueError):
     def render(self, flags: Mapping[str, str]) -> str:
         """The message with each parameter spelt as ``flags`` maps it (a CLI's flag); others as
         the library spells them (``name`` or ``name=value``)."""
+        return spell(super().__str__(), flags)
 
-        def spell(m: re.Match) -> str:
-            name, value = m.group(1), m.group(2)
-            if name not in flags:
-                return name if value is None else f"{name}={value}"
-            if value is None or value == "True":
-                return flags[name]
-            return f"{flags[name]} {value.strip(chr(39))}"
 
-        return _PARAM.sub(spell, super().__str__())
+def spell(text: str, flags: Mapping[str, str]) -> str:
+    """``text`` with each :func:`param` in it spelt as ``flags`` maps it, others as the library
+    spells them: for messages that are no error (e.g. where a setting came from)."""
+
+    def one(m: re.Match) -> str:
+        name, value = m.group(1), m.group(2)
+        if name not in flags:
+            return name if value is None else f"{name}={value}"
+        if value is None or value == "True":
+            return flags[name]
+        return f"{flags[name]} {value.strip(chr(39))}"
+
+    return _PARAM.sub(one, text)

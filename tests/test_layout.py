@@ -28,7 +28,7 @@ LAYERS = [
                    "format.manifest", "format.identity"]),
     (2, "model", ["model", "model.names", "model.schema", "model.runtimes"]),
     (3, "source", ["source", "source.header", "source.checkpoint", "source.ranged", "source.hub"]),
-    (4, "plan", ["plan", "plan.planner", "plan.capacity", "plan.balance", "plan.fetch"]),
+    (4, "plan", ["plan", "plan.planner", "plan.capacity", "plan.balance", "plan.fetch", "plan.nodes"]),
     (5, "transfer", ["transfer", "transfer.reflink", "transfer.copier"]),
     (6, "stage", ["stage", "stage.findings", "stage.manifest", "stage.reader"]),
     (7, "verify", ["verify", "verify.check"]),

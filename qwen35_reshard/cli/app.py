@@ -56,6 +56,8 @@ FLAGS = {
     "tp": "--tp",
     "mem_fraction": "--mem-fraction",
     "ranks": "--rank",
+    "nnodes": "--nnodes",
+    "node_rank": "--node-rank",
     "max_file_bytes": "--max-file-size",
     "workers": "--workers",
     "overwrite": "--overwrite",
@@ -256,7 +258,9 @@ class PlanArgs:
     context_length: int | None
     tp: int | None
     mem_fraction: float | None
-    ranks: list[int] | None
+    ranks: list[int] | str | None
+    nnodes: int | None
+    node_rank: int | None
     keep_mtp: bool
     max_file_bytes: int
     revision: str | None
@@ -385,9 +389,38 @@ MemFraction = Annotated[
         help="with --gpu-memory: share of GPU memory the server uses for weights and cache  [default: 0.9]",
     ),
 ]
+
+
+def _ranks(values: list[str] | None) -> list[int] | str | None:
+    """``--rank``'s values as the library's ``ranks``: stage numbers, or ``"auto"`` alone."""
+    if not values:
+        return None
+    if values == ["auto"]:
+        return "auto"
+    for value in values:
+        if not (value.isascii() and value.isdigit()):
+            raise typer.BadParameter(
+                f"{value} is no stage number: pass 0, 1, ... or auto (alone)", param_hint="'--rank'"
+            )
+    return [int(v) for v in values]
+
+
 Rank = Annotated[
-    list[int] | None,
-    typer.Option("--rank", metavar="R", help="build only this stage; repeat for several  [default: all]"),
+    list[str] | None,
+    typer.Option(
+        "--rank",
+        metavar="R",
+        help="build only this stage; repeat for several; 'auto': the stages of the node this runs "
+        "on, from the scheduler's environment (Slurm, Kubernetes, torchrun)  [default: all]",
+    ),
+]
+Nnodes = Annotated[
+    int | None,
+    typer.Option("--nnodes", metavar="N", help="nodes the servers run on (with --node-rank or --rank auto)"),
+]
+NodeRank = Annotated[
+    int | None,
+    typer.Option("--node-rank", metavar="R", help="build the stages the servers run on node R of --nnodes"),
 ]
 NoMtp = Annotated[
     bool, typer.Option("--no-mtp", help="leave mtp.* out on purpose (recorded in the manifest)")
@@ -484,6 +517,8 @@ def split(
     context_length: ContextLength = None,
     mem_fraction: MemFraction = None,
     rank: Rank = None,
+    nnodes: Nnodes = None,
+    node_rank: NodeRank = None,
     no_mtp: NoMtp = False,
     max_file_size: MaxFileSize = _MAX_FILE_DEFAULT,
     dry_run: Annotated[
@@ -514,8 +549,9 @@ def split(
     """Split MODEL into OUT/pp0, OUT/pp1, ...: one Hugging Face directory per pipeline stage,
     byte for byte, resumable. Prints the launch line for the server."""
     args = SplitArgs(
-        model, out, pp, runtime.value, partition, gpu_memory, context_length, tp, mem_fraction, rank,
-        not no_mtp, max_file_size, revision, token, offline, dry_run, overwrite, workers, reflink.value,
+        model, out, pp, runtime.value, partition, gpu_memory, context_length, tp, mem_fraction,
+        _ranks(rank), nnodes, node_rank, not no_mtp, max_file_size, revision, token, offline, dry_run,
+        overwrite, workers, reflink.value,
     )  # fmt: skip
     _run_guarded(
         _reshard,
@@ -546,6 +582,8 @@ def plan(
     context_length: ContextLength = None,
     mem_fraction: MemFraction = None,
     rank: Rank = None,
+    nnodes: Nnodes = None,
+    node_rank: NodeRank = None,
     no_mtp: NoMtp = False,
     max_file_size: MaxFileSize = _MAX_FILE_DEFAULT,
     revision: Revision = None,
@@ -558,8 +596,8 @@ def plan(
 ) -> None:
     """Show how MODEL splits into pipeline stages (from its index and headers); write nothing."""
     args = PlanArgs(
-        model, out, pp, runtime.value, partition, gpu_memory, context_length, tp, mem_fraction, rank,
-        not no_mtp, max_file_size, revision, token, offline,
+        model, out, pp, runtime.value, partition, gpu_memory, context_length, tp, mem_fraction,
+        _ranks(rank), nnodes, node_rank, not no_mtp, max_file_size, revision, token, offline,
     )  # fmt: skip
     _run_guarded(_reshard, args, Output(quiet, json_, debug), "nothing was written")
 
@@ -627,7 +665,7 @@ def _reshard(args: PlanArgs, output: Output) -> int:
     from .report import QuietView, SplitView, dry_run_lines, fetch_line, summary
 
     results, progress = _consoles(output)
-    view = QuietView() if output.quiet else SplitView(results, progress)
+    view = QuietView(FLAGS) if output.quiet else SplitView(results, progress, FLAGS)
     # plan is a dry run of split.
     kwargs = {"dry_run": True, **{f.name: getattr(args, f.name) for f in dataclasses.fields(args)}}
     try:
@@ -643,7 +681,7 @@ def _reshard(args: PlanArgs, output: Output) -> int:
             for line, wrap in dry_run_lines(result):
                 results.print(line, highlight=False, soft_wrap=wrap)
     elif not output.quiet:
-        summary(results, plan, result.written, str(args.out_dir), result.seconds)
+        summary(results, plan, result.written, str(args.out_dir), result.seconds, result.node)
         if result.fetch is not None:
             results.print(fetch_line(result.fetch), highlight=False)
     if output.quiet:
@@ -659,7 +697,10 @@ def _json_doc(result: ReshardResult) -> dict:
         status = "dry_run"
     else:
         status = "nothing_to_do" if result.written.nothing_to_do else "ok"
-    return {"status": status, **result.to_dict()}
+    doc = {"status": status, **result.to_dict()}
+    if result.node is not None:  # its source in this command line's flags
+        doc["node"] = result.node.to_dict(FLAGS)
+    return doc
 
 
 # --------------------------------------------------------------------------- verify

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from rich import box
@@ -21,6 +21,7 @@ from ..api import ReshardProgress, ReshardResult
 from ..format.names import RUN_MANIFEST, stage_dirname
 from ..model import names
 from ..plan.balance import Choice, StageLoad
+from ..plan.nodes import Node
 from ..plan.planner import Plan, StagePlan
 from ..stage.findings import Finding
 from ..units import format_bytes, plural
@@ -135,22 +136,29 @@ class RichReporter(ReshardProgress):
 
 
 class QuietView(ReshardProgress):
-    """What ``--quiet`` shows as a run goes: its warnings, and that it waits for another run
-    writing OUT (on stderr)."""
+    """What ``--quiet`` shows as a run goes, on stderr: its warnings, which node it builds for
+    (parameters spelt as ``flags`` maps them), and that it waits for another run writing OUT."""
+
+    def __init__(self, flags: Mapping[str, str]) -> None:
+        self.flags = flags
 
     def warning(self, message: str) -> None:
         print(f"warning: {message}", file=sys.stderr)
+
+    def located(self, node: Node) -> None:
+        print(node.describe(self.flags), file=sys.stderr)
 
     def waiting(self, message: str) -> None:
         print(message, file=sys.stderr)
 
 
 class SplitView(QuietView, RichReporter):
-    """What ``split`` and ``plan`` show as a run goes: warnings, the plan (and the balanced
-    choice) on ``results`` once made, then the progress bar on ``progress``."""
+    """What ``split`` and ``plan`` show as a run goes: warnings and the node, the plan (and the
+    balanced choice) on ``results`` once made, then the progress bar on ``progress``."""
 
-    def __init__(self, results: Console, progress: Console) -> None:
-        super().__init__(progress)
+    def __init__(self, results: Console, progress: Console, flags: Mapping[str, str]) -> None:
+        QuietView.__init__(self, flags)
+        RichReporter.__init__(self, progress)
         self.results = results
 
     def planned(self, plan: Plan, choice: Choice | None) -> None:
@@ -192,6 +200,34 @@ def launch_lines(plan: Plan, out: str) -> list[str]:
     return [cmd]
 
 
+def node_launch_lines(plan: Plan, out: str, node: Node) -> list[str]:
+    """The command that starts the server on ``node``: its stage directory, its ``--node-rank``;
+    for a node of several stages under SGLang, how to serve them instead."""
+    env, pp, stages = plan.launch_env, plan.pp, list(node.stages)
+    nodes = f"--nnodes {node.nnodes} --node-rank {node.rank}"
+    if plan.runtime == "vllm":
+        # vLLM's multiprocessing executor across nodes: node 0 serves, the others run headless;
+        # qwen35-stages opens OUT/pp{rank} for each of the node's pipeline ranks.
+        headless = " --headless" if node.rank else ""
+        return [
+            f"{env} vllm serve {shlex.quote(out)} --load-format qwen35-stages --pipeline-parallel-size {pp} "
+            f"--distributed-executor-backend mp {nodes} --master-addr HEAD_IP{headless}"
+        ]
+    if len(stages) == 1:
+        stage = shlex.quote(f"{out}/{stage_dirname(stages[0])}")
+        return [
+            f"{env} python -m sglang.launch_server --model-path {stage} --pp-size {pp} {nodes} "
+            "--dist-init-addr HEAD_IP:PORT"
+        ]
+    held = ", ".join(stage_dirname(r) for r in stages)
+    return [
+        f"this node runs {held} in one sglang.launch_server, whose stock loader takes one --model-path "
+        "for all of them: serve the unsplit checkpoint there, load each stage through the shim "
+        "(README, recipe 4), or split with --runtime vllm and serve OUT with vLLM's --load-format "
+        "qwen35-stages"
+    ]
+
+
 def shares_line(plan: Plan) -> str:
     """How much of the selected stages' files a filesystem that shares blocks (XFS, Btrfs,
     ...) shares with the source, in one line that fits 80 columns."""
@@ -224,7 +260,10 @@ def out_line(plan: Plan, out: Path, state: OutState) -> str:
     return f"{out} holds an unfinished run of this split: a real run resumes it, {keeping}and {writes}"
 
 
-def summary(console: Console, plan: Plan, result: WriteResult, out: str, seconds: float) -> None:
+def summary(
+    console: Console, plan: Plan, result: WriteResult, out: str, seconds: float, node: Node | None = None
+) -> None:
+    """The closing summary: what was written, and how to launch each stage (``node``: this node)."""
     if result.nothing_to_do:
         console.print(f"[bold]{out} is already complete for this command: nothing to do.[/]")
         # Completeness is judged from sizes and manifests, not bytes: say who reads the bytes.
@@ -245,9 +284,13 @@ def summary(console: Console, plan: Plan, result: WriteResult, out: str, seconds
         )
     if plan.dropped:
         console.print(f"left out on purpose (--no-mtp): {plural(len(plan.dropped), 'mtp.* tensor')}")
-    console.print("Launch each stage R on its node with exactly this partition:")
+    if node is None:
+        console.print("Launch each stage R on its node with exactly this partition:")
+    else:
+        console.print(f"Launch this node (rank {node.rank} of {node.nnodes}) with exactly this partition:")
     console.print(f"  [bold]{plan.launch_env}[/]", soft_wrap=True, highlight=False)
-    for line in launch_lines(plan, out):
+    lines = launch_lines(plan, out) if node is None else node_launch_lines(plan, out, node)
+    for line in lines:
         console.print(f"  {line}", soft_wrap=True, highlight=False)
 
 
