@@ -418,12 +418,8 @@ def _check_stage(stage: _Stage, report: VerifyReport, ckpt: Checkpoint | None, c
     stage.summary.complete = not any(p.file == INDEX_NAME for p in found.problems)
     # config.json has its own check (read_stage): it must be the source's.
     recorded = {n: d for n, d in m.side_files.items() if n != CONFIG_NAME}
-    damaged = damaged_side_files(stage.path, recorded)
-    for name, why in damaged:
+    for name, why in damaged_side_files(stage.path, recorded):
         add(_SIDE_KIND[why], _side_file_message(stage.display, name, why), file=name)
-    for name in ckpt.extra_files if ckpt is not None else ():
-        if name not in dict(damaged):
-            _compare_side_file(stage, ckpt, name, add)
     on_disk = {n for n in entries if n.endswith(".safetensors") and not n.startswith(".")}
     for name in sorted(on_disk - set(m.files)):
         add(
@@ -595,6 +591,11 @@ def _check_against_source(
     for stage in stages:
         add = _adder(report, stage)
         m = stage.manifest
+        # After the Hub's files are fetched (_prepare_hub); each damaged one reported once.
+        reported = {f.file for f in report.findings_for(stage.summary.stage)}
+        for name in ckpt.extra_files:
+            if name not in reported:
+                _compare_side_file(stage, ckpt, name, add)
         if m.source.get("fingerprint") != fingerprint:
             add(
                 DIFFERENT,
