@@ -104,8 +104,11 @@ def save_fp8_checkpoint(tiny, out: Path) -> None:
 
 def split(read, out: Path, pp: int, partition: str | None, *, no_mtp: bool, runtime: str = "sglang") -> Path:
     sizes = None if partition is None else [int(x) for x in partition.split(",")]
+    # Small files, so that stages hold several (but no limit below what the largest tensor needs:
+    # the split refuses that, and the block-FP8 checkpoint's tensors are larger).
+    largest = max(t.nbytes for t in read.tensors.values())
     plan = qwen35_reshard.make_plan(read, pp=pp, runtime=runtime, partition=sizes, keep_mtp=not no_mtp,
-                                    max_file_bytes=200_000)
+                                    max_file_bytes=max(200_000, 2 * largest))
     qwen35_reshard.write_plan(plan, out)
     return out
 

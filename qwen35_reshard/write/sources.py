@@ -32,7 +32,9 @@ def source_stamps(plan: Plan) -> dict:
     ckpt = plan.checkpoint
     if ckpt.hub is not None:
         return {"commit": ckpt.hub.get("commit")}
-    return {f: list(stamp) for f, stamp in ckpt.stamps.items()}
+    # Without the device: runs on other hosts sharing OUT and MODEL (NFS, Lustre) see the same
+    # inode, size and times of a file, but each client numbers the mount's device its own way.
+    return {f: list(stamp[1:]) for f, stamp in ckpt.stamps.items()}
 
 
 def check_unchanged(plan: Plan, files: list[str] | tuple[str, ...]) -> None:
