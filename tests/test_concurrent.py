@@ -274,6 +274,72 @@ def test_a_rank_killed_while_others_run_then_run_again(model, clean, tmp_path):
     assert_sequential(out, model, clean)
 
 
+def test_a_run_killed_as_it_breaks_a_gone_runs_lock(model, clean, tmp_path):
+    """A run killed holding OUT's lock; the next run killed as it breaks that lock, between
+    moving it aside and removing it. What is left (``.reshard-lock.gone.HOST.PID.NONCE.partial``)
+    is the tool's own: verify says to run again, and the same command completes OUT and removes
+    it (it used to find OUT holding a file qwen35-reshard did not write, and never removed it)."""
+    out = tmp_path / "out"
+    a = Run(split_args(model, out), tmp_path / "a", stop_at="/.reshard-run.json.")  # under the lock
+    a.wait_stopped()
+    a.proc.kill()
+    a.finish()
+    b = Run(split_args(model, out), tmp_path / "b", stop_at="/.reshard-lock.gone.")
+    b.wait_stopped()  # A's lock moved aside, about to be read back and removed
+    b.proc.kill()
+    b.finish()
+    assert not (out / ".reshard-lock").exists()
+    assert len(list(out.glob(".reshard-lock.gone.*.partial"))) == 1
+    report = verify(out)
+    assert report.findings and all(
+        "run the same qwen35-reshard command again" in f.message for f in report.findings
+    )
+    again = cli(*split_args(model, out))
+    assert again.returncode == 0, again.stderr
+    assert_sequential(out, model, clean)
+
+
+def test_a_lock_moved_aside_is_removed_only_once_its_record_is_a_gone_runs(tmp_path):
+    """A run breaking a gone run's lock moves it aside first and puts it back if it was a live
+    run's that took it meanwhile (see claims.try_take): the holder of OUT's lock clearing
+    temporaries must not remove that one, or the live run loses its lock."""
+    from qwen35_reshard.write import claims
+    from qwen35_reshard.write.outdir import clear_temporaries
+
+    me = claims.me()
+    dead = claims.Owner(me.host, me.machine, 2**22 + 1, "1", f"{me.host}.{2**22 + 1}.0badcafe")
+    live_aside = tmp_path / ".reshard-lock.gone.node-b.17.0000beef.partial"
+    dead_aside = tmp_path / ".reshard-lock.gone.node-c.18.0000cafe.partial"
+    live_aside.write_bytes(me.to_bytes())
+    dead_aside.write_bytes(dead.to_bytes())
+    clear_temporaries(tmp_path, [], time.time_ns())
+    assert live_aside.exists() and not dead_aside.exists()
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        ".reshard-run.json",
+        ".reshard-journal.jsonl",
+        ".reshard-lock",
+        ".reshard-claim",
+        ".reshard-lock.gone",
+        ".reshard-claim.gone",
+        "reshard.json",
+        "config.json",
+        "model-00001-of-00002.safetensors",
+    ],
+)
+def test_every_temporary_name_stands_for_its_file(name):
+    """``partial_base`` undoes ``partial_name`` for every file the tool writes under a
+    temporary name, with a process's token or without (as an earlier release wrote them)."""
+    from qwen35_reshard.format.names import partial_base, partial_name, process_token
+
+    assert partial_base(partial_name(name, process_token())) == name
+    assert partial_base(partial_name(name)) == name
+    assert partial_base(name) is None
+
+
 def _foreign_claim(stage_dir: Path, age: float) -> Path:
     """A claim recorded by a run on another host, last refreshed ``age`` seconds ago."""
     from qwen35_reshard.write import claims

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import re
+import secrets
+import socket
+from functools import cache
 from pathlib import Path
 
 from .._version import __version__
@@ -38,11 +42,16 @@ LOCAL_SOURCE = "local"
 # holds, and, in a stage directory, while a run builds that stage.
 LOCK = ".reshard-lock"
 CLAIM = ".reshard-claim"
-# The tool's own dotfiles: a temporary of one keeps its single leading dot.
+# A lock or claim taken from a gone run is moved aside under its name plus this first (see
+# write/claims.py), so that it is never removed from under a run that took it meanwhile.
+GONE_SUFFIX = ".gone"
+# The tool's own dotfiles: a temporary of one (or of one moved aside) keeps its single leading dot.
 DOTFILES = (RUN_MARKER, JOURNAL, LOCK, CLAIM)
 # What the writing process adds to a temporary's name: ".HOST.PID.NONCE" (HOST without dots;
-# see write/claims.py), so that no two runs sharing OUT write, rename or delete each other's.
+# see :func:`process_token`), so that no two processes sharing OUT (or a Hub cache) write,
+# rename or delete each other's.
 TEMP_TOKEN = re.compile(r"\.[A-Za-z0-9-]+\.[0-9]+\.[0-9a-f]{8}$")
+_TOKEN_CHARS = re.compile(r"[^A-Za-z0-9-]")
 
 # How a stage's data file is laid out:
 # - CLONE: exactly the bytes of one source shard the stage needs whole, header included;
@@ -69,6 +78,17 @@ def stage_dir_rank(path: Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def process_token() -> str:
+    """``HOST.PID.NONCE``, unique to this process on any host (a forked child gets its own):
+    what it adds to the name of every temporary file it writes (see :data:`TEMP_TOKEN`)."""
+    return _token(os.getpid())
+
+
+@cache
+def _token(pid: int) -> str:
+    return f"{_TOKEN_CHARS.sub('-', socket.gethostname())[:32]}.{pid}.{secrets.token_hex(4)}"
+
+
 def partial_name(name: str, token: str = "") -> str:
     """The name a file ``name`` is written under before its atomic rename: hidden by one
     leading dot (a dotfile keeps its own), the writing process's ``token`` (see TEMP_TOKEN),
@@ -83,4 +103,4 @@ def partial_base(name: str) -> str | None:
     if not (name.startswith(".") and name.endswith(PARTIAL_SUFFIX)):
         return None
     base = TEMP_TOKEN.sub("", name[: -len(PARTIAL_SUFFIX)])
-    return base if base in DOTFILES else base[1:]
+    return base if base.removesuffix(GONE_SUFFIX) in DOTFILES else base[1:]

@@ -55,6 +55,8 @@ from ..format.names import (
     PICKLE_SUFFIXES,
     SINGLE_FILE_NAME,
     TOOL_NAME,
+    partial_name,
+    process_token,
 )
 from ..format.paths import is_plain_name
 from ..units import plural
@@ -664,12 +666,21 @@ def _check_header_length(n: int, size: int, repo: HubRepo, f: str) -> None:
         )
 
 
+_kept_lock = threading.Lock()  # this process's threads share its temporary names
+
+
 def _write_kept(path: Path, data: bytes) -> None:
-    """Keep a header or file list: written under a temporary name and renamed, so a killed run
-    never leaves a torn one that a later offline plan would trust."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}{'.partial'}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    """Keep a header or file list: written under a temporary name of this process's (a Hub
+    cache may be shared by several processes and hosts) and renamed, so a killed run never
+    leaves a torn one that a later offline plan would trust."""
+    tmp = path.with_name(partial_name(path.name, process_token()))
+    with _kept_lock:
+        try:
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # a full disk, Ctrl-C: no temporary left in the cache
+            raise
 
 
 # ---------------------------------------------------------------------------- fetching

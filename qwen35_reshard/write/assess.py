@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..errors import JSON_ERRORS, ReshardError, param
 from ..format.identity import RunIdentity, describe_differences
-from ..format.names import LOCK, RUN_MANIFEST, RUN_MARKER, STAGE_DIR, partial_base
+from ..format.names import GONE_SUFFIX, LOCK, RUN_MANIFEST, RUN_MARKER, STAGE_DIR, partial_base
 from ..plan.planner import Plan
 from ..stage.findings import Finding
 from ..stage.manifest import damaged_side_files, parse_side_files, stage_is_complete
@@ -211,5 +211,5 @@ def run_temporary(name: str, side_files: Iterable[str] = ()) -> bool:
     """A file a run keeps in OUT itself while it works (it may be running, or killed): OUT's
     lock, or the temporary file of the lock, the marker, the run manifest, the probe for
     sharing or one of OUT's ``side_files``."""
-    ours = {RUN_MARKER, RUN_MANIFEST, LOCK, f"{LOCK}.gone", reflinks.PROBE_NAME, *side_files}
+    ours = {RUN_MARKER, RUN_MANIFEST, LOCK, LOCK + GONE_SUFFIX, reflinks.PROBE_NAME, *side_files}
     return name == LOCK or partial_base(name) in ours

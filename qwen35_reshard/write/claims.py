@@ -28,8 +28,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import re
-import secrets
 import socket
 import threading
 import time
@@ -40,7 +38,7 @@ from functools import cache
 from pathlib import Path
 
 from ..errors import JSON_ERRORS
-from ..format.names import LOCK, PARTIAL_SUFFIX, partial_name
+from ..format.names import GONE_SUFFIX, LOCK, PARTIAL_SUFFIX, partial_name, process_token
 
 HEARTBEAT_SECONDS = 5.0  # a holder refreshes its files' modification time this often
 # A holder on another host is gone once its files went this long unrefreshed: many heartbeats,
@@ -48,7 +46,6 @@ HEARTBEAT_SECONDS = 5.0  # a holder refreshes its files' modification time this 
 LEASE_SECONDS = 60.0
 POLL_SECONDS = (0.01, 0.5)  # waiting for a holder: first and longest pause between looks
 _NO_LINKS = (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP)  # link() refused by the filesystem
-_TOKEN_CHARS = re.compile(r"[^A-Za-z0-9-]")
 
 
 @dataclass(frozen=True)
@@ -109,8 +106,7 @@ def _start_time(pid: int) -> str | None:
 def _me(pid: int) -> Owner:
     host = socket.gethostname()
     machine = f"{host}/{_read('/proc/sys/kernel/random/boot_id')}/{_ns()}"
-    token = f"{_TOKEN_CHARS.sub('-', host)[:32]}.{pid}.{secrets.token_hex(4)}"
-    return Owner(host, machine, pid, _start_time(pid) or "", token)
+    return Owner(host, machine, pid, _start_time(pid) or "", process_token())
 
 
 def _ns() -> str:
@@ -261,7 +257,7 @@ def _break(path: Path, raw: bytes) -> None:
     same file at once and a third takes it in between, the one that moved the third's away
     puts it back.
     """
-    aside = path.with_name(temp_name(path.name + ".gone"))
+    aside = path.with_name(temp_name(path.name + GONE_SUFFIX))
     try:
         os.rename(path, aside)
     except FileNotFoundError:

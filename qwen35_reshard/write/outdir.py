@@ -15,6 +15,7 @@ from ..format.names import (
     CLAIM,
     CLONE,
     CONFIG_NAME,
+    GONE_SUFFIX,
     INDEX_NAME,
     LOCK,
     PARTIAL_SUFFIX,
@@ -38,13 +39,15 @@ STAT_BLOCK_BYTES = 512  # the unit of ``st_blocks`` (POSIX), whatever the filesy
 
 def clear_temporaries(out: Path, side_files: list[str], now: int) -> None:
     """Delete the temporary files of other runs in OUT itself. Called under OUT's lock, under
-    which alone those are written: what is there is a killed run's. But for the records of
-    runs taking the lock, written beside it: those only when their run is gone (``now``: see
+    which alone those are written: what is there is a killed run's. But for those of runs
+    taking or breaking the lock, written beside it without it: the record of a run taking it,
+    and a lock moved aside by a run breaking it (which may be ours, to be put back: see
+    :func:`~.claims.try_take`), only when the run it records is gone (``now``: see
     :func:`~.claims.gone`)."""
     for p in list(out.iterdir()):
         if p.name == LOCK or not run_temporary(p.name, side_files) or is_mine(p.name):
             continue
-        if partial_base(p.name) != LOCK or claims.gone_file(p, now):
+        if partial_base(p.name) not in (LOCK, LOCK + GONE_SUFFIX) or claims.gone_file(p, now):
             remove(p)
 
 
