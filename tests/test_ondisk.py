@@ -77,3 +77,17 @@ def test_a_stage_manifest_needs_every_digest(make_checkpoint):
 def test_a_manifest_without_tensors():
     head = {"format": "test", "files": {}}
     assert ManifestDraft(head, ()).encode({}) == dumps({**head, "tensors": {}})
+
+
+def test_a_written_stage_manifest_has_the_fields_its_reader_decodes_in_one_pass(make_checkpoint):
+    """The reader decodes a manifest of exactly STAGE_FIELDS in one typed pass (any other field
+    sends it down the exact, slower path): the writer writes exactly those, in that order."""
+    from qwen35_reshard.format.manifest import STAGE_FIELDS
+    from qwen35_reshard.stage.manifest import decode_stage_manifest
+
+    plan = make_plan(read_checkpoint(make_checkpoint(layout="per_expert_fp8")), pp=2, runtime="vllm")
+    stage = plan.stages[1]
+    raw = stage_manifest(plan, stage, b"{}", {}).encode(dict.fromkeys(t.name for t in stage.tensors))
+    assert tuple(json.loads(raw)) == STAGE_FIELDS
+    assert decode_stage_manifest(raw) == json.loads(raw) | {"tensors": decode_stage_manifest(raw)["tensors"]}
+    assert decode_stage_manifest(raw.replace(b'"format"', b'"formats"', 1)) is None

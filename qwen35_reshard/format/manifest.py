@@ -20,5 +20,10 @@ from .names import TOOL_NAME
 STAGE_FORMAT = f"{TOOL_NAME}/stage-v1"
 RUN_FORMAT = f"{TOOL_NAME}/run-v1"
 
+# The top-level fields of a stage manifest, in the order they are written.
+STAGE_FIELDS = (
+    "format", "tool", "source", "identity", "stage", "pp", "runtime", "partition", "layers", "mtp",
+    "launch_env", "index_sha256", "side_files", "files", "tensors",
+)  # fmt: skip
 # The fields of one "tensors" entry of a stage manifest, in the order they are written.
 TENSOR_FIELDS = ("file", "dtype", "shape", "nbytes", "sha256", "source_file", "replicated")

@@ -27,7 +27,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cache, cached_property
-from itertools import repeat
+from itertools import compress, repeat
 from operator import add, attrgetter
 from typing import NamedTuple
 
@@ -542,6 +542,20 @@ def compare(
     return _compare(list(required), list(required.values()), tensors)
 
 
+def compare_schema(
+    required: Schema, tensors: Mapping[str, object], keep: list[bool] | None = None
+) -> tuple[list[str], list[tuple[str, tuple[int, ...], tuple[int, ...]]]]:
+    """:func:`compare` for a :class:`Schema`, using what its walk found when it looked in
+    ``tensors`` (nothing looked up twice); ``keep``: a flag per name, to compare only the
+    names flagged (a stage's share of the other parts)."""
+    names, shapes = required.names, required.shapes
+    found = required.found if required.looked_up_in is tensors else None
+    if keep is not None:
+        names, shapes = list(compress(names, keep)), list(compress(shapes, keep))
+        found = list(compress(found, keep)) if found is not None else None
+    return _compare(names, shapes, tensors, found)
+
+
 def _compare(
     names: list[str],
     wants: list[tuple[int, ...] | None],
@@ -572,8 +586,7 @@ def check_complete(required: Schema, tensors: Mapping[str, object], where: str) 
 
     ``where`` names the checkpoint (or stage) in the message.
     """
-    found = required.found if required.looked_up_in is tensors else None
-    missing, wrong = _compare(required.names, required.shapes, tensors, found)
+    missing, wrong = compare_schema(required, tensors)
     if missing:
         raise ReshardError(
             f"{where}: lacks tensor {missing[0]!r}, which {CONFIG_NAME} requires ({others(len(missing) - 1)} "

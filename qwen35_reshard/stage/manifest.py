@@ -8,7 +8,7 @@ import json
 import math
 import os
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import compress, repeat
 from operator import attrgetter, mul, not_
 from pathlib import Path
@@ -21,7 +21,7 @@ from ..errors import JSON_ERRORS, ReshardError
 from ..format.dtypes import DTYPE_SIZES
 from ..format.identity import RunIdentity
 from ..format.jsonio import is_sha256, is_uint, read_json
-from ..format.manifest import STAGE_FORMAT
+from ..format.manifest import STAGE_FIELDS, STAGE_FORMAT
 from ..format.names import (
     ALIGNED,
     CLONE,
@@ -91,9 +91,9 @@ class StageManifest:
     index_sha256: str | None
     side_files: dict[str, str]  # non-weight file (config.json, tokenizer, ...) -> sha256
     files: dict[str, int]  # data file -> size in bytes
+    file_tensors: dict[str, int]  # data file -> how many of ``tensors`` it holds
     layouts: dict[str, dict]  # data file -> {"layout", "source", "sha256" (a clone's, if known)}
     tensors: dict[str, StageTensor]  # in load order (file, then offset) once read by read_stage
-    raw: dict = field(repr=False)  # the manifest as read
 
 
 def parse_stage_manifest(m: dict) -> StageManifest | str:
@@ -155,25 +155,27 @@ def parse_stage_manifest(m: dict) -> StageManifest | str:
         index_sha256=m.get("index_sha256"),
         side_files=side_files,
         files={f: info["bytes"] for f, info in files.items()},
+        file_tensors={f: per_file[f] for f in files},
         layouts={
             f: {k: info.get(k) for k in ("source", "sha256")} | {"layout": info.get("layout", GATHERED)}
             for f, info in files.items()
         },
         tensors=entries,
-        raw=m,
     )
 
 
 def decode_stage_manifest(raw: bytes) -> dict | None:
     """``json.loads(raw)`` of a stage manifest, its "tensors" entries decoded straight into
     typed records (:class:`StageTensor`) that :func:`parse_stage_manifest` checks column by
-    column; None when ``raw`` is not a JSON object whose tensor entries all have those types
-    (then ``json.loads`` and the checks one tensor at a time say what is wrong).
+    column; None when ``raw`` is not a JSON object of the fields a manifest has whose tensor
+    entries all have those types (then ``json.loads`` and the checks one tensor at a time say
+    what is wrong).
 
     Why: a stage's manifest has an entry per tensor (~47,000 a stage of a 397B FP8 checkpoint)
     and json builds a dict per entry, then the checks run once per tensor in Python; msgspec
-    decodes into typed records and checks those types in C, several times faster. The other
-    keys are few and small: parsed by json, as the exact path does, so they mean the same.
+    decodes into typed records and checks those types in C, several times faster, in one pass
+    over the bytes. The other fields are few and small: parsed by json, as the exact path
+    does, so they mean the same.
 
     Args:
         raw: the bytes of a ``reshard-stage.json``.
@@ -182,35 +184,45 @@ def decode_stage_manifest(raw: bytes) -> dict | None:
         The manifest as a dict for :func:`parse_stage_manifest`, or None.
     """
     try:
-        parts = _TOP_LEVEL.decode(raw)
-        tensors = _TENSOR_RECORDS.decode(parts.pop("tensors"))
-    except (*JSON_ERRORS, KeyError):  # not an object, or an entry of another type
+        parts = _MANIFEST_PARTS.decode(raw)
+        obj = {
+            key: json.loads(bytes(value))
+            for key in STAGE_FIELDS[:-1]
+            if (value := getattr(parts, key)) is not msgspec.UNSET
+        }
+    except JSON_ERRORS:  # not an object, another field, or an entry of another type
         return None
-    try:
-        obj = {key: json.loads(bytes(value)) for key, value in parts.items()}
-    except JSON_ERRORS:
-        return None
-    return obj | {"tensors": tensors}
+    return obj | {"tensors": parts.tensors}
 
 
-_TOP_LEVEL = msgspec.json.Decoder(dict[str, msgspec.Raw])
-_TENSOR_RECORDS = msgspec.json.Decoder(dict[str, StageTensor])
+# A manifest's fields as written (STAGE_FIELDS), the tensor entries typed, the others raw JSON.
+_MANIFEST_PARTS = msgspec.json.Decoder(
+    msgspec.defstruct(
+        "_ManifestParts",
+        [
+            *((key, msgspec.Raw | msgspec.UnsetType, msgspec.UNSET) for key in STAGE_FIELDS[:-1]),
+            ("tensors", dict[str, StageTensor]),
+        ],
+        kw_only=True,
+        forbid_unknown_fields=True,
+    )
+)
 _RECORD_COLUMNS = tuple(map(attrgetter, ("file", "dtype", "shape", "nbytes", "sha256", "name", "offset")))
 _FILE_OF_TENSOR = _RECORD_COLUMNS[0]
 
 
 def _lower_hex(text: str) -> bool:
-    """Whether ``text`` (of even length) is only the characters 0-9 and a-f: ``[0-9a-f]*``.
+    """Whether ``text`` is only the characters 0-9 and a-f, an even number of them.
 
-    Why not that regex: it steps through the ~3 MB of a stage's digests joined one character at
-    a time; ``bytes.fromhex`` checks them in C (it also takes A-F and skips whitespace: the
-    length and case checks rule those out).
+    Why not the regex ``([0-9a-f]{2})*``: it steps through the ~3 MB of a stage's digests joined
+    one character at a time; ``bytes.fromhex`` and ``bytes.hex`` go through them in C, and
+    only such a text comes back unchanged (``fromhex`` also takes A-F and skips whitespace;
+    ``hex`` writes neither). ``str.islower`` would look up every character's Unicode case.
     """
     try:
-        decoded = bytes.fromhex(text)
+        return bytes.fromhex(text).hex() == text
     except ValueError:
         return False
-    return 2 * len(decoded) == len(text) and (text.islower() or text.isdigit() or not text)
 
 
 def _record_entries(tensors: dict[str, object], files: dict) -> dict[str, StageTensor] | str:

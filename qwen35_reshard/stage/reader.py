@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, replace
-from itertools import compress, repeat
+from itertools import repeat
 from operator import add, attrgetter
 from pathlib import Path
 
@@ -100,12 +100,9 @@ def read_stage(root: Path, display: str, run: tuple[str, RunIdentity] | None = N
     problems += _index_problems(root, display, m)
     problems += _config_problems(root, display, m)
     problems += _schema_problems(root, display, m)
-    by_file: dict[str, dict[str, StageTensor]] = {f: {} for f in m.files}
-    for t in m.tensors.values():
-        by_file[t.file][t.name] = t
     headers: dict[str, Header] = {}
     for file in sorted(m.files):
-        header, found = _read_data_file(root, display, file, m.files[file], by_file[file])
+        header, found = _read_data_file(root, display, file, m)
         problems += found
         if header is not None:
             headers[file] = header
@@ -306,12 +303,12 @@ def _schema_problems(root: Path, display: str, m: StageManifest) -> list[Finding
     try:
         required = schema.required_tensors(
             config, m.tensors, layers=range(m.start_layer, m.end_layer), mtp=kept
-        ).tensors
+        )
     except ReshardError as e:
         return [Finding(DIFFERENT, f"{display}/{e}", CONFIG_NAME)]
     owners = placement_rules(m.pp, m.runtime, schema.tied_embeddings(config), kept)
-    need = _held(m, owners, required, f"{schema.language_model_prefix(config)}layers.")
-    missing, wrong = schema.compare(need, m.tensors)
+    held = _held(m, owners, required.names, f"{schema.language_model_prefix(config)}layers.")
+    missing, wrong = schema.compare_schema(required, m.tensors, held)
     problems = []
     if missing:
         why = (
@@ -330,27 +327,23 @@ def _schema_problems(root: Path, display: str, m: StageManifest) -> list[Finding
 
 
 def _held(
-    m: StageManifest,
-    owners: dict[str, tuple[int, ...]],
-    required: dict[str, tuple[int, ...] | None],
-    layers: str,
-) -> dict[str, tuple[int, ...] | None]:
-    """The tensors of ``required`` (the schema of the stage's layers and of the other parts)
-    that this stage holds: all under ``layers`` (the decoder layers' prefix), and of the other
-    parts those that ``owners`` gives its rank.
+    m: StageManifest, owners: dict[str, tuple[int, ...]], required: list[str], layers: str
+) -> list[bool]:
+    """Which names of ``required`` (the schema of the stage's layers and of the other parts)
+    this stage holds, a flag each: all under ``layers`` (the decoder layers' prefix), and of
+    the other parts those that ``owners`` gives its rank.
 
     Why not ``_holds`` per name: the other names are classified in one regex pass
     (``names.classify_all``) and decided once per distinct key, and the layers' names (almost
     all of a stage's ~47,000) not at all: the schema lists only the stage's own layers.
     """
-    listed = list(required)
-    in_layer = list(map(str.startswith, listed, repeat(layers)))
+    in_layer = list(map(str.startswith, required, repeat(layers)))
     others = [i for i, inside in enumerate(in_layer) if not inside]
-    keys, roles = names.classify_all(list(map(listed.__getitem__, others)))
+    keys, roles = names.classify_all(list(map(required.__getitem__, others)))
     keep = {key: _holds(m, owners, role) for key, role in roles.items()}
     for i, key in zip(others, keys, strict=True):
         in_layer[i] = keep[key]
-    return dict(compress(required.items(), in_layer))
+    return in_layer
 
 
 def _holds(m: StageManifest, owners: dict[str, tuple[int, ...]], role: names.Role) -> bool:
@@ -360,12 +353,13 @@ def _holds(m: StageManifest, owners: dict[str, tuple[int, ...]], role: names.Rol
 
 
 def _read_data_file(
-    root: Path, display: str, file: str, nbytes: int, recorded: dict[str, StageTensor]
+    root: Path, display: str, file: str, m: StageManifest
 ) -> tuple[Header | None, list[Finding]]:
-    """The header of data file ``file`` (None unless it has its recorded ``nbytes`` and a valid
-    header), and its problems: missing or damaged, or not holding exactly the ``recorded`` tensors.
+    """The header of data file ``file`` (None unless it has the size ``m`` records and a valid
+    header), and its problems: missing or damaged, or not holding exactly the tensors ``m``
+    lists there.
     """
-    where = f"{display}/{file}"
+    where, nbytes = f"{display}/{file}", m.files[file]
     try:
         size = checked_file(root, file).stat().st_size
     except FileNotFoundError:
@@ -382,8 +376,9 @@ def _read_data_file(
         header = read_header(root / file, display=where)
     except ReshardError as e:
         return None, [Finding(CORRUPT, f"{e}; {REBUILD}", file)]
-    if _lists_exactly(header, recorded):
+    if _lists_exactly(header, m, file):
         return header, []
+    recorded = {name: t for name, t in m.tensors.items() if t.file == file}
     found = {t.name: t for t in header.tensors}
     problems = []
     for name in sorted(set(found) - set(recorded)):
@@ -403,17 +398,20 @@ def _read_data_file(
     return header, problems
 
 
-def _lists_exactly(header: Header, recorded: dict[str, StageTensor]) -> bool:
-    """Whether ``header`` lists exactly the ``recorded`` tensors, with their dtypes and shapes.
+def _lists_exactly(header: Header, m: StageManifest, file: str) -> bool:
+    """Whether ``header`` lists exactly the tensors ``m`` lists in ``file``, with their dtypes
+    and shapes.
 
     Why: the common case of the checks after it, answered in C passes (``map``, list equality)
     over the header's columns, rather than sets and a loop over every tensor of the file.
+    Header names are distinct (``parse_header`` checks): as many, all of ``file``, are the same.
     """
     c = header.columns
-    found = list(map(recorded.get, c.names))  # header names are distinct: parse_header checks
+    found = list(map(m.tensors.get, c.names))
     return (
-        len(found) == len(recorded)
+        len(found) == m.file_tensors[file]
         and None not in found
+        and set(map(_FILE, found)) == {file}
         and list(map(_DTYPE, found)) == c.dtypes
         and list(map(_SHAPE, found)) == c.shapes
     )
@@ -421,16 +419,17 @@ def _lists_exactly(header: Header, recorded: dict[str, StageTensor]) -> bool:
 
 def _with_offsets(m: StageManifest, headers: dict[str, Header]) -> StageManifest:
     """``m`` with each tensor's offset from its file's header, in load order: file, then offset."""
-    ordered: dict[str, StageTensor] = {}
+    placed: list[StageTensor] = []
     for file in sorted(headers):
-        ordered.update(_placed(m, file, headers[file]))
+        placed += _placed(m, file, headers[file])
+    ordered = dict(zip(map(_NAME, placed), placed, strict=True))
     if len(ordered) < len(m.tensors):  # tensors of files without a valid header: no offset
         for name, t in m.tensors.items():
             ordered.setdefault(name, t)
     return replace(m, tensors=ordered)
 
 
-def _placed(m: StageManifest, file: str, header: Header) -> dict[str, StageTensor]:
+def _placed(m: StageManifest, file: str, header: Header) -> list[StageTensor]:
     """The manifest's tensors of ``file`` that its header lists there, in its offset order,
     their offsets set.
 
@@ -447,7 +446,7 @@ def _placed(m: StageManifest, file: str, header: Header) -> dict[str, StageTenso
     else:
         offsets = list(map(add, repeat(header.data_start), c.begins))
     set_once(found, "offset", offsets)
-    return dict(zip(map(_NAME, found), found, strict=True))
+    return found
 
 
 _NAME, _FILE, _NBYTES = attrgetter("name"), attrgetter("file"), attrgetter("nbytes")
