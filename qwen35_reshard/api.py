@@ -491,8 +491,8 @@ def repair(
     target = Path(out_dir)
     single = stage_dir_rank(target) is not None and not (target / RUN_MANIFEST).exists()
     out = target.parent if single else target
-    with repair_lock(out, single, on_wait):
-        return _repair(target, out, single, source, workers)
+    with repair_lock(out, single, on_wait) as now:
+        return _repair(target, out, single, source, workers, now)
 
 
 def _verify_locked(target: Path, source: str | os.PathLike[str]) -> VerifyReport:
@@ -502,9 +502,9 @@ def _verify_locked(target: Path, source: str | os.PathLike[str]) -> VerifyReport
 
 
 def _repair(
-    target: Path, out: Path, single: bool, source: str | os.PathLike[str], workers: int
+    target: Path, out: Path, single: bool, source: str | os.PathLike[str], workers: int, now: int
 ) -> RepairResult:
-    """:func:`repair` under OUT's lock."""
+    """:func:`repair` under OUT's lock, taken at ``now``."""
     before = _verify_locked(target, source)
     if before.ok:
         return RepairResult(before, [], before)
@@ -525,7 +525,7 @@ def _repair(
         max_header_bytes=identity.max_header_bytes,
     )
     files, redo_run_manifest, out_side = damaged_files(before.findings, Path(before.target), plan)
-    remove_leftovers(before.findings, plan, out)
+    remove_leftovers(before.findings, plan, out, now)
     done = repair_files(
         plan, out, files, rewrite_run_manifest=redo_run_manifest, side_files_of_out=out_side, workers=workers
     )

@@ -27,15 +27,20 @@ CLAIM = ".reshard-claim"
 
 # Runs the CLI with an audit hook that stops the process (SIGSTOP) the first time it raises
 # the audit event argv[1] ("open", "os.mkdir") on a path containing argv[2]; argv[3:] are the
-# CLI's arguments.
+# CLI's arguments. argv[2] may end in "$" (the path ends so) and then "#N" (the Nth such event).
 _STOP_AT = (
     "import os, runpy, signal, sys\n"
     "event, where = sys.argv[1:3]\n"
-    "hit = []\n"
+    "where, _, nth = where.partition('#')\n"
+    "end = where.endswith('$')\n"
+    "where = where.removesuffix('$')\n"
+    "hits = [int(nth or 1)]\n"
     "def hook(name, args):\n"
-    "    if name == event and not hit and where in str(args[0]):\n"
-    "        hit.append(1)\n"
-    "        os.kill(os.getpid(), signal.SIGSTOP)\n"
+    "    path = str(args[0]) if args else ''\n"
+    "    if name == event and hits[0] and (path.endswith(where) if end else where in path):\n"
+    "        hits[0] -= 1\n"
+    "        if not hits[0]:\n"
+    "            os.kill(os.getpid(), signal.SIGSTOP)\n"
     "sys.addaudithook(hook)\n"
     "sys.argv = ['qwen35_reshard', *sys.argv[3:]]\n"
     "runpy.run_module('qwen35_reshard', run_name='__main__')\n"
@@ -269,7 +274,6 @@ def test_a_rank_killed_while_others_run_then_run_again(model, clean, tmp_path):
     assert all("run the same qwen35-reshard command again" in f.message for f in report.findings), (
         report.findings
     )
-    assert (out / "pp1" / CLAIM).exists()
     assert cli(*split_args(model, out, "--rank", "1")).returncode == 0
     assert_sequential(out, model, clean)
 
@@ -297,6 +301,73 @@ def test_a_run_killed_as_it_breaks_a_gone_runs_lock(model, clean, tmp_path):
     again = cli(*split_args(model, out))
     assert again.returncode == 0, again.stderr
     assert_sequential(out, model, clean)
+
+
+@pytest.mark.parametrize(
+    "where",
+    ["/pp0/.reshard-claim$", "/.reshard-lock$#2"],
+    ids=["before-giving-up-its-claims", "before-giving-up-the-lock"],
+)
+def test_what_a_run_killed_after_finishing_holds_is_removed_by_the_same_command(
+    model, clean, tmp_path, where
+):
+    """A run killed with every stage finished, as it gives up its claims (before recording the
+    run), or OUT's lock (after): the same command again removes the claims and the lock of the
+    gone run, as verify says it does (it used to leave them, a finished split looking
+    unfinished to verify for good)."""
+    out = tmp_path / "out"
+    a = Run(split_args(model, out), tmp_path / "a", stop_at=where)
+    a.wait_stopped()
+    a.proc.kill()
+    a.finish()
+    left = [*out.glob("pp*/.reshard-claim"), *out.glob(".reshard-lock")]
+    assert left
+    report = verify(out)
+    assert report.findings and all(
+        "run the same qwen35-reshard command again" in f.message for f in report.findings
+    )
+    again = cli(*split_args(model, out))
+    assert again.returncode == 0, again.stderr
+    assert_sequential(out, model, clean)
+
+
+def test_a_rank_finishing_beside_a_killed_one_keeps_the_run_marker(model, clean, tmp_path):
+    """Rank 1 killed with its data files journaled; rank 0 finishes meanwhile; a source shard is
+    then rewritten in place (same layout). Rank 1 run again must see that the source changed
+    since the interrupted run began (the marker's stamps), not keep its journaled files: rank 0
+    used to remove the marker, and rank 1 then kept files of the old bytes, exit 0."""
+    src = Path(shutil.copytree(model, tmp_path / "model"))
+    out = tmp_path / "out"
+    a = Run(split_args(src, out, "--rank", "1"), tmp_path / "a", stop_at="/pp1/.reshard-stage.json.")
+    a.wait_stopped()  # every data file of pp1 finished and journaled
+    a.proc.kill()
+    a.finish()
+    assert cli(*split_args(src, out, "--rank", "0")).returncode == 0
+    assert (out / ".reshard-run.json").exists()
+    from qwen35_reshard import make_plan, read_checkpoint
+
+    shard = make_plan(read_checkpoint(src), pp=PP).stages[1].source_files[0]
+    flip_last_byte(src / shard)
+    again = cli(*split_args(src, out, "--rank", "1"))
+    assert again.returncode == 2, again.stderr
+    assert "changed since it started" in one_error_line(again.stderr)
+
+
+def test_a_run_that_cannot_start_gives_up_its_claims(model, clean, tmp_path):
+    """A run that fails after claiming its stages (here: a file in the way of a stage it
+    resumes) gives its claims up: the same call again in the same process fails the same
+    way, rather than waiting for ever for the stage it claimed itself."""
+    from qwen35_reshard import ReshardError, reshard
+
+    out = Path(shutil.copytree(clean, tmp_path / "out"))
+    (out / "pp0" / "model.safetensors.index.json").unlink()
+    data = sorted((out / "pp0").glob("*.safetensors"))[0]
+    data.unlink()
+    data.mkdir()
+    for _ in range(2):
+        with pytest.raises(ReshardError, match=data.name):
+            reshard(model, out, pp=PP, workers=1)
+        assert not (out / "pp0" / CLAIM).exists()
 
 
 def test_a_lock_moved_aside_is_removed_only_once_its_record_is_a_gone_runs(tmp_path):

@@ -152,6 +152,21 @@ def test_one_stage_directory_is_repaired_on_its_own(model, clean, out):
     same_bytes(out, clean)
 
 
+@pytest.mark.parametrize("alone", [True, False], ids=["stage-on-its-own", "in-its-run-directory"])
+def test_a_repair_that_cannot_remove_a_file_says_so_in_one_line(model, out, tmp_path, alone):
+    """A stray data file verify finds that is a directory (it cannot be unlinked): one error line
+    naming it, exit 2, whether the stage is repaired on its own (outside OUT's lock: that used
+    to end in a traceback) or in its run directory."""
+    stage = out / "pp1"
+    if alone:
+        stage = Path(shutil.copytree(out / "pp1", tmp_path / "solo" / "pp1"))
+    (stage / "stale.safetensors").mkdir()
+    r = cli("verify", stage, "--source", model, "--repair")
+    assert r.returncode == 2, r.stdout + r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "stale.safetensors" in errors[0] and "Traceback" not in r.stderr, r.stderr
+
+
 @pytest.mark.parametrize("leftover", ["data", "index"])
 def test_a_leftover_partial_symlink_is_not_written_through(model, clean, out, tmp_path, leftover):
     """A ``.NAME.partial`` left in a stage (here a symlink out of OUT) is the repair's to replace,

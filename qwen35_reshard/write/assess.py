@@ -199,8 +199,12 @@ def _source_changed(plan: Plan, out: Path, changed: str, overwrite: bool) -> Out
 
 def _changed_source_files(plan: Plan, out: Path) -> list[str]:
     """Source files (or the Hub commit) that changed since the interrupted run in ``out`` began;
-    none when its marker records no stamps."""
-    recorded = json.loads((out / RUN_MARKER).read_bytes()).get("source_files")
+    none when its marker records no stamps, or is gone since it was read (its run finished
+    meanwhile: only outside OUT's lock, where the run decides nothing on this)."""
+    try:
+        recorded = json.loads((out / RUN_MARKER).read_bytes()).get("source_files")
+    except FileNotFoundError:
+        return []
     if not isinstance(recorded, dict):
         return []
     now = source_stamps(plan)

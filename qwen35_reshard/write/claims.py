@@ -191,8 +191,11 @@ def try_take(path: Path) -> Held | None:
         for _ in range(3):
             with open(cand, "wb") as f:
                 f.write(mine)
-            os.utime(cand)  # the server's "now", for judging another host's file below
-            now = os.stat(cand).st_mtime_ns
+            try:
+                os.utime(cand)  # the server's "now", for judging another host's file below
+                now = os.stat(cand).st_mtime_ns
+            except FileNotFoundError:  # removed by a run clearing temporaries: write it again
+                continue
             try:
                 os.link(cand, path)
                 _hold(path)

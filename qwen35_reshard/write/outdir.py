@@ -162,21 +162,29 @@ def resume_stage(stage_dir: Path, stage: StagePlan, kept: dict[str, Digests]) ->
             p.unlink()
 
 
-def has_temporaries(out: Path, stages: list[StagePlan]) -> bool:
-    """Whether any stage directory of ``stages`` holds a temporary file (a killed run's, or a
-    live run's at work): then even a complete split is looked at under OUT's lock."""
+def has_leftovers(out: Path, stages: list[StagePlan]) -> bool:
+    """Whether OUT holds its lock, or a stage directory of ``stages`` a temporary file or a
+    claim (a killed run's, or a live run's at work): then even a complete split is looked at
+    under OUT's lock, where what a killed run left is removed."""
+    if (out / LOCK).exists():
+        return True
     for stage in stages:
         try:
-            if any(partial_base(p.name) is not None for p in (out / stage.dirname).iterdir()):
-                return True
+            names = [p.name for p in (out / stage.dirname).iterdir()]
         except (FileNotFoundError, NotADirectoryError):
             continue
+        if CLAIM in names or any(partial_base(name) is not None for name in names):
+            return True
     return False
 
 
 def clear_stage_temporaries(out: Path, stages: list[StagePlan], now: int) -> None:
-    """Under OUT's lock: delete the temporary files in those of ``stages`` that no live run
-    claims. Only a stage's claim holder writes temporaries there, and no claim is taken while
-    this run holds the lock, so what is left is a killed run's (``now``: see :func:`~.claims.gone`)."""
+    """Under OUT's lock: delete the temporary files, and the claims of gone runs, in those of
+    ``stages`` that no live run claims. Only a stage's claim holder writes temporaries there,
+    and no claim is taken while this run holds the lock, so what is left is a killed run's
+    (``now``: see :func:`~.claims.gone`)."""
     free = [s for s in stages if claims.holder_of(out / s.dirname / CLAIM, now) is False]
     remove_partials(out, free, own=False)
+    for stage in free:
+        if claims.gone_file(out / stage.dirname / CLAIM, now):
+            remove(out / stage.dirname / CLAIM)

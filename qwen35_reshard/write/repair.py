@@ -5,7 +5,8 @@
 source (a stage's index and manifest only when they are among them, OUT's own non-weight
 files too), has :func:`remove_leftovers` delete stray data files and temporaries, and verifies
 again. Files verify finds fine are never rewritten; what a rewrite cannot mend (a split from
-another checkpoint, an unfinished run) is left for the second verify to report. All of that
+another checkpoint; an unfinished run's marker, which only the same command removes, though
+the stages it left are mended) is left for the second verify to report. All of that
 under :func:`repair_lock`: a split of the same OUT meanwhile waits, and one being written is
 not mended under its feet.
 """
@@ -13,6 +14,7 @@ not mended under its feet.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,6 +24,7 @@ from ..format.identity import RunIdentity
 from ..format.jsonio import dumps
 from ..format.names import (
     CLAIM,
+    GONE_SUFFIX,
     INDEX_NAME,
     JOURNAL,
     LOCK,
@@ -29,6 +32,7 @@ from ..format.names import (
     RUN_MANIFEST,
     RUN_MARKER,
     STAGE_MANIFEST,
+    partial_base,
     stage_dir_rank,
 )
 from ..format.paths import is_plain_name
@@ -37,7 +41,7 @@ from ..stage.findings import EXTRA, INCOMPLETE, Finding
 from ..stage.manifest import file_sha256, stage_is_complete
 from ..stage.reader import read_manifest, read_run_record, stage_dirs
 from ..transfer.copier import Segment, copy_segments
-from ..write.manifest import run_manifest
+from ..write.manifest import run_identity, run_manifest
 from . import claims
 from .assemble import Reporter, copy_files
 from .datafile import file_digests, header, matches
@@ -66,18 +70,20 @@ def recorded_identity(out: Path, stage_dir: Path | None) -> RunIdentity:
 
 
 @contextmanager
-def repair_lock(out: Path, single: bool, on_wait: Callable[[str], None]) -> Iterator[None]:
+def repair_lock(out: Path, single: bool, on_wait: Callable[[str], None]) -> Iterator[int]:
     """Hold OUT's lock for a repair of ``out`` (``single``: of one stage directory in it),
     refusing while another live run builds a stage there (see :mod:`~.claims`). A stage
-    directory with no run record beside it is on its own: nothing to lock.
+    directory with no run record beside it is on its own: nothing to lock. Yields the time the
+    lock was taken (for :func:`~.claims.gone`); an OSError of the repair becomes one line.
 
     Raises:
-        ReshardError: A live run claims a stage of OUT, or OUT's lock cannot be written.
+        ReshardError: A live run claims a stage of OUT, OUT's lock cannot be written, or the
+            repair failed to read or write a file.
     """
-    if single and not any((out / name).exists() for name in (RUN_MANIFEST, RUN_MARKER)):
-        yield
-        return
     try:
+        if single and not any((out / name).exists() for name in (RUN_MANIFEST, RUN_MARKER)):
+            yield time.time_ns()
+            return
         with claims.locked(out, on_wait) as now:
             for stage_dir in stage_dirs(out).values():
                 holder = claims.holder_of(stage_dir / CLAIM, now)
@@ -86,7 +92,7 @@ def repair_lock(out: Path, single: bool, on_wait: Callable[[str], None]) -> Iter
                         f"{stage_dir} is being built by a qwen35-reshard run ({claims.describe(holder)}): "
                         "run the repair again once it has finished"
                     )
-            yield
+            yield now
     except OSError as e:
         raise write_error(e, out, 0) from e
 
@@ -133,9 +139,12 @@ def damaged_files(
     return {r: n for r, n in files.items() if n}, run_manifest, out_side
 
 
-def remove_leftovers(findings: list[Finding], plan: Plan, out: Path) -> None:
+def remove_leftovers(findings: list[Finding], plan: Plan, out: Path, now: int) -> None:
     """Delete what verify found that no split holds: stray data files beside a stage's own (stale
-    data a loader globbing ``*.safetensors`` would read) and temporaries of an earlier run."""
+    data a loader globbing ``*.safetensors`` would read), temporaries of an earlier run and the
+    claims of gone runs. Under :func:`repair_lock` (``now``: when it was taken, see
+    :func:`~.claims.gone`), where no live run claims a stage; but a run waiting for OUT's lock
+    writes its record beside it meanwhile: that one stays."""
     for f in findings:
         if f.file is None or not is_plain_name(f.file):
             continue
@@ -144,8 +153,9 @@ def remove_leftovers(findings: list[Finding], plan: Plan, out: Path) -> None:
         in_plan = rank is not None and rank < plan.pp
         planned = {file.name for file in plan.stages[rank].files} if in_plan else set()
         stray = f.kind == EXTRA and f.file.endswith(".safetensors") and f.file not in planned
-        leftover = f.kind == INCOMPLETE and (f.file.endswith(PARTIAL_SUFFIX) or f.file == JOURNAL)
-        if stray or leftover:
+        leftover = f.kind == INCOMPLETE and (f.file.endswith(PARTIAL_SUFFIX) or f.file in (JOURNAL, CLAIM))
+        lock_record = partial_base(f.file) in (LOCK, LOCK + GONE_SUFFIX)
+        if stray or (leftover and not (lock_record and not claims.gone_file(where / f.file, now))):
             remove(where / f.file)
 
 
@@ -211,7 +221,8 @@ def repair_files(
             write_atomic(out / name, plan.checkpoint.path(name).read_bytes())
             done.append(name)
         if rewrite_run_manifest:
-            complete = [s.rank for s in plan.stages if stage_is_complete(out / s.dirname)]
+            identity = run_identity(plan)
+            complete = [s.rank for s in plan.stages if stage_is_complete(out / s.dirname, identity)]
             side_files = {n: file_sha256(plan.checkpoint.path(n)) for n in plan.checkpoint.extra_files}
             write_atomic(out / RUN_MANIFEST, dumps(run_manifest(plan, complete, side_files)))
             done.append(RUN_MANIFEST)

@@ -57,7 +57,7 @@ from .outdir import (
     clear_split,
     clear_stage_temporaries,
     clear_temporaries,
-    has_temporaries,
+    has_leftovers,
     make_dirs,
     resume_stage,
     side_file_bytes,
@@ -161,7 +161,7 @@ def write_plan(
             state = None  # decided under the lock, which can name the run writing OUT
         # A finished split is not written to (on a read-only filesystem, not even its lock).
         finished = state is not None and state.action == "complete" and not (out / RUN_MARKER).exists()
-        if finished and not has_temporaries(out, plan.selected):
+        if finished and not has_leftovers(out, plan.stages):
             result.complete = list(state.complete)
             result.already_complete = [s.rank for s in plan.selected]
             return result
@@ -200,15 +200,19 @@ def _write_rounds(
                 result.complete = list(state.complete)
                 pending = [s for s in pending if s.rank not in state.complete]
                 if not pending:
-                    clear_stage_temporaries(out, plan.selected, now)
+                    clear_stage_temporaries(out, plan.stages, now)
                     result.complete = _record(plan, out, now, result)
                     return
                 marked = _mark(plan, out) if state.action != "replace" else False
                 mine, busy = _claim(plan, out, pending, state)
                 if mine:
-                    to_write, digests, needed = _start_run(
-                        plan, out, mine, state, result, reflink, open_source, marked
-                    )
+                    try:
+                        to_write, digests, needed = _start_run(
+                            plan, out, mine, state, result, reflink, open_source, marked
+                        )
+                    except BaseException:  # claims of a run that could not start: given up
+                        _release(out, mine)
+                        raise
                 elif marked:
                     remove(out / RUN_MARKER)
             if mine:
@@ -218,20 +222,25 @@ def _write_rounds(
                     # Whatever stopped the run (Ctrl-C, SIGTERM, a full disk), leave no temporary
                     # file of its own; other runs' are theirs.
                     remove_partials(out, mine)
-                    for stage in mine:
-                        claims.release(out / stage.dirname / CLAIM)
+                    _release(out, mine)
                 continue
+            for rank, holder in busy.items():
+                if rank not in told:
+                    told.add(rank)
+                    reporter.waiting(
+                        f"{out / plan.stages[rank].dirname} is being built by another qwen35-reshard run "
+                        f"({claims.describe(holder)}): waiting for it"
+                    )
+            if busy:  # else the stages were finished as this run looked: the next round sees them
+                claims.wait_for_change([out / plan.stages[rank].dirname / CLAIM for rank in busy])
         except OSError as e:  # a full disk, a file-size limit, ... while writing anything
             raise write_error(e, out, needed) from e
-        for rank, holder in busy.items():
-            if rank not in told:
-                told.add(rank)
-                reporter.waiting(
-                    f"{out / plan.stages[rank].dirname} is being built by another qwen35-reshard run "
-                    f"({claims.describe(holder)}): waiting for it"
-                )
-        if busy:  # else the stages were finished as this run looked: the next round sees them
-            claims.wait_for_change([out / plan.stages[rank].dirname / CLAIM for rank in busy])
+
+
+def _release(out: Path, stages: list[StagePlan]) -> None:
+    """Give up this run's claims of ``stages``."""
+    for stage in stages:
+        claims.release(out / stage.dirname / CLAIM)
 
 
 def _claimed(out: Path) -> bool:
@@ -284,16 +293,20 @@ def _claim(
     if state.action == "replace":
         return list(pending), {}
     mine, busy = [], {}
-    for stage in pending:
-        stage_dir = out / stage.dirname
-        stage_dir.mkdir(exist_ok=True)
-        held = claims.try_take(stage_dir / CLAIM)
-        if held is not None:
-            busy[stage.rank] = held.owner
-        elif stage_is_complete(stage_dir, run_identity(plan)):  # finished as we looked
-            claims.release(stage_dir / CLAIM)
-        else:
-            mine.append(stage)
+    try:
+        for stage in pending:
+            stage_dir = out / stage.dirname
+            stage_dir.mkdir(exist_ok=True)
+            held = claims.try_take(stage_dir / CLAIM)
+            if held is not None:
+                busy[stage.rank] = held.owner
+            elif stage_is_complete(stage_dir, run_identity(plan)):  # finished as we looked
+                claims.release(stage_dir / CLAIM)
+            else:
+                mine.append(stage)
+    except BaseException:  # e.g. a stage directory that cannot be made: the claims taken go
+        _release(out, mine)
+        raise
     return mine, busy
 
 
@@ -321,7 +334,7 @@ def _start_run(
     prepare the stages. Returns the files to write, the digests of the files kept by rank, and
     the bytes the run writes. A run that cannot start leaves OUT as it found it: every check
     comes before anything is removed, and its claims (and its marker, when ``marked`` new)
-    are given up."""
+    are given up (its claims by the caller too, whatever else fails here)."""
     replaced = state.action == "replace"
     # What an earlier run finished, looked at now that this run holds the stages' claims.
     kept = {} if replaced else {s.rank: keepable(plan, out / s.dirname, s) for s in todo}
@@ -405,9 +418,9 @@ def _record(plan: Plan, out: Path, now: int, result: WriteResult) -> list[int]:
     """Under OUT's lock, once this run's stages are complete: record the split as OUT holds it
     now (reshard.json from the stage manifests there, so that no run's stages are lost to
     another's record), with OUT's own files when this run built stages or they are not the
-    source's (missing, damaged); the run marker goes when no other live run is writing OUT.
-    Writes nothing when all that is so already; else sets ``result.wrote_run_files``.
-    Returns the stages complete."""
+    source's (missing, damaged); the run marker goes when no other live run is writing OUT
+    and no stage is left unfinished. Writes nothing when all that is so already; else sets
+    ``result.wrote_run_files``. Returns the stages complete."""
     identity = run_identity(plan)
     complete = [s.rank for s in plan.stages if stage_is_complete(out / s.dirname, identity)]
     # OUT itself is the model path of `vllm serve OUT --load-format qwen35-stages`: vLLM reads
@@ -415,8 +428,10 @@ def _record(plan: Plan, out: Path, now: int, result: WriteResult) -> list[int]:
     # the shim's message), each rank's weights from OUT/pp{rank}.
     side_sha256 = {name: file_sha256(plan.checkpoint.path(name)) for name in plan.checkpoint.extra_files}
     record = dumps(run_manifest(plan, complete, side_sha256))
+    # The marker stays while another live run writes OUT, or while a stage a killed run left
+    # unfinished holds files: its source stamps are what a resume proves those files against.
     others = any(claims.holder_of(d / CLAIM, now) is not False for d in stage_dirs(out).values())
-    marker = (out / RUN_MARKER).exists() and not others
+    marker = (out / RUN_MARKER).exists() and not others and not _unfinished(out, plan, complete)
     side_files = bool(result.built) or bool(damaged_side_files(out, side_sha256))
     try:
         current = (out / RUN_MANIFEST).read_bytes()
@@ -426,3 +441,17 @@ def _record(plan: Plan, out: Path, now: int, result: WriteResult) -> list[int]:
         record_run(plan, out, record, side_files=side_files, remove_marker=marker)
         result.wrote_run_files = True
     return complete
+
+
+def _unfinished(out: Path, plan: Plan, complete: list[int]) -> bool:
+    """Whether a stage of the split that is not ``complete`` in OUT holds files (what a killed
+    run left there)."""
+    for stage in plan.stages:
+        if stage.rank in complete:
+            continue
+        try:
+            if any((out / stage.dirname).iterdir()):
+                return True
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+    return False
