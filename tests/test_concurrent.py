@@ -331,6 +331,20 @@ def test_what_a_run_killed_after_finishing_holds_is_removed_by_the_same_command(
     assert_sequential(out, model, clean)
 
 
+def test_a_journal_left_in_a_finished_stage_is_removed_by_the_same_command(model, clean, tmp_path):
+    """A repair killed as it rewrote a file of a finished stage leaves the stage's journal:
+    verify says to run the same command again, and that removes it (it used to find the split
+    complete and change nothing, verify failing for good)."""
+    out = Path(shutil.copytree(clean, tmp_path / "out"))
+    (out / "pp2" / ".reshard-journal.jsonl").write_text('{"file": "x", "digests": {}}\n')
+    report = verify(out)
+    assert report.findings and all(
+        "run the same qwen35-reshard command again" in f.message for f in report.findings
+    )
+    assert cli(*split_args(model, out)).returncode == 0
+    assert_sequential(out, model, clean)
+
+
 def test_a_rank_finishing_beside_a_killed_one_keeps_the_run_marker(model, clean, tmp_path):
     """Rank 1 killed with its data files journaled; rank 0 finishes meanwhile; a source shard is
     then rewritten in place (same layout). Rank 1 run again must see that the source changed

@@ -17,6 +17,7 @@ from ..format.names import (
     CONFIG_NAME,
     GONE_SUFFIX,
     INDEX_NAME,
+    JOURNAL,
     LOCK,
     PARTIAL_SUFFIX,
     RUN_MANIFEST,
@@ -163,9 +164,9 @@ def resume_stage(stage_dir: Path, stage: StagePlan, kept: dict[str, Digests]) ->
 
 
 def has_leftovers(out: Path, stages: list[StagePlan]) -> bool:
-    """Whether OUT holds its lock, or a stage directory of ``stages`` a temporary file or a
-    claim (a killed run's, or a live run's at work): then even a complete split is looked at
-    under OUT's lock, where what a killed run left is removed."""
+    """Whether OUT holds its lock, or a stage directory of ``stages`` a temporary file, a claim
+    or a journal (a killed run's, or a live run's at work): then even a complete split is
+    looked at under OUT's lock, where what a killed run left is removed."""
     if (out / LOCK).exists():
         return True
     for stage in stages:
@@ -173,7 +174,7 @@ def has_leftovers(out: Path, stages: list[StagePlan]) -> bool:
             names = [p.name for p in (out / stage.dirname).iterdir()]
         except (FileNotFoundError, NotADirectoryError):
             continue
-        if CLAIM in names or any(partial_base(name) is not None for name in names):
+        if CLAIM in names or JOURNAL in names or any(partial_base(name) is not None for name in names):
             return True
     return False
 
@@ -188,3 +189,10 @@ def clear_stage_temporaries(out: Path, stages: list[StagePlan], now: int) -> Non
     for stage in free:
         if claims.gone_file(out / stage.dirname / CLAIM, now):
             remove(out / stage.dirname / CLAIM)
+
+
+def clear_finished_journals(out: Path, stages: list[StagePlan]) -> None:
+    """Delete the journal of each of ``stages``, complete: a finished stage holds none, but a
+    repair killed as it rewrote files of one leaves it."""
+    for stage in stages:
+        remove(out / stage.dirname / JOURNAL)

@@ -54,6 +54,7 @@ from .journal import Digests, keepable
 from .outdir import (
     can_share,
     check_free_space,
+    clear_finished_journals,
     clear_split,
     clear_stage_temporaries,
     clear_temporaries,
@@ -201,6 +202,7 @@ def _write_rounds(
                 pending = [s for s in pending if s.rank not in state.complete]
                 if not pending:
                     clear_stage_temporaries(out, plan.stages, now)
+                    clear_finished_journals(out, [s for s in plan.stages if s.rank in state.complete])
                     result.complete = _record(plan, out, now, result)
                     return
                 marked = _mark(plan, out) if state.action != "replace" else False
