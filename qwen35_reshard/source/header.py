@@ -324,9 +324,10 @@ def _tiled_columns(
     """The columns of well-typed entries (known dtypes, non-negative ints) sorted by offsets,
     or None unless they tile the data buffer and no shape overflows, the checks of
     :func:`_tensor_entry` and :func:`_check_tiling` that are not about types."""
-    if 0 in chain.from_iterable(shapes) and any(map(_count_overflows, shapes)):  # only a zero hides one
-        return None
     sizes = list(map(mul, map(math.prod, shapes), map(DTYPE_SIZES.__getitem__, dtypes)))
+    # Only a zero dim hides an overflow; a size is 0 exactly when its shape has one.
+    if 0 in sizes and any(map(_count_overflows, shapes)):
+        return None
     columns = Columns(names, dtypes, shapes, begins, ends)
     if not _tiles(columns, sizes, data_size):
         # Writers list tensors in offset order, mostly; sorting by begin alone (stable) can only
