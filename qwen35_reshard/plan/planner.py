@@ -180,7 +180,12 @@ class StagePlan:
 
     @property
     def source_files(self) -> list[str]:
-        return sorted(set(map(_FILE, map(_SOURCE, self.tensors))))
+        """The source shards its files read, sorted."""
+        # A CLONE or ALIGNED file reads its source_file alone: only GATHERED files' tensors
+        # are read one by one (most of a stage's ~50,000 tensors are in the others).
+        shards = {f.source_file for f in self.files if f.layout != GATHERED}
+        gathered = (map(_FILE, map(_SOURCE, f.tensors)) for f in self.files if f.layout == GATHERED)
+        return sorted(shards.union(*gathered))
 
     @property
     def dirname(self) -> str:
