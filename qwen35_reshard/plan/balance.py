@@ -20,10 +20,12 @@ A stage the runtime cannot serve (``allowed``) is never part of the answer.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import accumulate
+from itertools import accumulate, groupby
+from operator import itemgetter
 
+from ..bulk import field_getters
 from ..errors import ReshardError
 from ..format.names import MTP_ABSENT, MTP_DROPPED, MTP_KEPT
 from ..model import names
@@ -36,10 +38,12 @@ from ..model.runtimes import (
     servable,
 )
 from ..model.schema import layer_types, mtp_layers, text_config
-from ..source.checkpoint import Checkpoint
+from ..source.checkpoint import Checkpoint, SourceTensor
 from .capacity import Capacity, Serving, serving_costs
 from .planner import check_roles
 
+(_NBYTES,) = field_getters(SourceTensor, "nbytes")
+_FIRST, _SECOND = itemgetter(0), itemgetter(1)
 # A function of one stage: (rank, first layer, end layer exclusive).
 StageFn = Callable[[int, int, int], int]
 StageTest = Callable[[int, int, int], bool]
@@ -305,18 +309,30 @@ def stage_costs(ckpt: Checkpoint, *, pp: int, runtime: str, keep_mtp: bool) -> t
     tensor_names = list(ckpt.tensors)
     keys, key_roles = names.classify_all(tensor_names)
     check_roles(tensor_names, keys, key_roles, ckpt.num_layers)
-    roles = dict(zip(tensor_names, map(key_roles.__getitem__, keys), strict=True))
-    has_mtp = any(r.kind == names.MTP for r in roles.values())
+    has_mtp = any(r.kind == names.MTP for r in key_roles.values())
     mtp = MTP_ABSENT if not has_mtp else MTP_KEPT if keep_mtp else MTP_DROPPED
     place = placement_rules(pp, runtime, ckpt.tied_embeddings, mtp == MTP_KEPT)
     layer_bytes = [0] * ckpt.num_layers
     fixed: list[dict[str, int]] = [{} for _ in range(pp)]
-    for name, src in ckpt.tensors.items():
-        role = roles[name]
+    for key, nbytes in _bytes_per_key(keys, ckpt.tensors.values()).items():
+        role = key_roles[key]
         if role.kind == names.LAYER:
-            layer_bytes[role.layer] += src.nbytes
+            layer_bytes[role.layer] += nbytes
         elif not (role.kind == names.MTP and mtp == MTP_DROPPED):
             for r in place[role.kind]:
-                fixed[r][role.kind] = fixed[r].get(role.kind, 0) + src.nbytes
+                fixed[r][role.kind] = fixed[r].get(role.kind, 0) + nbytes
     full = tuple(t == FULL_ATTENTION for t in layer_types(ckpt.config))
     return Costs(tuple(layer_bytes), full, tuple(fixed)), mtp
+
+
+def _bytes_per_key(keys: list[str], sources: Iterable[SourceTensor]) -> dict[str, int]:
+    """The bytes of each role key's tensors (``keys``: each source's), keys in source order.
+
+    Why by runs: a key's tensors are mostly adjacent in source order (a layer's fill a shard or
+    two), so each run of one key is summed in C and Python steps once per run (a few hundred),
+    not once per tensor (~190,000 for a 397B FP8 checkpoint).
+    """
+    totals: dict[str, int] = {}
+    for key, run in groupby(zip(keys, map(_NBYTES, sources), strict=True), key=_FIRST):
+        totals[key] = totals.get(key, 0) + sum(map(_SECOND, run))
+    return totals

@@ -30,7 +30,7 @@ import json
 from collections import Counter
 from dataclasses import dataclass
 from functools import cached_property
-from itertools import chain, compress, groupby, repeat
+from itertools import chain, groupby, repeat
 from operator import itemgetter, sub
 from typing import NamedTuple
 
@@ -71,7 +71,9 @@ HEADER_ENTRY_OVERHEAD = 80
 
 # Getters of every tensor's SourceTensor fields (see bulk.field_getters), and of a
 # (source, replicated) pair.
-_NAME, _FILE, _OFFSET, _NBYTES = field_getters(SourceTensor, "name", "file", "offset", "nbytes")
+_NAME, _FILE, _SHAPE, _OFFSET, _NBYTES = field_getters(
+    SourceTensor, "name", "file", "shape", "offset", "nbytes"
+)
 _FIRST, _SECOND = itemgetter(0), itemgetter(1)
 # Non-layer roles, in the order reports list them.
 _EXTRA_KINDS = (names.EMBED, names.VISUAL, names.VISUAL_POS_EMBED, names.NORM, names.LM_HEAD, names.MTP)
@@ -178,7 +180,12 @@ class StagePlan:
 
     @property
     def source_files(self) -> list[str]:
-        return sorted(set(map(_FILE, map(_SOURCE, self.tensors))))
+        """The source shards its files read, sorted."""
+        # A CLONE or ALIGNED file reads its source_file alone: only GATHERED files' tensors
+        # are read one by one (most of a stage's ~50,000 tensors are in the others).
+        shards = {f.source_file for f in self.files if f.layout != GATHERED}
+        gathered = (map(_FILE, map(_SOURCE, f.tensors)) for f in self.files if f.layout == GATHERED)
+        return sorted(shards.union(*gathered))
 
     @property
     def dirname(self) -> str:
@@ -264,8 +271,8 @@ def make_plan(
             )
 
     # What follows runs for every tensor (~190,000 for a 397B FP8 checkpoint): it works on
-    # whole columns (map, compress, list equality), and per role key (the name prefix
-    # that decides a role: a few hundred), not per tensor.
+    # whole columns (map, slices, list equality), and per role key (the name prefix that
+    # decides a role: a few hundred) or per run of one key, not per tensor.
     tensor_names, sources = list(ckpt.tensors), list(ckpt.tensors.values())
     keys, roles = names.classify_all(tensor_names)
     check_roles(tensor_names, keys, roles, ckpt.num_layers)
@@ -282,14 +289,15 @@ def make_plan(
     goes = {k: layer_stage[r.layer] if r.kind == names.LAYER else r.kind for k, r in roles.items()}
     placed_kinds = kinds - {names.LAYER} - ({names.MTP} if mtp == MTP_DROPPED else set())
     replicated = dict.fromkeys(range(pp), False) | {k: len(place[k]) > 1 for k in placed_kinds}
-    reps = list(map({k: replicated.get(g) for k, g in goes.items()}.__getitem__, keys))
+    runs = _key_runs(keys)
     per_stage: list[tuple[list[SourceTensor], list[bool]]] = []
     for r in range(pp):
         here = {r, *(k for k in placed_kinds if r in place[k])}
-        mask = list(map({k for k, g in goes.items() if g in here}.__contains__, keys))
-        per_stage.append((list(compress(sources, mask)), list(compress(reps, mask))))
+        taken = [(start, end) for key, start, end in runs if goes[key] in here]
+        reps = [replicated[goes[key]] for key, _, _ in runs if goes[key] in here]
+        per_stage.append((_spans(sources, taken), _spans_repeated(reps, taken)))
     dropped = (
-        list(compress(tensor_names, map({k for k, g in goes.items() if g == names.MTP}.__contains__, keys)))
+        _spans(tensor_names, [(start, end) for key, start, end in runs if goes[key] == names.MTP])
         if mtp == MTP_DROPPED
         else []
     )
@@ -298,7 +306,7 @@ def make_plan(
         for r in range(pp)
     ]
 
-    _check_file_limit(sources, max_file_bytes)
+    _check_file_limit(tensor_names, sources, max_file_bytes)
     file_order = {f: i for i, f in enumerate(ckpt.files)}
     file_tensors = Counter(map(_FILE, sources))
     whole_fits = {f for f in file_tensors if ckpt.file_sizes[f] <= max_file_bytes}
@@ -331,6 +339,33 @@ def make_plan(
         max_file_bytes,
         max_header_bytes,
     )
+
+
+def _key_runs(keys: list[str]) -> list[tuple[str, int, int]]:
+    """Each run of adjacent tensors of one role key: ``(key, start, end)``, in order.
+
+    Why: a key's tensors are mostly adjacent in source order (a decoder layer's fill a shard
+    or two), so runs number a few hundred where tensors number ~190,000 (a 397B FP8
+    checkpoint): placing a stage's tensors run by run (``_spans``) copies slices in C, with a
+    Python step per run, not per tensor.
+    """
+    runs: list[tuple[str, int, int]] = []
+    start = 0
+    for key, group in groupby(keys):
+        end = start + len(list(group))
+        runs.append((key, start, end))
+        start = end
+    return runs
+
+
+def _spans(column: list, spans: list[tuple[int, int]]) -> list:
+    """The items of ``column`` in each ``(start, end)`` of ``spans``, in order."""
+    return list(chain.from_iterable(column[start:end] for start, end in spans))
+
+
+def _spans_repeated(values: list, spans: list[tuple[int, int]]) -> list:
+    """Each of ``values`` repeated over its span of ``spans``: a column of the spans' items."""
+    return list(chain.from_iterable(map(repeat, values, (end - start for start, end in spans))))
 
 
 def check_roles(
@@ -369,23 +404,33 @@ def check_roles(
         )
 
 
-def _check_file_limit(sources: list[SourceTensor], max_file_bytes: int) -> None:
+def _check_file_limit(tensor_names: list[str], sources: list[SourceTensor], max_file_bytes: int) -> None:
     """Refuse a file-size limit that some tensor, in a file of its own, exceeds; name the
     tensor and the smallest limit every tensor fits."""
     if not sources:
         return
-    # The exact size is computed only for tensors whose bound reaches the largest tensor's.
     largest = _single_file_bytes(max(sources, key=_NBYTES))
-    need, name = max(
-        (_single_file_bytes(s), s.name)
-        for s in sources
-        if s.nbytes + _header_entry_bytes(s) + _FILE_OVERHEAD >= largest
-    )
+    # The exact size is computed only for tensors that may reach the largest tensor's: those
+    # within the largest header any of them can need of its data size.
+    reach = largest - _FILE_OVERHEAD - _longest_header_entry(tensor_names, sources)
+    need, name = max((_single_file_bytes(s), s.name) for s in sources if s.nbytes >= reach)
     if max_file_bytes < need:
         raise ReshardError(
             f"{param('max_file_bytes', max_file_bytes)} is smaller than tensor {name!r}, which needs a "
             f"file of {need} bytes on its own; pass {param('max_file_bytes', need)} or more"
         )
+
+
+def _longest_header_entry(tensor_names: list[str], sources: list[SourceTensor]) -> int:
+    """An upper bound of every tensor's ``_header_entry_bytes``, from the longest name and shape.
+
+    Why a bound: the exact entry of each of ~190,000 tensors (a 397B FP8 checkpoint) costs a
+    call per tensor; this is two passes in C. json.dumps writes a character as at most 12
+    (a surrogate pair's two escapes), and shapes repeat.
+    """
+    longest_name = 12 * max(map(len, tensor_names)) + 2
+    longest_shape = max(map(len, map(str, map(list, set(map(_SHAPE, sources))))))
+    return longest_name + longest_shape + HEADER_ENTRY_OVERHEAD
 
 
 def _single_file_bytes(src: SourceTensor) -> int:
