@@ -29,7 +29,7 @@ PY = sys.executable
 
 # Run in each tree; reads the module paths of either layout (before and after issue 21).
 IN_PROCESS = r"""
-import json, sys, time
+import inspect, json, sys, time
 import qwen35_reshard
 from qwen35_reshard import make_plan, read_checkpoint
 try:
@@ -37,13 +37,15 @@ try:
     from qwen35_reshard.write.manifest import stage_index, stage_manifest
 except ImportError:
     from qwen35_reshard.ondisk import dumps, stage_index, stage_manifest
+# The non-weight files' digests became an argument with issue 23.
+extra = ({},) if "side_files" in inspect.signature(stage_manifest).parameters else ()
 ckpt = read_checkpoint(sys.argv[1])
 t1, c1 = time.perf_counter(), time.process_time()
 plan = make_plan(ckpt, pp=4)
 t2, c2 = time.perf_counter(), time.process_time()
 size = 0
 for stage in plan.stages:
-    draft = stage_manifest(plan, stage, dumps(stage_index(stage)))
+    draft = stage_manifest(plan, stage, dumps(stage_index(stage)), *extra)
     size += len(draft.encode({t.name: None for t in stage.tensors}))
 t3, c3 = time.perf_counter(), time.process_time()
 print(json.dumps({"file": qwen35_reshard.__file__, "plan": t2 - t1, "plan_cpu": c2 - c1,
