@@ -345,6 +345,40 @@ def test_a_journal_left_in_a_finished_stage_is_removed_by_the_same_command(model
     assert_sequential(out, model, clean)
 
 
+# Holds OUT's lock (argv[1]) as a live run does, heartbeat included, until killed.
+_HOLD_LOCK = (
+    "import sys, time\n"
+    "from pathlib import Path\n"
+    "from qwen35_reshard.write import claims\n"
+    "assert claims.try_take(Path(sys.argv[1]) / '.reshard-lock') is None\n"
+    "print('held', flush=True)\n"
+    "time.sleep(600)\n"
+)
+
+
+def test_a_finished_split_does_not_wait_for_a_live_lock_holder_to_clear_leftovers(model, clean, tmp_path):
+    """A finished split with a killed run's claim in it, while another live run holds OUT's
+    lock (a long repair, say): the same command has nothing to do and says so at once; it
+    does not wait for the lock only to clear the leftover (which a later run does)."""
+    out = Path(shutil.copytree(clean, tmp_path / "out"))
+    _foreign_claim(out / "pp1", age=1e6)
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        again = subprocess.run(
+            [sys.executable, "-m", "qwen35_reshard", *split_args(model, out)], capture_output=True, text=True,
+            timeout=60,
+        )  # fmt: skip
+        assert again.returncode == 0, again.stderr
+        assert json.loads(again.stdout)["status"] == "nothing_to_do"
+        assert "waiting for it" not in again.stderr
+    finally:
+        holder.kill()
+        holder.wait()
+    assert cli(*split_args(model, out)).returncode == 0  # the lock free again: the claim goes
+    assert_sequential(out, model, clean)
+
+
 def test_a_rank_finishing_beside_a_killed_one_keeps_the_run_marker(model, clean, tmp_path):
     """Rank 1 killed with its data files journaled; rank 0 finishes meanwhile; a source shard is
     then rewritten in place (same layout). Rank 1 run again must see that the source changed

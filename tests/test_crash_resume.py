@@ -525,12 +525,20 @@ def test_disk_full_mid_run_then_resume(namespace, small, small_clean, tmp_path):
     assert json.loads(third["stdout"])["status"] == "nothing_to_do"
 
 
-def test_a_finished_split_on_a_read_only_filesystem_has_nothing_to_do(namespace, small, tmp_path):
+# Leaves what a killed run may leave in a finished split: a record torn by the crash, its
+# modification time long past the lease (argv[1] the path).
+_LEFTOVER = "import os, sys; open(sys.argv[1], 'w').write('{'); os.utime(sys.argv[1], (0, 0))"
+
+
+@pytest.mark.parametrize("left", [None, ".reshard-lock", "pp1/.reshard-claim", "pp2/.reshard-journal.jsonl"])
+def test_a_finished_split_on_a_read_only_filesystem_has_nothing_to_do(namespace, small, tmp_path, left):
     """The same command again on a finished split that is now read-only (a serving node's
-    volume): nothing to do, as ``plan`` says, not a write error or a traceback."""
+    volume): nothing to do, as ``plan`` says, not a write error or a traceback; also when a
+    killed run left its lock, a claim or a journal there (which a writable OUT has removed)."""
     out = tmp_path / "fs" / "out"
-    steps = [command(small, out), ["remount", f"{64 << 20},ro"], command(small, out)]
-    first, again = on_small_filesystem(namespace, tmp_path, 64 << 20, steps)
+    leave = [[sys.executable, "-c", _LEFTOVER, str(out / left)]] if left else []
+    steps = [command(small, out), *leave, ["remount", f"{64 << 20},ro"], command(small, out)]
+    first, *_, again = on_small_filesystem(namespace, tmp_path, 64 << 20, steps)
     assert first["rc"] == 0, first["stderr"]
     assert again["rc"] == 0, again["stderr"]
     assert json.loads(again["stdout"])["status"] == "nothing_to_do"

@@ -74,7 +74,8 @@ def repair_lock(out: Path, single: bool, on_wait: Callable[[str], None]) -> Iter
     """Hold OUT's lock for a repair of ``out`` (``single``: of one stage directory in it),
     refusing while another live run builds a stage there (see :mod:`~.claims`). A stage
     directory with no run record beside it is on its own: nothing to lock. Yields the time the
-    lock was taken (for :func:`~.claims.gone`); an OSError of the repair becomes one line.
+    lock was taken (for :func:`~.claims.gone`; for a stage on its own, this host's clock: no
+    other host's record is judged there); an OSError of the repair becomes one line.
 
     Raises:
         ReshardError: A live run claims a stage of OUT, OUT's lock cannot be written, or the

@@ -33,14 +33,16 @@ stages' other files, manifests and indexes), all on ``durability``.
 
 from __future__ import annotations
 
+import errno
 import os
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ReshardError, param
 from ..format.identity import describe_differences
 from ..format.jsonio import dumps
-from ..format.names import CLAIM, RUN_MANIFEST, RUN_MARKER
+from ..format.names import CLAIM, LOCK, RUN_MANIFEST, RUN_MARKER
 from ..plan.planner import OutputFile, Plan, StagePlan
 from ..stage.manifest import damaged_side_files, file_sha256, stage_is_complete
 from ..stage.reader import read_run_record, stage_dirs
@@ -160,9 +162,10 @@ def write_plan(
             if not _claimed(out):
                 raise
             state = None  # decided under the lock, which can name the run writing OUT
-        # A finished split is not written to (on a read-only filesystem, not even its lock).
+        # A finished split is not written to (on a read-only filesystem, not even its lock),
+        # but for what a killed run left there, when OUT's lock can be had at once.
         finished = state is not None and state.action == "complete" and not (out / RUN_MARKER).exists()
-        if finished and not has_leftovers(out, plan.stages):
+        if finished and not (has_leftovers(out, plan.stages) and _lock_free(out)):
             result.complete = list(state.complete)
             result.already_complete = [s.rank for s in plan.selected]
             return result
@@ -213,7 +216,8 @@ def _write_rounds(
                             plan, out, mine, state, result, reflink, open_source, marked
                         )
                     except BaseException:  # claims of a run that could not start: given up
-                        _release(out, mine)
+                        with suppress(OSError):  # the error that stopped the run is the one to tell
+                            _release(out, mine)
                         raise
                 elif marked:
                     remove(out / RUN_MARKER)
@@ -243,6 +247,22 @@ def _release(out: Path, stages: list[StagePlan]) -> None:
     """Give up this run's claims of ``stages``."""
     for stage in stages:
         claims.release(out / stage.dirname / CLAIM)
+
+
+def _lock_free(out: Path) -> bool:
+    """Whether OUT's lock can be taken now: not held by a live run, on a filesystem that takes
+    writes. Taken and given back at once: a finished split with nothing to do never waits
+    (a repair may hold the lock for long) or fails (a serving node's read-only volume) only
+    to clear what a killed run left."""
+    try:
+        held = claims.try_take(out / LOCK)
+    except OSError as e:
+        if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            return False
+        raise
+    if held is None:
+        claims.release(out / LOCK)
+    return held is None
 
 
 def _claimed(out: Path) -> bool:
@@ -307,7 +327,8 @@ def _claim(
             else:
                 mine.append(stage)
     except BaseException:  # e.g. a stage directory that cannot be made: the claims taken go
-        _release(out, mine)
+        with suppress(OSError):
+            _release(out, mine)
         raise
     return mine, busy
 
