@@ -101,12 +101,13 @@ def read_stage(root: Path, display: str, run: tuple[str, RunIdentity] | None = N
     problems += _config_problems(root, display, m)
     problems += _schema_problems(root, display, m)
     headers: dict[str, Header] = {}
+    in_order: dict[str, list[StageTensor] | None] = {}
     for file in sorted(m.files):
-        header, found = _read_data_file(root, display, file, m)
+        header, in_order[file], found = _read_data_file(root, display, file, m)
         problems += found
         if header is not None:
             headers[file] = header
-    return StageDir(_with_offsets(m, headers), headers, problems)
+    return StageDir(_with_offsets(m, headers, in_order), headers, problems)
 
 
 def read_manifest(root: Path, display: str) -> StageManifest | Finding:
@@ -354,30 +355,36 @@ def _holds(m: StageManifest, owners: dict[str, tuple[int, ...]], role: names.Rol
 
 def _read_data_file(
     root: Path, display: str, file: str, m: StageManifest
-) -> tuple[Header | None, list[Finding]]:
+) -> tuple[Header | None, list[StageTensor] | None, list[Finding]]:
     """The header of data file ``file`` (None unless it has the size ``m`` records and a valid
-    header), and its problems: missing or damaged, or not holding exactly the tensors ``m``
-    lists there.
+    header); the tensors ``m`` lists there in the header's order when the header lists exactly
+    those (see :func:`_in_header_order`), else None; and the file's problems: missing or
+    damaged, or not holding exactly the tensors ``m`` lists there.
     """
     where, nbytes = f"{display}/{file}", m.files[file]
     try:
         size = checked_file(root, file).stat().st_size
     except FileNotFoundError:
-        return None, [Finding(MISSING, f"{where} is missing; the stage's index lists it: {REBUILD}", file)]
+        return (
+            None,
+            None,
+            [Finding(MISSING, f"{where} is missing; the stage's index lists it: {REBUILD}", file)],
+        )
     except OSError as e:
-        return None, [Finding(CORRUPT, f"{where}: cannot read ({e.strerror}); {REBUILD}", file)]
+        return None, None, [Finding(CORRUPT, f"{where}: cannot read ({e.strerror}); {REBUILD}", file)]
     if size != nbytes:
         why = (
             f"{where} is {size} bytes but {STAGE_MANIFEST} records {nbytes}: the file is "
             f"truncated, extended or replaced; {REBUILD}"
         )
-        return None, [Finding(CORRUPT, why, file)]
+        return None, None, [Finding(CORRUPT, why, file)]
     try:
         header = read_header(root / file, display=where)
     except ReshardError as e:
-        return None, [Finding(CORRUPT, f"{e}; {REBUILD}", file)]
-    if _lists_exactly(header, m, file):
-        return header, []
+        return None, None, [Finding(CORRUPT, f"{e}; {REBUILD}", file)]
+    in_order = _in_header_order(header, m, file)
+    if in_order is not None:
+        return header, in_order, []
     recorded = {name: t for name, t in m.tensors.items() if t.file == file}
     found = {t.name: t for t in header.tensors}
     problems = []
@@ -395,33 +402,38 @@ def _read_data_file(
                 f"records {r.dtype} {list(r.shape)}; {REBUILD}"
             )
             problems.append(Finding(DIFFERENT, why, file, name))
-    return header, problems
+    return header, None, problems
 
 
-def _lists_exactly(header: Header, m: StageManifest, file: str) -> bool:
-    """Whether ``header`` lists exactly the tensors ``m`` lists in ``file``, with their dtypes
-    and shapes.
+def _in_header_order(header: Header, m: StageManifest, file: str) -> list[StageTensor] | None:
+    """The tensors ``m`` lists in ``file``, in ``header``'s order, when the header lists exactly
+    those, with their dtypes and shapes; else None.
 
     Why: the common case of the checks after it, answered in C passes (``map``, list equality)
-    over the header's columns, rather than sets and a loop over every tensor of the file.
-    Header names are distinct (``parse_header`` checks): as many, all of ``file``, are the same.
+    over the header's columns, rather than sets and a loop over every tensor of the file; the
+    tensors found are then placed without being looked up again (:func:`_placed`). Header
+    names are distinct (``parse_header`` checks): as many, all of ``file``, are the same.
     """
     c = header.columns
     found = list(map(m.tensors.get, c.names))
-    return (
+    exact = (
         len(found) == m.file_tensors[file]
         and None not in found
         and set(map(_FILE, found)) == {file}
         and list(map(_DTYPE, found)) == c.dtypes
         and list(map(_SHAPE, found)) == c.shapes
     )
+    return found if exact else None
 
 
-def _with_offsets(m: StageManifest, headers: dict[str, Header]) -> StageManifest:
-    """``m`` with each tensor's offset from its file's header, in load order: file, then offset."""
+def _with_offsets(
+    m: StageManifest, headers: dict[str, Header], in_order: dict[str, list[StageTensor] | None]
+) -> StageManifest:
+    """``m`` with each tensor's offset from its file's header, in load order: file, then offset
+    (``in_order``: each file's tensors in its header's order, where that header lists exactly them)."""
     placed: list[StageTensor] = []
     for file in sorted(headers):
-        placed += _placed(m, file, headers[file])
+        placed += _placed(m, file, headers[file], in_order[file])
     ordered = dict(zip(map(_NAME, placed), placed, strict=True))
     if len(ordered) < len(m.tensors):  # tensors of files without a valid header: no offset
         for name, t in m.tensors.items():
@@ -429,18 +441,19 @@ def _with_offsets(m: StageManifest, headers: dict[str, Header]) -> StageManifest
     return replace(m, tensors=ordered)
 
 
-def _placed(m: StageManifest, file: str, header: Header) -> list[StageTensor]:
+def _placed(
+    m: StageManifest, file: str, header: Header, found: list[StageTensor] | None
+) -> list[StageTensor]:
     """The manifest's tensors of ``file`` that its header lists there, in its offset order,
-    their offsets set.
+    their offsets set; ``found``: those tensors in the header's order, when it lists exactly them.
 
     Why columns: a stage has a tensor per entry (~47,000 for a 397B FP8 stage); when the
     header lists exactly the manifest's tensors of the file (the common case, checked in C),
     ``map`` and ``zip`` place them rather than a loop over the header's entries.
     """
     c = header.columns
-    found = list(map(m.tensors.get, c.names))
-    if None in found or set(map(_FILE, found)) != {file}:
-        entries = zip(header.tensors, found, strict=True)
+    if found is None:
+        entries = zip(header.tensors, map(m.tensors.get, c.names), strict=True)
         kept = [(t, header.data_start + e.begin) for e, t in entries if t is not None and t.file == file]
         found, offsets = [t for t, _ in kept], [o for _, o in kept]
     else:
