@@ -127,6 +127,18 @@ def assert_sequential(out: Path, model: Path, clean: Path) -> None:
     assert report.ok, report.findings
 
 
+def assert_the_same_command_finishes(out: Path, model: Path, clean: Path) -> None:
+    """verify says of everything it finds to run the same command again; doing so exits 0 and
+    leaves OUT as one sequential run writes it."""
+    report = verify(out)
+    assert report.findings and all(
+        "run the same qwen35-reshard command again" in f.message for f in report.findings
+    )
+    again = cli(*split_args(model, out))
+    assert again.returncode == 0, again.stderr
+    assert_sequential(out, model, clean)
+
+
 @pytest.fixture(scope="module")
 def model(tiny, tmp_path_factory):
     return Path(tiny.build_checkpoint(tmp_path_factory.mktemp("model") / "model"))
@@ -294,13 +306,7 @@ def test_a_run_killed_as_it_breaks_a_gone_runs_lock(model, clean, tmp_path):
     b.finish()
     assert not (out / ".reshard-lock").exists()
     assert len(list(out.glob(".reshard-lock.gone.*.partial"))) == 1
-    report = verify(out)
-    assert report.findings and all(
-        "run the same qwen35-reshard command again" in f.message for f in report.findings
-    )
-    again = cli(*split_args(model, out))
-    assert again.returncode == 0, again.stderr
-    assert_sequential(out, model, clean)
+    assert_the_same_command_finishes(out, model, clean)
 
 
 @pytest.mark.parametrize(
@@ -322,13 +328,7 @@ def test_what_a_run_killed_after_finishing_holds_is_removed_by_the_same_command(
     a.finish()
     left = [*out.glob("pp*/.reshard-claim"), *out.glob(".reshard-lock")]
     assert left
-    report = verify(out)
-    assert report.findings and all(
-        "run the same qwen35-reshard command again" in f.message for f in report.findings
-    )
-    again = cli(*split_args(model, out))
-    assert again.returncode == 0, again.stderr
-    assert_sequential(out, model, clean)
+    assert_the_same_command_finishes(out, model, clean)
 
 
 def test_a_journal_left_in_a_finished_stage_is_removed_by_the_same_command(model, clean, tmp_path):
@@ -337,12 +337,7 @@ def test_a_journal_left_in_a_finished_stage_is_removed_by_the_same_command(model
     complete and change nothing, verify failing for good)."""
     out = Path(shutil.copytree(clean, tmp_path / "out"))
     (out / "pp2" / ".reshard-journal.jsonl").write_text('{"file": "x", "digests": {}}\n')
-    report = verify(out)
-    assert report.findings and all(
-        "run the same qwen35-reshard command again" in f.message for f in report.findings
-    )
-    assert cli(*split_args(model, out)).returncode == 0
-    assert_sequential(out, model, clean)
+    assert_the_same_command_finishes(out, model, clean)
 
 
 # Holds OUT's lock (argv[1]) as a live run does, heartbeat included, until killed.
