@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import errno
 import os
-from contextlib import suppress
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -211,14 +212,10 @@ def _write_rounds(
                 marked = _mark(plan, out) if state.action != "replace" else False
                 mine, busy = _claim(plan, out, pending, state)
                 if mine:
-                    try:
+                    with _given_up_on_failure(out, mine):  # a run that could not start
                         to_write, digests, needed = _start_run(
                             plan, out, mine, state, result, reflink, open_source, marked
                         )
-                    except BaseException:  # claims of a run that could not start: given up
-                        with suppress(OSError):  # the error that stopped the run is the one to tell
-                            _release(out, mine)
-                        raise
                 elif marked:
                     remove(out / RUN_MARKER)
             if mine:
@@ -247,6 +244,19 @@ def _release(out: Path, stages: list[StagePlan]) -> None:
     """Give up this run's claims of ``stages``."""
     for stage in stages:
         claims.release(out / stage.dirname / CLAIM)
+
+
+@contextmanager
+def _given_up_on_failure(out: Path, stages: list[StagePlan]) -> Iterator[None]:
+    """Give up the claims of ``stages`` (as the list is when it fails) if the block fails: its
+    own heartbeat would keep them alive, and the run or a later one in this process would wait
+    for itself. A failure to give them up never hides the one that stopped the run."""
+    try:
+        yield
+    except BaseException:
+        with suppress(OSError):
+            _release(out, stages)
+        raise
 
 
 def _lock_free(out: Path) -> bool:
@@ -314,8 +324,9 @@ def _claim(
     is cleared first: no live run writes it (see :func:`_assess_shared`)."""
     if state.action == "replace":
         return list(pending), {}
-    mine, busy = [], {}
-    try:
+    mine: list[StagePlan] = []
+    busy: dict[int, claims.Owner | None] = {}
+    with _given_up_on_failure(out, mine):  # e.g. a stage directory that cannot be made
         for stage in pending:
             stage_dir = out / stage.dirname
             stage_dir.mkdir(exist_ok=True)
@@ -326,10 +337,6 @@ def _claim(
                 claims.release(stage_dir / CLAIM)
             else:
                 mine.append(stage)
-    except BaseException:  # e.g. a stage directory that cannot be made: the claims taken go
-        with suppress(OSError):
-            _release(out, mine)
-        raise
     return mine, busy
 
 
