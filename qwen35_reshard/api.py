@@ -170,6 +170,7 @@ def reshard(
     revision: str | None = None,
     token: str | None = None,
     offline: bool = False,
+    user_agent: str | None = None,
     progress: Reporter | None = None,
 ) -> ReshardResult:
     """Split ``model`` into ``out_dir``/pp0, pp1, ...: what ``qwen35-reshard split`` does.
@@ -206,6 +207,7 @@ def reshard(
         dry_run: plan and assess OUT only; write (and download) nothing.
         revision, token, offline: for a Hub repo id: branch, tag or commit; token (default:
             ``HF_TOKEN`` or the saved login); use only the Hugging Face cache.
+        user_agent: for a Hub repo id: appended to every request's User-Agent.
         progress: progress callbacks: a :class:`Reporter`, or a :class:`ReshardProgress` to also
             hear warnings, the node, the plan before writing and Hub downloads.
 
@@ -239,9 +241,8 @@ def reshard(
         ranks = node.stages
     traffic = hub.Traffic()
     with _collector_paused():
-        ckpt, repo = _open(
-            model, hub.HubSettings(revision=revision, token=token, offline=offline), traffic, events
-        )
+        settings = hub.HubSettings(revision=revision, token=token, offline=offline, user_agent=user_agent)
+        ckpt, repo = _open(model, settings, traffic, events)
         choice, sizes = _partition(
             ckpt, partition, pp=pp, runtime=runtime, keep_mtp=keep_mtp, capacity=capacity
         )

@@ -97,6 +97,9 @@ class HubSettings:
     cache_dir: str | None = None
     assets_dir: str | None = None
     offline: bool = False
+    # Appended to every request's User-Agent (e.g. "qwen35-stages/pp1"): a server's logs and
+    # a test tell the callers apart.
+    user_agent: str | None = None
 
 
 @dataclass(frozen=True)
@@ -288,7 +291,12 @@ def resolve(repo_id: str, settings: HubSettings) -> HubRepo:
     _REQUESTS.session()
     revision = settings.revision or "main"
     probe = HubRepo(repo_id, revision, "0" * 40, settings)
-    api = HfApi(endpoint=settings.endpoint, library_name=TOOL_NAME, library_version=__version__)
+    api = HfApi(
+        endpoint=settings.endpoint,
+        library_name=TOOL_NAME,
+        library_version=__version__,
+        user_agent=settings.user_agent,
+    )
     try:
         resolved = _retrying(
             lambda: api.resolve_revision(
@@ -443,7 +451,12 @@ def repo_listing(repo: HubRepo) -> dict[str, int]:
         )
     from huggingface_hub import HfApi
 
-    api = HfApi(endpoint=repo.settings.endpoint, library_name=TOOL_NAME, library_version=__version__)
+    api = HfApi(
+        endpoint=repo.settings.endpoint,
+        library_name=TOOL_NAME,
+        library_version=__version__,
+        user_agent=repo.settings.user_agent,
+    )
 
     def fetch() -> list:
         return list(api.list_repo_tree(repo.repo_id, revision=repo.commit, token=repo.settings.token))
@@ -522,6 +535,7 @@ def _hf_download(
                 token=repo.settings.token,
                 library_name=TOOL_NAME,
                 library_version=__version__,
+                user_agent=repo.settings.user_agent,
                 tqdm_class=progress,
             ),
             f"{repo.describe()}: {name}",
@@ -563,7 +577,12 @@ def reader(repo: HubRepo, name: str, *, size: int | None, traffic: Traffic) -> R
     from huggingface_hub.utils import build_hf_headers, hf_raise_for_status
 
     url = hf_hub_url(repo.repo_id, name, revision=repo.commit, endpoint=repo.settings.endpoint)
-    headers = build_hf_headers(token=repo.settings.token, library_name=TOOL_NAME, library_version=__version__)
+    headers = build_hf_headers(
+        token=repo.settings.token,
+        library_name=TOOL_NAME,
+        library_version=__version__,
+        user_agent=repo.settings.user_agent,
+    )
     return RangeReader(
         url,
         wait=_retry_wait(),
