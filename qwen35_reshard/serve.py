@@ -176,9 +176,9 @@ def server_stage(
     except StageError:
         raise
     except ReshardError as e:
-        raise StageError(f"{name}: stage {rank}: {e}") from e
+        raise StageError(f"pipeline rank {rank}: {e}") from e
     except OSError as e:  # the stage cache cannot be created or written (a full disk, permissions)
-        raise StageError(f"{name}: stage {rank}: the stage cache {root}: {e.strerror or e}") from e
+        raise StageError(f"pipeline rank {rank}: {name}: the stage cache {root}: {e.strerror or e}") from e
     served.stage.check(len(partition), *_layers(partition, rank), pp_rank=rank, runtime=runtime)
     return ServedStage(
         served.stage, served.how, name, served.where, served.fetched_bytes, time.monotonic() - started

@@ -123,6 +123,15 @@ def header_bytes(model: Path) -> int:
     return total
 
 
+def whole_shard_headers(model: Path, partition: list[int], rank: int) -> int:
+    """Header bytes of the shards whose every tensor the stage holds."""
+    ckpt = qwen35_reshard.read_checkpoint(model)
+    plan = qwen35_reshard.make_plan(ckpt, pp=len(partition), runtime="sglang", partition=partition)
+    names = {t.name for t in plan.stages[rank].tensors}
+    whole = {f for f in ckpt.files if all(n in names for n, t in ckpt.tensors.items() if t.file == f)}
+    return sum(8 + int.from_bytes((model / f).read_bytes()[:8], "little") for f in whole)
+
+
 def stage_bytes(model: Path, partition: list[int], rank: int) -> int:
     ckpt = qwen35_reshard.read_checkpoint(model)
     plan = qwen35_reshard.make_plan(ckpt, pp=len(partition), runtime="sglang", partition=partition)
@@ -135,8 +144,11 @@ def test_hub_fetches_only_its_stage_once_and_keys_the_cache(tmp_path, hub, model
     assert first.get("how") == "fetched", first
     assert first["digests"] == split(PARTITION, 1)
     got = safetensors_bytes(hub)
-    assert got == safetensors_bytes(hub, "qwen35-stages/pp1"), {(e.origin, e.agent, e.range) for e in hub.log}
-    assert stage_bytes(model, PARTITION, 1) <= got <= stage_bytes(model, PARTITION, 1) + header_bytes(model)
+    assert got == safetensors_bytes(hub, "qwen35-stages/pp1")  # every request says its rank
+    # Exactly the stage's tensors, every shard's header (planning) and again the header of each
+    # shard the stage needs whole (downloaded as it is, into the Hugging Face cache).
+    headers = header_bytes(model) + whole_shard_headers(model, PARTITION, 1)
+    assert got == stage_bytes(model, PARTITION, 1) + headers
     assert got < whole / 2
     commit = next(iter(hub.state.repos[REPO].files))
     assert first["where"] == str(tmp_path / "stages" / "models--Qwen--Tiny" / commit / "sglang-pp4-2-2-2-2")
@@ -187,4 +199,4 @@ def test_hub_error_stops_in_one_line_and_leaves_nothing_usable(tmp_path, hub, mo
     assert serve(tmp_path, {"model": REPO, "rank": 3}, hub=hub)["how"] == "fetched"
 
     missing = serve(tmp_path, {"model": "Qwen/NoSuchRepo", "rank": 0}, hub=hub)
-    assert missing["error"].startswith("Qwen/NoSuchRepo: stage 0: Qwen/NoSuchRepo: no such model repo"), missing
+    assert missing["error"].startswith("pipeline rank 0: Qwen/NoSuchRepo: no such model repo"), missing
