@@ -250,7 +250,8 @@ def test_pp2_from_a_repo_id_fetches_each_stage_once(world, reference, tmp_path):
         for rank in (0, 1):
             assert f"is not a split: pipeline rank {rank} of 2 loads its stage" in first["log"], tail(first)
             # Headers twice at most: every shard's when planning, again in a shard fetched whole.
-            assert plan.stages[rank].data_bytes <= per_rank[rank] <= plan.stages[rank].data_bytes + 2 * headers
+            data = plan.stages[rank].data_bytes
+            assert data <= per_rank[rank] <= data + 2 * headers
         assert others == 0  # no one else (vLLM's own code) read a weight file
 
         hub.clear_log()
