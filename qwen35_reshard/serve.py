@@ -176,7 +176,8 @@ def server_stage(
     except StageError:
         raise
     except ReshardError as e:
-        raise StageError(f"pipeline rank {rank}: {e}") from e
+        where = f"; the stage cache is set by {STAGE_CACHE_ENV}" if os.fspath(root) in str(e) else ""
+        raise StageError(f"pipeline rank {rank}: {e}{where}") from e
     except OSError as e:  # the stage cache cannot be created or written (a full disk, permissions)
         raise StageError(f"pipeline rank {rank}: {name}: the stage cache {root}: {e.strerror or e}") from e
     served.stage.check(len(partition), *_layers(partition, rank), pp_rank=rank, runtime=runtime)

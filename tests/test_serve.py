@@ -28,6 +28,7 @@ from hub_server import Fault, HubServer
 
 import qwen35_reshard
 from qwen35_reshard.serve import STAGE_CACHE_ENV
+from qwen35_reshard.source.checkpoint import source_identity
 
 REPO = "Qwen/Tiny"
 DRIVER = Path(__file__).resolve().parent / "serve_stage.py"
@@ -75,8 +76,8 @@ def torch_uint8():
     return torch.uint8
 
 
-def serve(tmp_path, spec: dict, *, hub=None, background: bool = False):
-    """server_stage in its own process; its RESULT, or the STAGEERROR line."""
+def serve(tmp_path, spec: dict, *, hub=None, background: bool = False, prefix: tuple = ()):
+    """server_stage in its own process (started by ``prefix``); its RESULT, or the STAGEERROR line."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
     env.update(
         PYTHONPATH=f"{ROOT}{os.pathsep}{Path(__file__).resolve().parent}",
@@ -88,7 +89,7 @@ def serve(tmp_path, spec: dict, *, hub=None, background: bool = False):
         **{STAGE_CACHE_ENV: str(tmp_path / "stages")},
     )
     spec = {"runtime": "sglang", "partition": PARTITION, **spec}
-    cmd = [sys.executable, str(DRIVER), json.dumps(spec)]
+    cmd = [*prefix, sys.executable, str(DRIVER), json.dumps(spec)]
     if background:
         return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
@@ -102,7 +103,7 @@ def parse(code: int, stdout: str, stderr: str) -> dict:
             return json.loads(line[len("RESULT "):])
         if line.startswith("STAGEERROR "):
             assert code == 3 and "Traceback" not in stdout, stderr
-            return {"error": line[len("STAGEERROR "):]}
+            return {"error": line[len("STAGEERROR "):], "stdout": stdout}
     raise AssertionError(f"exit {code}\n{stdout}\n{stderr}")
 
 
@@ -200,3 +201,45 @@ def test_hub_error_stops_in_one_line_and_leaves_nothing_usable(tmp_path, hub, mo
 
     missing = serve(tmp_path, {"model": "Qwen/NoSuchRepo", "rank": 0}, hub=hub)
     assert missing["error"].startswith("pipeline rank 0: Qwen/NoSuchRepo: no such model repo"), missing
+
+
+def test_a_stage_cache_another_run_writes_otherwise_stops_in_one_line(tmp_path, model):
+    """A split with other settings (--no-mtp) being written into the stage's cache directory,
+    stopped mid-write: the rank stops with the writer's one line naming that run, and builds
+    nothing; the other run is unharmed."""
+    from test_concurrent import Run
+
+    fingerprint = source_identity(qwen35_reshard.read_checkpoint(model))["fingerprint"][:16]
+    out = tmp_path / "stages" / "local" / fingerprint / "sglang-pp4-2-2-2-2"
+    args = ["--pp", "4", "--runtime", "sglang", "--no-mtp", "--workers", "1", str(model), str(out)]
+    other = Run(args, tmp_path / "other", stop_at="/pp3/.model-")
+    other.wait_stopped()
+    try:
+        got = serve(tmp_path, {"model": str(model), "rank": 3, "copy": True})
+    finally:
+        assert other.resume() == 0, other.stderr.read_text()
+    assert "being written by another qwen35-reshard run" in got.get("error", ""), got
+    assert f"pid {other.proc.pid}" in got["error"] and "other settings" in got["error"]
+    assert got["error"].startswith("pipeline rank 3: ") and "\n" not in got["error"]
+
+
+def test_a_full_disk_stops_in_one_line_and_leaves_nothing_usable(tmp_path, model):
+    """The stage cache on a 64 KiB tmpfs (a private mount namespace): the rank stops with one
+    line, and no stage manifest is left there for a later start to open."""
+    from test_crash_resume import _mount_namespace
+
+    prefix = _mount_namespace(tmp_path / "probe")
+    if prefix is None:
+        pytest.skip("cannot mount a tmpfs here (needs root or unprivileged user namespaces)")
+    cache = tmp_path / "stages"
+    cache.mkdir()
+    # Mount, run, then list what the run left in the cache (the mount vanishes with the namespace).
+    shell = (f"mount -t tmpfs -o size=64k tmpfs {cache} || exit 9; \"$@\"; rc=$?; "
+             f"find {cache} -name reshard-stage.json -printf 'LEFT %p\\n'; exit $rc")
+    spec = {"model": str(model), "rank": 3, "copy": True}
+    got = serve(tmp_path, spec, prefix=(*prefix, "sh", "-c", shell, "sh"))
+    # The split's own check of the free space before writing, said in its terms and ours.
+    assert " free but this run writes " in got.get("error", ""), got
+    assert f"the stage cache is set by {STAGE_CACHE_ENV}" in got["error"]
+    assert got["error"].startswith("pipeline rank 3: ") and "\n" not in got["error"]
+    assert "LEFT" not in got["stdout"]
