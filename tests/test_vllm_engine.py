@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -271,3 +272,41 @@ def test_pp2_from_a_repo_id_fetches_each_stage_once(world, reference, tmp_path):
           f"stock loader {stock:,} per node (checkpoint {whole:,}); "
           f"engine starts {first['seconds']:.0f} s, {second['seconds']:.0f} s")
     assert stock == whole
+
+
+# Two processes in one gloo group, each with its own VLLM_PP_LAYER_PARTITION (as on two nodes),
+# run the loader's exchange with vLLM's own get_pp_indices; no engine.
+AGREE = """
+import socket, sys, types
+import torch.distributed as dist
+from vllm.distributed.utils import get_pp_indices
+from qwen35_reshard.loader import StageError
+from qwen35_reshard.loader.vllm import agreed_partition
+dist.init_process_group("gloo", init_method=sys.argv[1], rank=int(sys.argv[2]), world_size=2)
+try:
+    print("AGREED", agreed_partition(types.SimpleNamespace(world_size=2, cpu_group=None), 8, get_pp_indices))
+except StageError as e:
+    print("REFUSED", e)
+"""
+
+
+@pytest.mark.parametrize("variables", [(None, "5,3"), ("5,3", "5,3")], ids=["differ", "same"])
+def test_ranks_that_compute_other_partitions_are_refused_on_every_rank(variables):
+    python = vllm_python()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    procs = []
+    for rank, var in enumerate(variables):
+        env = {k: v for k, v in os.environ.items() if k != "VLLM_PP_LAYER_PARTITION"}
+        if var is not None:
+            env["VLLM_PP_LAYER_PARTITION"] = var
+        procs.append(subprocess.Popen([python, "-c", AGREE, address, str(rank)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    out = [p.communicate(timeout=300) for p in procs]
+    lines = [next((ln for ln in o.splitlines() if ln.startswith(("AGREED", "REFUSED"))), e) for o, e in out]
+    if variables[0] == variables[1]:
+        assert lines == ["AGREED [5, 3]"] * 2, out
+        return
+    want = ("rank 0: 4,4 (VLLM_PP_LAYER_PARTITION unset); rank 1: 5,3 (VLLM_PP_LAYER_PARTITION=5,3)")
+    assert all(ln.startswith("REFUSED ") and want in ln for ln in lines), out

@@ -31,6 +31,9 @@ the rest of the package, imports without it.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+
+from . import StageError
 
 LOAD_FORMAT = "qwen35-stages"
 RUNTIME = "vllm"
@@ -61,7 +64,7 @@ def _loader_class() -> type:
         """This rank's stage, checked against the rank's view of the split, or StageError."""
         group = get_pp_group()
         rank, size = group.rank_in_group, group.world_size
-        partition = agreed_partition(group, model_config.hf_text_config.num_hidden_layers)
+        partition = agreed_partition(group, model_config.hf_text_config.num_hidden_layers, get_pp_indices)
         start = sum(partition[:rank])
         end = start + partition[rank]
         path = model_config.model
@@ -78,35 +81,6 @@ def _loader_class() -> type:
             )
         stage.check(pp_size=size, start_layer=start, end_layer=end, pp_rank=rank, runtime=RUNTIME)
         return stage
-
-    def agreed_partition(group: object, layers: int) -> list[int]:
-        """The layers per rank as this rank computes them (``get_pp_indices``, which reads
-        VLLM_PP_LAYER_PARTITION), once every rank of the pipeline computed the same: each node
-        reads its own environment, and ranks that differ would load a pipeline with layers
-        missing or twice. Exchanged before anything can fail on one rank alone (the others
-        would wait for it)."""
-        import torch.distributed as dist
-
-        mine: tuple[object, str | None]
-        try:
-            ranges = [get_pp_indices(layers, r, group.world_size) for r in range(group.world_size)]
-            mine = ([end - start for start, end in ranges], os.environ.get(PARTITION_VAR))
-        except Exception as e:  # a bad variable on this node: said by every rank below
-            mine = (f"{type(e).__name__}: {e}", os.environ.get(PARTITION_VAR))
-        views: list[tuple[object, str | None]] = [mine] * group.world_size
-        if group.world_size > 1:
-            dist.all_gather_object(views, mine, group=group.cpu_group)
-        if len({repr(v) for v in views}) > 1 or not isinstance(mine[0], list):
-            seen = "; ".join(
-                f"rank {r}: {','.join(map(str, p)) if isinstance(p, list) else p} "
-                f"({f'{PARTITION_VAR}={var}' if var is not None else f'{PARTITION_VAR} unset'})"
-                for r, (p, var) in enumerate(views)
-            )
-            raise loader.StageError(
-                f"the pipeline ranks do not compute the same layers per rank ({seen}): launch every "
-                f"node with the same {PARTITION_VAR} (or none)"
-            )
-        return mine[0]
 
     def placeholder_on_path(model: object, name: str) -> type | None:
         """The placeholder type (PPMissingLayer, StageMissingLayer) on the way to the module
@@ -169,3 +143,43 @@ def _loader_class() -> type:
                 )
 
     return Qwen35StagesLoader
+
+
+def agreed_partition(
+    group: object, layers: int, pp_indices: Callable[[int, int, int], tuple[int, int]]
+) -> list[int]:
+    """The layers per rank as this rank computes them (``pp_indices``: vLLM's ``get_pp_indices``,
+    which reads VLLM_PP_LAYER_PARTITION), once every rank of the pipeline computed the same.
+
+    Why: each node reads its own environment, and ranks that differ would build a pipeline with
+    layers missing or twice (each rank loading what its own view says). Exchanged over the
+    pipeline group (``group``: ``world_size``, ``cpu_group``) before anything can fail on one
+    rank alone, which the others would wait for.
+
+    Raises:
+        StageError: on every rank, naming each rank's partition and variable.
+    """
+    import torch.distributed as dist
+
+    var = os.environ.get(PARTITION_VAR)
+    try:
+        ranges = [pp_indices(layers, r, group.world_size) for r in range(group.world_size)]
+        mine: tuple[object, str | None] = ([end - start for start, end in ranges], var)
+    except Exception as e:  # a bad variable on this node: said by every rank below
+        mine = (f"{type(e).__name__}: {e}", var)
+    views: list[tuple[object, str | None]] = [mine] * group.world_size
+    if group.world_size > 1:
+        dist.all_gather_object(views, mine, group=group.cpu_group)
+    if any(v != mine for v in views) or not isinstance(mine[0], list):
+        seen = "; ".join(f"rank {r}: {_partition_view(p, v)}" for r, (p, v) in enumerate(views))
+        raise StageError(
+            f"the pipeline ranks' layers per rank ({seen}) are not one valid partition: launch every "
+            f"node with the same valid {PARTITION_VAR} (or none)"
+        )
+    return mine[0]
+
+
+def _partition_view(partition: object, var: str | None) -> str:
+    """One rank's view for a message: ``4,4 (VLLM_PP_LAYER_PARTITION unset)``."""
+    shown = ",".join(map(str, partition)) if isinstance(partition, list) else partition
+    return f"{shown} ({PARTITION_VAR}={var})" if var is not None else f"{shown} ({PARTITION_VAR} unset)"
