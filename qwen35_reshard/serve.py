@@ -43,9 +43,11 @@ from .format.names import CACHE_REPO_PREFIX, STAGE_MANIFEST, stage_dirname
 from .loader import Stage, StageError, open_stage
 from .model.runtimes import PARTITION_ENV
 from .plan.planner import make_plan
-from .source import hub
 from .source.checkpoint import Checkpoint, source_identity
 from .source.header import read_header
+from .source.hub.cache import HubSettings
+from .source.hub.http import resolve
+from .source.open import is_repo_id, open_model
 from .stage.manifest import StageManifest, StageTensor
 
 STAGE_CACHE_ENV = "QWEN35_RESHARD_STAGE_CACHE"
@@ -149,10 +151,10 @@ def server_stage(
         raise StageError(f"pipeline rank {rank} is outside the partition {partition}")
     root = Path(cache) if cache is not None else stage_cache_root()
     name = os.fspath(model)
-    settings = hub.HubSettings(revision=revision, token=token, user_agent=user_agent)
+    settings = HubSettings(revision=revision, token=token, user_agent=user_agent)
     try:
-        if hub.is_repo_id(name):
-            repo = hub.resolve(name, settings)
+        if is_repo_id(name):
+            repo = resolve(name, settings)
             out = root / f"{CACHE_REPO_PREFIX}{repo.repo_id.replace('/', '--')}" / repo.commit
             served = _cached_or_built(
                 name,
@@ -166,7 +168,7 @@ def server_stage(
                 commit=repo.commit,
             )
         else:
-            ckpt, _ = hub.open_model(name, settings)
+            ckpt, _ = open_model(name, settings)
             if copy:
                 fingerprint = source_identity(ckpt)["fingerprint"][:FINGERPRINT_CHARS]
                 out = root / LOCAL_DIRNAME / fingerprint / cache_key(runtime, partition)
