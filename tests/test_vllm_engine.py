@@ -266,6 +266,9 @@ def test_pp2_from_a_repo_id_fetches_each_stage_once(world, reference, tmp_path):
         stock_env = {**os.environ, **env, "HF_HOME": str(tmp_path / "hf-stock")}
         subprocess.run([world["python"], "-c", STOCK_FETCH, REPO], env=stock_env, check=True, timeout=300)
         stock = safetensors_sent(hub)
+    for start in (first, second):  # each rank's own lines in the engine's log (shown with -s)
+        lines = start["log"].splitlines()
+        print("\n".join(ln for ln in lines if "qwen35-stages: " in ln and "Registered" not in ln))
     print(f"bytes of *.safetensors fetched: pp0 {per_rank[0]:,}, pp1 {per_rank[1]:,} (stage data "
           f"{plan.stages[0].data_bytes:,} + {plan.stages[1].data_bytes:,}, headers {headers:,}); "
           f"second start 0; "
