@@ -11,7 +11,6 @@ with 1, an interrupt with 130; a traceback only with ``--debug``.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import difflib
 import enum
 import json
@@ -29,14 +28,18 @@ from .._version import __version__
 from ..errors import ReshardError
 from ..format.names import TOOL_NAME
 from ..model.runtimes import RUNTIMES
+from ..plan.capacity import capacity_from
+from ..plan.nodes import Nodes
 from ..plan.planner import DEFAULT_MAX_FILE_BYTES
+from ..source.hub import HubSettings
 from ..units import parse_size
-from ..write.writer import DEFAULT_WORKERS, REFLINK_MODES
+from ..write.options import DEFAULT_WORKERS, REFLINK_MODES, WriteOptions
 
 if TYPE_CHECKING:
     from rich.console import Console
 
     from ..api import ReshardResult
+    from ..write.assemble import Reporter
 
 # typer (0.26 to 0.28) runs on its own copy of click, typer._click (private; click itself is no
 # dependency of typer, and click.exceptions' classes are others that catch none of these), and
@@ -246,58 +249,22 @@ class Output:
 
 
 @dataclass(frozen=True)
-class PlanArgs:
-    """``plan``'s arguments, named as :func:`qwen35_reshard.reshard`'s parameters."""
-
-    model: str
-    out_dir: Path | None
-    pp: int
-    runtime: str
-    partition: str | None
-    gpu_memory: int | None
-    context_length: int | None
-    tp: int | None
-    mem_fraction: float | None
-    ranks: list[int] | str | None
-    nnodes: int | None
-    node_rank: int | None
-    keep_mtp: bool
-    max_file_bytes: int
-    revision: str | None
-    token: str | None
-    offline: bool
-
-
-@dataclass(frozen=True)
-class SplitArgs(PlanArgs):
-    """``split``'s arguments: ``plan``'s and how to write."""
-
-    dry_run: bool
-    overwrite: bool
-    workers: int
-    reflink: str
-
-
-@dataclass(frozen=True)
 class VerifyArgs:
     """``verify``'s arguments."""
 
     out: Path
     source: str | None
     repair: bool
-    revision: str | None
-    token: str | None
-    offline: bool
+    hub: HubSettings
 
 
 def _run_guarded(
-    command: Callable[[object, Output], int],
-    args: object,
+    command: Callable[[], int],
     output: Output,
     interrupted: str,
     flags: dict[str, str] = FLAGS,
 ) -> None:
-    """Run ``command``; errors become one line and an exit code, ``interrupted`` is what an
+    """Run ``command()``; errors become one line and an exit code, ``interrupted`` is what an
     interrupt (Ctrl-C, SIGINT, SIGTERM) says.
 
     SIGINT is handled here rather than left to Python's default, which a process started
@@ -305,7 +272,7 @@ def _run_guarded(
     """
     previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        code = command(args, output)
+        code = command()
     except ReshardError as e:
         if output.debug:
             raise
@@ -548,15 +515,43 @@ def split(
 ) -> None:
     """Split MODEL into OUT/pp0, OUT/pp1, ...: one Hugging Face directory per pipeline stage,
     byte for byte, resumable. Prints the launch line for the server."""
-    args = SplitArgs(
-        model, out, pp, runtime.value, partition, gpu_memory, context_length, tp, mem_fraction,
-        _ranks(rank), nnodes, node_rank, not no_mtp, max_file_size, revision, token, offline, dry_run,
-        overwrite, workers, reflink.value,
-    )  # fmt: skip
+    ranks = _ranks(rank)
+
+    # The one place the flags become the library's options (FLAGS spells them back in errors).
+    def run(progress: Reporter) -> ReshardResult:
+        from ..api import reshard
+
+        return reshard(
+            model,
+            out,
+            pp=pp,
+            runtime=runtime.value,
+            partition=partition,
+            capacity=capacity_from(
+                partition,
+                gpu_memory=gpu_memory,
+                context_length=context_length,
+                tp=tp,
+                mem_fraction=mem_fraction,
+            ),
+            ranks=ranks,
+            nodes=None if nnodes is None and node_rank is None else Nodes(nnodes, node_rank),
+            hub=HubSettings(revision=revision, token=token, offline=offline),
+            write=WriteOptions(
+                overwrite=overwrite,
+                workers=workers,
+                reflink=reflink.value,
+                keep_mtp=not no_mtp,
+                max_file_bytes=max_file_size,
+            ),
+            dry_run=dry_run,
+            progress=progress,
+        )
+
+    output = Output(quiet, json_, debug)
     _run_guarded(
-        _reshard,
-        args,
-        Output(quiet, json_, debug),
+        lambda: _reshard(run, out, output),
+        output,
         "nothing was written"
         if dry_run
         else "unfinished files were removed; run the same command again to resume",
@@ -595,11 +590,12 @@ def plan(
     version: Version = False,
 ) -> None:
     """Show how MODEL splits into pipeline stages (from its index and headers); write nothing."""
-    args = PlanArgs(
-        model, out, pp, runtime.value, partition, gpu_memory, context_length, tp, mem_fraction,
-        _ranks(rank), nnodes, node_rank, not no_mtp, max_file_size, revision, token, offline,
+    # plan is a dry run of split.
+    split(
+        model, out, pp, runtime, partition, gpu_memory, tp, context_length, mem_fraction, rank, nnodes,
+        node_rank, no_mtp, max_file_size, dry_run=True, revision=revision, token=token, offline=offline,
+        quiet=quiet, json_=json_, debug=debug,
     )  # fmt: skip
-    _run_guarded(_reshard, args, Output(quiet, json_, debug), "nothing was written")
 
 
 @app.command(epilog=_VERIFY_EXAMPLES)
@@ -636,11 +632,11 @@ def verify(
     and every tensor's bytes. With --source, also that every source tensor is exactly where the
     plan puts it, with identical bytes. Exit 0 when all is well, 1 when something is missing,
     extra, different, corrupt or incomplete, 2 for bad input."""
-    args = VerifyArgs(out, source, repair, revision, token, offline)
+    args = VerifyArgs(out, source, repair, HubSettings(revision=revision, token=token, offline=offline))
+    output = Output(quiet, json_, debug)
     _run_guarded(
-        _verify,
-        args,
-        Output(quiet, json_, debug),
+        lambda: _verify(args, output),
+        output,
         "files rewritten so far are complete; run the same command again to finish the repair"
         if repair
         else "nothing was written",
@@ -659,17 +655,15 @@ def _consoles(output: Output) -> tuple[Console, Console]:
     return (progress if output.json else Console(soft_wrap=False)), progress
 
 
-def _reshard(args: PlanArgs, output: Output) -> int:
-    """``split`` and ``plan``: the library's reshard, its plan shown once made, then its result."""
-    from ..api import reshard
+def _reshard(run: Callable[[Reporter], ReshardResult], out: Path | None, output: Output) -> int:
+    """``split`` and ``plan``: ``run``, the library's reshard, its plan shown once made, then
+    its result."""
     from .report import QuietView, SplitView, dry_run_lines, fetch_line, summary
 
     results, progress = _consoles(output)
     view = QuietView(FLAGS) if output.quiet else SplitView(results, progress, FLAGS)
-    # plan is a dry run of split.
-    kwargs = {"dry_run": True, **{f.name: getattr(args, f.name) for f in dataclasses.fields(args)}}
     try:
-        result = reshard(**kwargs, progress=view)
+        result = run(view)
     finally:
         if isinstance(view, SplitView):
             view.close()
@@ -681,7 +675,7 @@ def _reshard(args: PlanArgs, output: Output) -> int:
             for line, wrap in dry_run_lines(result):
                 results.print(line, highlight=False, soft_wrap=wrap)
     elif not output.quiet:
-        summary(results, plan, result.written, str(args.out_dir), result.seconds, result.node)
+        summary(results, plan, result.written, str(out), result.seconds, result.node)
         if result.fetch is not None:
             results.print(fetch_line(result.fetch), highlight=False)
     if output.quiet:
@@ -708,7 +702,6 @@ def _json_doc(result: ReshardResult) -> dict:
 
 def _verify(args: VerifyArgs, output: Output) -> int:
     """``verify``: the report on stdout (stderr beside ``--json``), the JSON report with ``--json``."""
-    from ..source.hub import HubSettings
     from ..verify import verify
     from .report import verify_lines
 
@@ -726,8 +719,7 @@ def _verify(args: VerifyArgs, output: Output) -> int:
                 print(f"repaired: {path}", file=out)
         report = result.after
     else:
-        settings = HubSettings(revision=args.revision, token=args.token, offline=args.offline)
-        report = verify(args.out, args.source, hub_settings=settings)
+        report = verify(args.out, args.source, hub_settings=args.hub)
     for line in verify_lines(report, problems_only=output.quiet):
         print(line, file=out)
     if output.json:

@@ -48,8 +48,8 @@ from .datafile import file_digests, header, matches
 from .durability import Durability, fsync_dir, remove, remove_partials, write_atomic, write_error
 from .finish import finish_stages, prepare_stages
 from .journal import Digests
+from .options import DEFAULT_WORKERS
 from .outdir import check_free_space, side_file_bytes
-from .writer import DEFAULT_WORKERS
 
 
 def recorded_identity(out: Path, stage_dir: Path | None) -> RunIdentity:

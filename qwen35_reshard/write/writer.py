@@ -54,6 +54,7 @@ from .assess import OutState, assess_out, check_out_dir
 from .durability import Durability, remove, remove_partials, write_atomic, write_error
 from .finish import Prepared, finish_stages, prepare_stages, record_run
 from .journal import Digests, keepable
+from .options import DEFAULT_WORKERS, DEFAULTS, REFLINK_MODES, WriteOptions
 from .outdir import (
     can_share,
     check_free_space,
@@ -75,15 +76,12 @@ __all__ = [
     "REFLINK_MODES",
     "OutState",
     "Reporter",
+    "WriteOptions",
     "WriteResult",
     "assess_out",
     "check_out_dir",
     "write_plan",
 ]
-
-REFLINK_MODES = ("auto", "always", "never")
-DEFAULT_WORKERS = 2  # source shards copied at once: the library's default and the CLI's
-
 
 @dataclass
 class WriteResult:
@@ -109,12 +107,10 @@ class WriteResult:
 def write_plan(
     plan: Plan,
     out_dir: str | os.PathLike[str],
+    options: WriteOptions = DEFAULTS,
     *,
-    overwrite: bool = False,
-    workers: int = DEFAULT_WORKERS,
     reporter: Reporter | None = None,
     open_source: OpenSource | None = None,
-    reflink: str = "auto",
 ) -> WriteResult:
     """Write the stages ``plan.ranks`` of ``plan`` under ``out_dir``.
 
@@ -126,14 +122,13 @@ def write_plan(
     Args:
         plan: The plan to write (``make_plan``); its selected stages are written.
         out_dir: The output directory OUT; created if missing.
-        overwrite: Replace a split made with other settings that OUT holds.
-        workers: Source shards copied at once, each read by exactly one worker.
+        options: How to write (:class:`WriteOptions`): ``overwrite`` a split made with other
+            settings that OUT holds, ``workers``, ``reflink``; its ``keep_mtp`` and
+            ``max_file_bytes`` are the plan's business (``make_plan``), not read here.
         reporter: Progress callbacks; none by default.
         open_source: ``open_source(file)`` gives the source of a data file that still has bytes
             to copy (a local path or a range source; it may download the file first); by
             default each file is read from the checkpoint's directory.
-        reflink: "auto" (share the source's blocks where the filesystem can), "always"
-            (refuse to run where it cannot) or "never" (copy).
 
     Returns:
         A :class:`WriteResult`: the stages built and already complete, bytes copied and shared.
@@ -151,6 +146,7 @@ def write_plan(
         >>> result.built, write_plan(plan, OUT).nothing_to_do
         ([0, 1], True)
     """
+    overwrite, workers, reflink = options.overwrite, options.workers, options.reflink
     if reflink not in REFLINK_MODES:
         raise ReshardError(f"reflink must be one of {', '.join(REFLINK_MODES)}, not {reflink!r}")
     reporter = reporter or Reporter()
