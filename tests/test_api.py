@@ -4,6 +4,7 @@ that returns what the CLI shows, with errors in the library's own parameter name
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import json
 import os
@@ -199,3 +200,22 @@ def test_hub_repo_id_as_a_library_call(make_checkpoint, tmp_path):
         if f.name == "reshard-stage.json":  # records where the source came from: differs
             continue
         assert (tmp_path / "out" / "pp1" / f.name).read_bytes() == f.read_bytes(), f.name
+
+
+def test_reshard_leaves_the_callers_collector_as_it_found_it(model, tmp_path, capsys):
+    """The library pauses the garbage collector while it plans, and restores it as it was: a
+    caller that disabled it keeps it disabled, and nothing of the caller's process is frozen
+    (reshard() used to enable it and gc.freeze() ~28,000 objects). The command line run
+    in-process (argv given) is a library caller too; only its own process plays tricks."""
+    frozen = gc.get_freeze_count()
+    gc.disable()
+    try:
+        reshard(model, tmp_path / "out", pp=2)
+        assert not gc.isenabled()
+        assert main(["plan", "--pp", "2", str(model)]) == 0
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    reshard(model, None, pp=2, dry_run=True)
+    assert gc.isenabled()
+    assert gc.get_freeze_count() == frozen

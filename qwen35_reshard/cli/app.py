@@ -10,17 +10,14 @@ with 1, an interrupt with 130; a traceback only with ``--debug``.
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import enum
 import json
-import os
-import signal
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, NoReturn, TextIO
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -34,6 +31,7 @@ from ..plan.planner import DEFAULT_MAX_FILE_BYTES
 from ..source.hub import HubSettings
 from ..units import parse_size
 from ..write.options import DEFAULT_WORKERS, REFLINK_MODES, WriteOptions
+from . import process
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -83,116 +81,24 @@ VERIFY_FLAGS = {
 }
 
 
-# What a run made (its plan, which holds the checkpoint) when this process is the command
-# itself: kept to the end, where os._exit hands the memory back at once instead of freeing
-# the ~190,000 tensors' objects of a 397B FP8 checkpoint one by one (0.1 s).
-_kept: list[object] | None = None
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default: ``sys.argv[1:]``); return the exit code.
 
     Without ``argv`` this process is the command itself (the console script, ``python -m``):
-    it ends here, its output flushed, without the interpreter's teardown.
-
-    stdout that cannot take the results (a full device) is one ``error:`` line, exit 2; a
-    reader that went away (``| head``) ends the process as it ends ``git log``: by SIGPIPE,
-    silently (in this process, ``argv`` given: the shell's status for it, 141).
+    it ends here, its output flushed, without the interpreter's teardown (see :mod:`.process`).
     """
-    global _kept
     program = argv is None
     argv = _with_command(list(sys.argv[1:] if argv is None else argv))
-    command = typer.main.get_command(app)
-    _kept = [] if program else None
-    stdout = sys.stdout
-    if stdout is not None:
-        sys.stdout = _Results(stdout)
+    return process.run(lambda: _invoke(argv), program=program)
+
+
+def _invoke(argv: list[str]) -> int:
+    """The command ``argv`` names, run by typer; click's usage errors in one line, no usage block."""
     try:
-        try:
-            code = command.main(args=argv, prog_name=PROG, standalone_mode=False) or 0
-        except ClickException as e:  # click's usage errors: one line, no usage block
-            _fail("--json" in argv, _usage_message(e))
-            code = e.exit_code
-        if stdout is not None:
-            sys.stdout.flush()
-    except _StdoutFailed as e:
-        code = _reader_gone(program) if isinstance(e.cause, BrokenPipeError) else _unwritable(e.cause)
-    except BrokenPipeError:  # stderr's reader went away
-        code = _reader_gone(program)
-    finally:
-        sys.stdout = stdout
-    if program:
-        _exit(code)
-    return code
-
-
-class _StdoutFailed(Exception):
-    """Writing the results to stdout failed with ``cause``: told apart from the library's OS errors."""
-
-    def __init__(self, cause: OSError) -> None:
-        super().__init__(str(cause))
-        self.cause = cause
-
-
-class _Results:
-    """``sys.stdout`` while a command runs: a write or flush that fails raises _StdoutFailed."""
-
-    def __init__(self, stream: TextIO) -> None:
-        self._stream = stream
-
-    def write(self, text: str) -> int:
-        try:
-            return self._stream.write(text)
-        except OSError as e:
-            raise _StdoutFailed(e) from e
-
-    def flush(self) -> None:
-        try:
-            self._stream.flush()
-        except OSError as e:
-            raise _StdoutFailed(e) from e
-
-    def __getattr__(self, name: str) -> object:  # isatty, fileno, encoding, ... as the stream's
-        return getattr(self._stream, name)
-
-
-def _unwritable(e: OSError) -> int:
-    """stdout cannot take the results: say so on stderr; the exit code of a refused run."""
-    with contextlib.suppress(OSError):
-        print(
-            f"error: stdout: cannot write the results ({e.strerror or e}); make room where stdout goes "
-            "or send it elsewhere",
-            file=sys.stderr,
-        )
-    return ReshardError.exit_code
-
-
-def _reader_gone(program: bool) -> int:
-    """The reader of the output went away (``| head``): end silently as ``git log | head`` does,
-    killed by SIGPIPE; in-process (``program`` false), return the shell's status for that."""
-    if program:
-        with contextlib.suppress(OSError):
-            sys.stderr.flush()
-        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGPIPE)
-    return 128 + signal.SIGPIPE
-
-
-def _exit(code: int) -> NoReturn:
-    """End the process with ``code`` once its output is out, skipping the interpreter's teardown."""
-    # The command is over: an interrupt now just ends the process, with nothing left to say.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_DFL)
-    for stream in (sys.stdout, sys.stderr):
-        if stream is None:  # started with that descriptor closed: there was nowhere to write
-            continue
-        try:
-            stream.flush()
-        except BrokenPipeError:  # main flushed stdout: this is stderr's reader gone
-            code = _reader_gone(True)
-        except (OSError, ValueError):  # closed or unwritable: nothing more to say there
-            pass
-    os._exit(code)
+        return typer.main.get_command(app).main(args=argv, prog_name=PROG, standalone_mode=False) or 0
+    except ClickException as e:
+        process.fail("--json" in argv, _usage_message(e))
+        return e.exit_code
 
 
 _GROUP_OPTIONS = ("--help", "-h", "--version", "--install-completion", "--show-completion")
@@ -226,19 +132,6 @@ def _usage_message(e: ClickException) -> str:
     return f"error: {message} (see {ctx.command_path if ctx else PROG} --help)"
 
 
-def _fail(as_json: bool, message: str) -> None:
-    """``message`` as one line on stderr; with ``--json`` also as a JSON error on stdout (when
-    stdout takes it: the line on stderr is said either way)."""
-    print(message, file=sys.stderr)
-    if as_json:
-        with contextlib.suppress(_StdoutFailed, OSError):
-            print(json.dumps({"status": "error", "error": message.removeprefix("error: ")}))
-
-
-def _raise_interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
-
-
 @dataclass(frozen=True)
 class Output:
     """How a command shows its results: ``--quiet``, ``--json``, ``--debug``."""
@@ -265,25 +158,18 @@ def _run_guarded(
     flags: dict[str, str] = FLAGS,
 ) -> None:
     """Run ``command()``; errors become one line and an exit code, ``interrupted`` is what an
-    interrupt (Ctrl-C, SIGINT, SIGTERM) says.
-
-    SIGINT is handled here rather than left to Python's default, which a process started
-    with SIGINT ignored (a background job, some CI runners) never installs.
-    """
-    previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    interrupt (Ctrl-C, SIGINT, SIGTERM) says."""
     try:
-        code = command()
+        with process.interrupts_raised():
+            code = command()
     except ReshardError as e:
         if output.debug:
             raise
-        _fail(output.json, f"error: {e.render(flags)}")
+        process.fail(output.json, f"error: {e.render(flags)}")
         code = e.exit_code
     except KeyboardInterrupt:
-        _fail(output.json, f"interrupted: {interrupted}")
+        process.fail(output.json, f"interrupted: {interrupted}")
         code = 130
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
     raise typer.Exit(code)
 
 
@@ -661,14 +547,15 @@ def _reshard(run: Callable[[Reporter], ReshardResult], out: Path | None, output:
     from .report import QuietView, SplitView, dry_run_lines, fetch_line, summary
 
     results, progress = _consoles(output)
-    view = QuietView(FLAGS) if output.quiet else SplitView(results, progress, FLAGS)
+    view = process.collector_off_until_planned(
+        QuietView(FLAGS) if output.quiet else SplitView(results, progress, FLAGS)
+    )
     try:
         result = run(view)
     finally:
         if isinstance(view, SplitView):
             view.close()
-    if _kept is not None:
-        _kept.append(result.plan)
+    process.keep_to_the_end(result.plan)
     plan = result.plan
     if result.dry_run:
         if not output.quiet:
