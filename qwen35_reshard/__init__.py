@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from .plan.nodes import Nodes
     from .plan.planner import Plan, make_plan
     from .source.checkpoint import Checkpoint, read_checkpoint
-    from .source.hub import HubSettings
+    from .source.hub.cache import HubSettings
     from .write.options import WriteOptions
     from .write.writer import Reporter, WriteResult, write_plan
 
@@ -47,7 +47,7 @@ _LAZY = {
     "RepairResult": ".api",
     "Capacity": ".plan.capacity",
     "Nodes": ".plan.nodes",
-    "HubSettings": ".source.hub",
+    "HubSettings": ".source.hub.cache",
     "WriteOptions": ".write.options",
     "Choice": ".plan.balance",
     "choose": ".plan.balance",

@@ -24,10 +24,14 @@ from .plan.balance import Choice, choose
 from .plan.capacity import Capacity
 from .plan.fetch import fetch_report, needed_by
 from .plan.nodes import Node, Nodes, pick_node
-from .plan.planner import Plan, make_plan
+from .plan.planner import Plan, make_plan, recorded_plan
 from .source.checkpoint import Checkpoint, read_checkpoint, source_identity
-from .source.hub import HubFetcher, HubRepo, HubSettings, Traffic, open_model
-from .verify.check import VerifyReport, recorded_plan, verify
+from .source.hub.cache import HubRepo, HubSettings
+from .source.hub.fetch import HubFetcher
+from .source.hub.http import Traffic
+from .source.open import open_model
+from .verify.check import verify
+from .verify.report import VerifyReport
 from .write.manifest import run_manifest
 from .write.options import DEFAULTS, WriteOptions
 from .write.repair import (

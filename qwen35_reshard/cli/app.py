@@ -28,7 +28,7 @@ from ..model.runtimes import RUNTIMES
 from ..plan.capacity import capacity_from
 from ..plan.nodes import Nodes
 from ..plan.planner import DEFAULT_MAX_FILE_BYTES
-from ..source.hub import HubSettings
+from ..source.hub.cache import HubSettings
 from ..units import parse_size
 from ..write.options import DEFAULT_WORKERS, REFLINK_MODES, WriteOptions
 from . import process
