@@ -42,6 +42,7 @@ from .write.repair import (
     repair_lock,
     without_lock,
 )
+from .write.sources import SourceAccess
 from .write.writer import (
     OutState,
     Reporter,
@@ -309,13 +310,8 @@ def _write(
         fetcher = HubFetcher(repo, plan.checkpoint, needed, traffic=traffic, on_fetched=events.fetched)
         events.expect_downloads(fetcher.download_bytes)
         fetcher.prepare()
-    written = write_plan(
-        plan,
-        planned.out_dir,
-        options,
-        reporter=progress,
-        open_source=fetcher.open if fetcher is not None else None,
-    )
+    source = SourceAccess.fetched(fetcher.open) if fetcher is not None else None
+    written = write_plan(plan, planned.out_dir, options, reporter=progress, source=source)
     seconds = time.monotonic() - started
     fetch = fetch_report(plan, fetcher) if fetcher is not None else None
     return replace(planned, written=written, seconds=seconds, fetch=fetch)
