@@ -11,7 +11,6 @@ with 1, an interrupt with 130; a traceback only with ``--debug``.
 from __future__ import annotations
 
 import difflib
-import enum
 import json
 import sys
 from collections.abc import Callable, Sequence
@@ -21,17 +20,41 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from .._version import __version__
 from ..errors import ReshardError
-from ..format.names import TOOL_NAME
-from ..model.runtimes import RUNTIMES
 from ..plan.capacity import capacity_from
 from ..plan.nodes import Nodes
-from ..plan.planner import DEFAULT_MAX_FILE_BYTES
 from ..source.hub.cache import HubSettings
-from ..units import parse_size
-from ..write.options import DEFAULT_WORKERS, REFLINK_MODES, WriteOptions
+from ..write.options import DEFAULT_WORKERS, WriteOptions
 from . import process
+from .flags import (
+    FLAGS,
+    MAX_FILE_DEFAULT,
+    PROG,
+    VERIFY_FLAGS,
+    ContextLength,
+    Debug,
+    GpuMemory,
+    Json,
+    MaxFileSize,
+    MemFraction,
+    Model,
+    Nnodes,
+    NodeRank,
+    NoMtp,
+    Offline,
+    Partition,
+    Pp,
+    Quiet,
+    Rank,
+    Reflink,
+    Revision,
+    Runtime,
+    RuntimeOpt,
+    Token,
+    Tp,
+    Version,
+    ranks_of,
+)
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -44,41 +67,6 @@ if TYPE_CHECKING:
 # re-exports only BadParameter: its bases are the usage error and the error of every command line.
 UsageError = typer.BadParameter.__mro__[1]
 ClickException = UsageError.__mro__[1]
-
-PROG = TOOL_NAME
-
-# The library's parameters, as this command line spells them.
-FLAGS = {
-    "pp": "--pp",
-    "runtime": "--runtime",
-    "partition": "--partition",
-    "gpu_memory": "--gpu-memory",
-    "context_length": "--context-length",
-    "tp": "--tp",
-    "mem_fraction": "--mem-fraction",
-    "ranks": "--rank",
-    "nnodes": "--nnodes",
-    "node_rank": "--node-rank",
-    "max_file_bytes": "--max-file-size",
-    "workers": "--workers",
-    "overwrite": "--overwrite",
-    "reflink": "--reflink",
-    "dry_run": "--dry-run",
-    "model_dir": "MODEL",
-    "model": "MODEL",
-    "revision": "--revision",
-    "out_dir": "OUT",
-}
-
-
-# verify names the checkpoint with --source.
-VERIFY_FLAGS = {
-    **FLAGS,
-    "model": "--source",
-    "model_dir": "--source",
-    "source": "--source",
-    "repair": "--repair",
-}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -173,141 +161,6 @@ def _run_guarded(
     raise typer.Exit(code)
 
 
-# --------------------------------------------------------------------------- options
-
-Runtime = enum.Enum("Runtime", {r: r for r in RUNTIMES}, type=str)
-Reflink = enum.Enum("Reflink", {m: m for m in REFLINK_MODES}, type=str)
-
-
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as e:
-        raise typer.BadParameter(str(e)) from e
-
-
-def _version(value: bool) -> None:
-    if value:
-        print(f"{PROG} {__version__}")
-        raise typer.Exit()
-
-
-Model = Annotated[
-    str,
-    typer.Argument(
-        metavar="MODEL",
-        help="checkpoint directory (plain or a Hugging Face cache snapshot) or Hub repo id",
-        show_default=False,
-    ),
-]
-Pp = Annotated[int, typer.Option("--pp", metavar="N", help="number of pipeline stages", show_default=False)]
-RuntimeOpt = Annotated[
-    Runtime, typer.Option("--runtime", help="server whose split and placement rules apply")
-]
-Partition = Annotated[
-    str | None,
-    typer.Option(
-        "--partition",
-        metavar="SPEC",
-        help="explicit layers per stage, e.g. 15,15,15,15, or 'balanced': the split whose fullest "
-        "stage holds the fewest bytes  [default: the runtime's own split]",
-        show_default=False,
-    ),
-]
-GpuMemory = Annotated[
-    int | None,
-    typer.Option(
-        "--gpu-memory",
-        parser=_size,
-        metavar="SIZE",
-        help="with --partition balanced: size for serving on GPUs of this memory, e.g. 80GB "
-        "(maximise the requests the worst stage holds)",
-    ),
-]
-Tp = Annotated[
-    int | None,
-    typer.Option(
-        "--tp", metavar="N", help="with --gpu-memory: tensor-parallel size of each stage  [default: 1]"
-    ),
-]
-ContextLength = Annotated[
-    int | None,
-    typer.Option("--context-length", metavar="TOKENS", help="with --gpu-memory: tokens per request"),
-]
-MemFraction = Annotated[
-    float | None,
-    typer.Option(
-        "--mem-fraction",
-        metavar="FRACTION",
-        help="with --gpu-memory: share of GPU memory the server uses for weights and cache  [default: 0.9]",
-    ),
-]
-
-
-def _ranks(values: list[str] | None) -> list[int] | str | None:
-    """``--rank``'s values as the library's ``ranks``: stage numbers, or ``"auto"`` alone."""
-    if not values:
-        return None
-    if values == ["auto"]:
-        return "auto"
-    for value in values:
-        if not (value.isascii() and value.isdigit()):
-            raise typer.BadParameter(
-                f"{value} is no stage number: pass 0, 1, ... or auto (alone)", param_hint="'--rank'"
-            )
-    return [int(v) for v in values]
-
-
-Rank = Annotated[
-    list[str] | None,
-    typer.Option(
-        "--rank",
-        metavar="R",
-        help="build only this stage; repeat for several; 'auto': the stages of the node this runs "
-        "on, from the scheduler's environment (Slurm, Kubernetes, torchrun)  [default: all]",
-    ),
-]
-Nnodes = Annotated[
-    int | None,
-    typer.Option("--nnodes", metavar="N", help="nodes the servers run on (with --node-rank or --rank auto)"),
-]
-NodeRank = Annotated[
-    int | None,
-    typer.Option("--node-rank", metavar="R", help="build the stages the servers run on node R of --nnodes"),
-]
-NoMtp = Annotated[
-    bool, typer.Option("--no-mtp", help="leave mtp.* out on purpose (recorded in the manifest)")
-]
-MaxFileSize = Annotated[
-    int,
-    typer.Option(
-        "--max-file-size", parser=_size, metavar="SIZE", help="largest output data file, e.g. 5GB or 500MB"
-    ),
-]
-Revision = Annotated[
-    str | None,
-    typer.Option("--revision", metavar="REV", help="branch, tag or commit of a Hub repo  [default: main]"),
-]
-Token = Annotated[
-    str | None,
-    typer.Option(
-        "--token", metavar="TOKEN", help="Hugging Face token  [default: HF_TOKEN or the saved login]"
-    ),
-]
-Offline = Annotated[bool, typer.Option("--offline", help="use only the Hugging Face cache")]
-Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="print only the launch line")]
-Json = Annotated[
-    bool, typer.Option("--json", help="print a machine-readable summary on stdout (human output on stderr)")
-]
-Debug = Annotated[bool, typer.Option("--debug", help="show tracebacks")]
-Version = Annotated[
-    bool,
-    typer.Option("--version", callback=_version, is_eager=True, help="print the version and exit"),
-]
-
-# 5GiB: the default said in the unit it was chosen in.
-_MAX_FILE_DEFAULT = f"{DEFAULT_MAX_FILE_BYTES // 2**30}GiB"
-
 _SPLIT_EXAMPLES = f"""Examples:
 
 \b
@@ -373,7 +226,7 @@ def split(
     nnodes: Nnodes = None,
     node_rank: NodeRank = None,
     no_mtp: NoMtp = False,
-    max_file_size: MaxFileSize = _MAX_FILE_DEFAULT,
+    max_file_size: MaxFileSize = MAX_FILE_DEFAULT,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="plan from the index and headers only; write nothing")
     ] = False,
@@ -401,7 +254,7 @@ def split(
 ) -> None:
     """Split MODEL into OUT/pp0, OUT/pp1, ...: one Hugging Face directory per pipeline stage,
     byte for byte, resumable. Prints the launch line for the server."""
-    ranks = _ranks(rank)
+    ranks = ranks_of(rank)
 
     # The one place the flags become the library's options (FLAGS spells them back in errors).
     def run(progress: Reporter) -> ReshardResult:
@@ -466,7 +319,7 @@ def plan(
     nnodes: Nnodes = None,
     node_rank: NodeRank = None,
     no_mtp: NoMtp = False,
-    max_file_size: MaxFileSize = _MAX_FILE_DEFAULT,
+    max_file_size: MaxFileSize = MAX_FILE_DEFAULT,
     revision: Revision = None,
     token: Token = None,
     offline: Offline = False,
