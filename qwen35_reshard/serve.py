@@ -34,7 +34,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .api import reshard
@@ -156,17 +156,9 @@ def server_stage(
         if is_repo_id(name):
             repo = resolve(name, settings)
             out = root / f"{CACHE_REPO_PREFIX}{repo.repo_id.replace('/', '--')}" / repo.commit
-            served = _cached_or_built(
-                name,
-                out / cache_key(runtime, partition),
-                runtime,
-                partition,
-                rank,
-                revision=repo.commit,
-                token=token,
-                user_agent=user_agent,
-                commit=repo.commit,
-            )
+            pinned = replace(settings, revision=repo.commit)
+            key = out / cache_key(runtime, partition)
+            served = _cached_or_built(name, key, runtime, partition, rank, hub=pinned, commit=repo.commit)
         else:
             ckpt, _ = open_model(name, settings)
             if copy:
@@ -200,9 +192,7 @@ def _cached_or_built(
     partition: list[int],
     rank: int,
     *,
-    revision: str | None = None,
-    token: str | None = None,
-    user_agent: str | None = None,
+    hub: HubSettings | None = None,
     commit: str | None = None,
 ) -> ServedStage:
     """The stage in the cache's run directory ``out``: opened if complete, else built there
@@ -210,15 +200,7 @@ def _cached_or_built(
     how, fetched = CACHED, 0
     if not (out / stage_dirname(rank) / STAGE_MANIFEST).is_file():
         result = reshard(
-            model,
-            out,
-            pp=len(partition),
-            runtime=runtime,
-            partition=partition,
-            ranks=[rank],
-            revision=revision,
-            token=token,
-            user_agent=user_agent,
+            model, out, pp=len(partition), runtime=runtime, partition=partition, ranks=[rank], hub=hub
         )
         how = FETCHED if commit is not None else BUILT
         fetched = (result.fetch or {}).get("fetched_bytes", 0)
