@@ -364,7 +364,9 @@ def test_unsplit_repo_each_rank_fetched_only_its_stage(unsplit):
     plan, headers = unsplit["plan"], unsplit["headers"]
     for rank in (0, 1):
         # Headers twice at most: every shard's when planning, again in a shard fetched whole.
-        data = plan.stages[rank].data_bytes
-        assert data <= unsplit["sent"][rank] <= data + 2 * headers
+        # Less where the other rank fetched a shard both need whole into the shared cache first.
+        assert unsplit["sent"][rank] <= plan.stages[rank].data_bytes + 2 * headers
+    union = {t.name: t.source.nbytes for stage in plan.stages for t in stage.tensors}
+    assert sum(unsplit["sent"].values()) >= sum(union.values())  # every tensor came, at least once
     assert unsplit["others"] == 0  # nothing else read a weight file
     assert not (unsplit["root"] / "stages" / "local").exists()  # the local directory was read in place
