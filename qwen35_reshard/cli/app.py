@@ -16,6 +16,7 @@ import difflib
 import enum
 import json
 import os
+import re
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -223,9 +224,14 @@ def _usage_message(e: ClickException) -> str:
     return f"error: {message} (see {ctx.command_path if ctx else PROG} --help)"
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
 def _fail(as_json: bool, message: str) -> None:
     """``message`` as one line on stderr; with ``--json`` also as a JSON error on stdout (when
-    stdout takes it: the line on stderr is said either way)."""
+    stdout takes it: the line on stderr is said either way). Control characters a damaged file
+    or name may bring into it are escaped: a line break could forge another ``error:`` line."""
+    message = _CONTROL.sub(lambda m: ascii(m.group())[1:-1], message)
     print(message, file=sys.stderr)
     if as_json:
         with contextlib.suppress(_StdoutFailed, OSError):

@@ -263,19 +263,66 @@ def cache_repo_snapshot(path: Path, revision: str | None) -> Path | None:
     if COMMIT.fullmatch(rev):
         commit = rev
     else:
-        ref = path / "refs" / rev
-        if not ref.is_file():
+        commit = read_ref(path, rev)
+        if commit is None:
             known = sorted(p.name for p in (path / "refs").glob("*")) if (path / "refs").is_dir() else []
             raise ReshardError(
                 f"{path}: a Hugging Face cache repo folder with no refs/{rev}"
                 + (f" (it has {', '.join(known)})" if known else "")
                 + f"; pass a revision it has, or the snapshot directory {path / 'snapshots'}/<commit>"
             )
-        commit = ref.read_text().strip()
     snapshot = path / "snapshots" / commit
     if not snapshot.is_dir():
         raise ReshardError(f"{path}: refs/{rev} names commit {commit} but snapshots/{commit} is missing")
+    if not _inside(snapshot, path / "snapshots"):
+        raise ReshardError(
+            f"{snapshot}: a symlink out of the cache repo folder {path}; refusing to follow it"
+        )
     return snapshot
+
+
+def read_ref(repo_folder: Path, revision: str) -> str | None:
+    """The commit that ``refs/<revision>`` of a Hugging Face cache repo folder names, or None
+    when it has no such ref.
+
+    A ref is one 40-hex commit id (huggingface_hub writes nothing else there); anything else
+    is refused unread and unshown: the commit becomes a path under ``snapshots/``, and the
+    message must not print what a damaged or planted file holds.
+
+    Raises:
+        ReshardError: ``revision`` is no ref name, the ref resolves out of the repo folder,
+            or it holds anything but a commit id.
+    """
+    parts = Path(revision).parts
+    if Path(revision).is_absolute() or not parts or ".." in parts or not is_plain_name(parts[-1]):
+        raise ReshardError(f"{param('revision', revision)} is not a branch, tag or commit of {repo_folder}")
+    ref = repo_folder / "refs" / revision
+    try:
+        if not ref.is_file():
+            return None
+        if not _inside(ref, repo_folder):
+            raise ReshardError(
+                f"{ref}: a symlink out of the cache repo folder {repo_folder}; refusing to follow it"
+            )
+        with open(ref, "rb") as f:
+            raw = f.read(_REF_READ)
+    except OSError as e:
+        raise ReshardError(f"{ref}: cannot read ({e.strerror})") from e
+    if not _REF.fullmatch(raw):
+        raise ReshardError(
+            f"{ref}: not one 40-hex commit id, as a Hugging Face cache ref holds; the cache folder is "
+            f"damaged: pass the snapshot directory {repo_folder / 'snapshots'}/<commit>, or download again"
+        )
+    return raw[:40].decode("ascii")
+
+
+_REF = re.compile(rb"[0-9a-f]{40}\n?")
+_REF_READ = 42  # one byte past the longest ref (40 hex digits and a newline): a longer file is none
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    """Whether ``path``, symlinks resolved, is inside ``folder`` (symlinks resolved too)."""
+    return Path(os.path.realpath(path)).is_relative_to(os.path.realpath(folder))
 
 
 # ---------------------------------------------------------------------------- resolving
@@ -288,6 +335,10 @@ def resolve(repo_id: str, settings: HubSettings) -> HubRepo:
     _REQUESTS.session()
     revision = settings.revision or "main"
     probe = HubRepo(repo_id, revision, "0" * 40, settings)
+    if not COMMIT.fullmatch(revision):
+        # huggingface_hub falls back on the cache's ref (offline, or the Hub unreachable),
+        # which it reads as it finds it: checked here first, read by no one if damaged.
+        read_ref(probe.storage, revision)
     api = HfApi(endpoint=settings.endpoint, library_name=TOOL_NAME, library_version=__version__)
     try:
         resolved = _retrying(
@@ -302,6 +353,11 @@ def resolve(repo_id: str, settings: HubSettings) -> HubRepo:
         )
     except Exception as e:
         raise hub_error(e, probe, what=f"revision {revision!r}") from e
+    if not COMMIT.fullmatch(resolved.resolved):  # read from a damaged cache ref (never shown)
+        raise ReshardError(
+            f"{probe.storage}: refs/{revision} is not one 40-hex commit id; the cache folder is damaged: "
+            "delete that file and run again with network access"
+        )
     return HubRepo(repo_id, revision, resolved.resolved, settings)
 
 

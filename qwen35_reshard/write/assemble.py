@@ -166,8 +166,9 @@ def _copy_sources(
     """Copy every source shard's runs, finishing files in batches as shards complete them;
     returns the completed files not finished yet (``ready`` and those after it)."""
     stop = threading.Event()
-    # Tensors per shard, for telling a Hub shard copied whole (its bytes checked as they stream).
-    per_file = Counter(t.file for t in plan.checkpoint.tensors.values()) if plan.checkpoint.hub else Counter()
+    # Tensors per shard, for telling a cache blob copied whole (its bytes checked as they stream).
+    ckpt = plan.checkpoint
+    per_file = Counter(t.file for t in ckpt.tensors.values()) if ckpt.blob_sha256 else Counter()
 
     def run(file: str) -> Digests:
         src = open_source(file) if open_source is not None else str(plan.checkpoint.path(file))
