@@ -242,3 +242,11 @@ def test_json_that_is_not_plain_utf8_is_refused(capsys, make_checkpoint, out, na
         assert not _transformers_reads(path)  # the premise
     code, stdout, stderr = run_cli(capsys, "--pp", "2", model, out)
     assert_clean_failure(code, stdout, stderr, out, name, "not plain UTF-8")
+
+
+def test_a_model_path_that_is_not_utf8(capsys, make_checkpoint, tmp_path, out):
+    """The manifests record the source's path as JSON text: a path no UTF-8 spells is refused."""
+    model = os.fsdecode(os.path.join(os.fsencode(tmp_path), b"model-\xff"))
+    shutil.copytree(make_checkpoint(), model)
+    code, stdout, stderr = run_cli(capsys, "--pp", "2", model, out)
+    assert_clean_failure(code, stdout, stderr, out, "not UTF-8")

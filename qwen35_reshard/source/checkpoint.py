@@ -148,6 +148,11 @@ def read_checkpoint(model_dir: str | os.PathLike[str]) -> Checkpoint:
         raise ReshardError(
             f"{root}: not a directory; pass the checkpoint's directory as {param('model_dir')}"
         )
+    if not _utf8(str(root.resolve())):
+        raise ReshardError(
+            f"{root}: the directory's path is not UTF-8, which the stages' manifests record as the "
+            f"source; rename it, then pass it as {param('model_dir')}"
+        )
     allowed = allowed_roots(root)
     config_bytes = _read_file(root, CONFIG_NAME, allowed)
     config = load_config(config_bytes, str(root / CONFIG_NAME))
