@@ -20,13 +20,12 @@ import json
 import random
 import re
 import shutil
-import signal
 import struct
 from collections import Counter
 from pathlib import Path
 
 import pytest
-from test_bad_input import INDEX, assert_nothing_complete
+from test_bad_input import INDEX, assert_clean_failure, run_cli
 
 from qwen35_reshard import cli
 
@@ -161,22 +160,6 @@ def mutate_stage(rng: random.Random, out: Path) -> None:
 # --------------------------------------------------------------------------- outcomes
 
 
-def run_cli(capsys, *args) -> tuple[int, str, str]:
-    previous = signal.getsignal(signal.SIGTERM)
-    try:
-        code = cli.main([str(a) for a in args])
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
-def clean_refusal(code: int, stdout: str, stderr: str, out: Path) -> None:
-    lines = stderr.splitlines()
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and stdout == "", (code, stderr)
-    assert_nothing_complete(out)
-
-
 def readable_and_equal(source: Path, out: Path, ref) -> None:
     """Every stage read by the safetensors reference reader and transformers, its tensors
     byte-equal to the source's, which the reference reader reads too."""
@@ -268,7 +251,7 @@ def test_fuzz_every_outcome_is_a_clean_refusal_or_a_faithful_split(capsys, base,
             counts["split"] += 1
         else:
             try:
-                clean_refusal(code, stdout, stderr, out)
+                assert_clean_failure(code, stdout, stderr, out)
             except AssertionError as e:
                 raise AssertionError(f"{where}: not a clean refusal: {e}") from e
             counts["refused"] += 1
