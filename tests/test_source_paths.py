@@ -250,3 +250,24 @@ def test_a_model_path_that_is_not_utf8(capsys, make_checkpoint, tmp_path, out):
     shutil.copytree(make_checkpoint(), model)
     code, stdout, stderr = run_cli(capsys, "--pp", "2", model, out)
     assert_clean_failure(code, stdout, stderr, out, "not UTF-8")
+
+
+@pytest.mark.parametrize("case", ["ref-not-utf8", "name-too-long", "config-utf16"])
+def test_real_process_one_line_no_traceback(cache, make_checkpoint, tmp_path, case):
+    """The same refusals from a real process: its own stderr encoding and exit path."""
+    if case == "ref-not-utf8":
+        (cache / "refs" / "main").write_bytes(b"\xff\xfe\x80\nerror: FORGED")
+        model = cache
+    else:
+        model = make_checkpoint(fresh=True)
+        if case == "name-too-long":
+            _rename_first_shard(model, "x" * 300 + ".safetensors")
+        else:
+            (model / "config.json").write_bytes((model / "config.json").read_text().encode("utf-16"))
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "qwen35_reshard", "--pp", "2", str(model), str(out)],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert_clean_failure(proc.returncode, proc.stdout, proc.stderr, out)
+    assert "FORGED" not in proc.stderr
