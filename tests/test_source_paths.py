@@ -104,6 +104,19 @@ def test_a_ref_with_a_final_newline_is_read(capsys, cache):
     assert commit in json.loads(stdout)["source"]["path"]
 
 
+def offline_split(hf_home: Path, out: Path) -> subprocess.CompletedProcess:
+    """``--pp 2 --quiet Qwen/Tiny OUT`` in a real process, offline, from the cache in ``hf_home``
+    (quiet: the plan, printed before the side files are fetched, is not the point here)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
+    env.update(
+        PYTHONPATH=str(ROOT), HF_HOME=str(hf_home), HF_HUB_OFFLINE="1", HF_ENDPOINT="http://127.0.0.1:9"
+    )
+    return subprocess.run(
+        [sys.executable, "-m", "qwen35_reshard", "--pp", "2", "--quiet", "Qwen/Tiny", str(out)],
+        capture_output=True, text=True, timeout=120, env=env, cwd=out.parent,
+    )  # fmt: skip
+
+
 def test_a_repo_id_offline_reads_no_planted_ref(tiny, outside, tmp_path):
     """A repo id resolved offline from the cache: huggingface_hub would take the ref's text as
     the commit (``snapshots/../../../outside/snap``); the tool checks the ref first."""
@@ -112,17 +125,23 @@ def test_a_repo_id_offline_reads_no_planted_ref(tiny, outside, tmp_path):
     repo = hf_home / "hub" / "models--Qwen--Tiny"
     (repo / "refs" / "main").write_bytes(b"../../../../outside/snap")
     assert (repo / "snapshots" / "../../../../outside/snap").resolve() == outside.resolve()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
-    env.update(
-        PYTHONPATH=str(ROOT), HF_HOME=str(hf_home), HF_HUB_OFFLINE="1", HF_ENDPOINT="http://127.0.0.1:9"
-    )
     out = tmp_path / "out"
-    proc = subprocess.run(
-        [sys.executable, "-m", "qwen35_reshard", "--pp", "2", "Qwen/Tiny", str(out)],
-        capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path,
-    )  # fmt: skip
+    proc = offline_split(hf_home, out)
     assert_clean_failure(proc.returncode, proc.stdout, proc.stderr, out, "refs/main", COMMIT_NOTE)
     assert "outside" not in proc.stderr
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "config.json", "model-00001-of-00004.safetensors"])
+def test_a_repo_id_offline_follows_no_snapshot_file_out_of_the_cache(tiny, tmp_path, name):
+    hf_home = tmp_path / "hf"
+    snapshot = Path(tiny.build_checkpoint(hf_home / "hub", hf_cache=True))
+    assert offline_split(hf_home, tmp_path / "good").returncode == 0  # the cache serves a split
+    planted = tmp_path / "planted"
+    shutil.copy(snapshot / name, planted)  # the same bytes, outside the cache
+    (snapshot / name).unlink()
+    (snapshot / name).symlink_to(planted)
+    proc = offline_split(hf_home, tmp_path / "out")
+    assert_clean_failure(proc.returncode, proc.stdout, proc.stderr, tmp_path / "out", name, "symlink out")
 
 
 # --------------------------------------------------------------------------- blobs

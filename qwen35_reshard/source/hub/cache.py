@@ -64,6 +64,27 @@ class HubRepo:
     def snapshot(self) -> Path:
         return self.storage / "snapshots" / self.commit
 
+    def cached(self, name: str) -> Path | None:
+        """The file ``name`` of the cached snapshot, or None when the cache lacks it.
+
+        huggingface_hub links each snapshot file to ``blobs/``: one that resolves out of the
+        repo's cache folder (planted, or a damaged cache) is never read.
+
+        Raises:
+            ReshardError: ``name`` (or the snapshot) is a symlink out of the cache folder.
+        """
+        path = self.snapshot / name
+        try:
+            if not path.is_file():
+                return None
+        except (OSError, ValueError):  # a name no filesystem holds (too long, a NUL): not cached
+            return None
+        if not inside(path, self.storage):
+            raise ReshardError(
+                f"{path}: a symlink out of the cache repo folder {self.storage}; refusing to follow it"
+            )
+        return path
+
     @property
     def assets(self) -> Path:
         from huggingface_hub.file_download import repo_folder_name

@@ -226,8 +226,8 @@ def hf_download(
 ) -> str:
     from huggingface_hub import hf_hub_download
 
-    cached = repo.snapshot / name
-    if cached.is_file():
+    cached = repo.cached(name)
+    if cached is not None:
         return str(cached)
     if repo.offline:
         raise ReshardError(
