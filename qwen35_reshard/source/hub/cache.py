@@ -152,7 +152,8 @@ def read_ref(repo_folder: Path, revision: str) -> str | None:
     if not _REF.fullmatch(raw):
         raise ReshardError(
             f"{ref}: not one 40-hex commit id, as a Hugging Face cache ref holds; the cache folder is "
-            f"damaged: pass the snapshot directory {repo_folder / 'snapshots'}/<commit>, or download again"
+            f"damaged: delete that file and download again, or pass a snapshot directory "
+            f"{repo_folder / 'snapshots'}/<commit>"
         )
     return raw[:40].decode("ascii")
 

@@ -148,7 +148,7 @@ def resolve(repo_id: str, settings: HubSettings) -> HubRepo:
         )
     except Exception as e:
         raise hub_error(e, probe, what=f"revision {revision!r}") from e
-    if not COMMIT.fullmatch(resolved.resolved):  # read from a damaged cache ref (never shown)
+    if not COMMIT.fullmatch(resolved.resolved):  # a ref changed since read_ref read it (never shown)
         raise ReshardError(
             f"{probe.storage}: refs/{revision} is not one 40-hex commit id; the cache folder is damaged: "
             "delete that file and run again with network access"
