@@ -119,7 +119,7 @@ def parse_header(raw: bytes, *, file_size: int, where: str) -> Header:
     """Check header bytes ``raw`` of a file of ``file_size`` bytes; see :func:`read_header`."""
     if not raw.startswith(b"{"):
         raise ReshardError(f"{where}: header does not start with '{{'; not a safetensors file")
-    fast = None if _NEGATIVE_ZERO.search(raw) else _typed_header(raw, file_size, where)
+    fast = None if b"-" in raw and _NEGATIVE_ZERO.search(raw) else _typed_header(raw, file_size, where)
     if fast is not None:
         return fast
     try:
@@ -175,7 +175,8 @@ class _NegativeZero(int):
         return "-0"
 
 
-# Where a header may write a number -0 (or only a string holds those bytes): parsed by json then.
+# Where a header may write a number -0 (or a string holds those bytes): parsed by json then. Sought
+# only where a "-" is (``in`` of one byte is a memchr: ~3 us for a ~300 KB header, the pattern ~75).
 _NEGATIVE_ZERO = re.compile(rb"-0(?![0-9.eE])")
 
 
