@@ -177,7 +177,9 @@ def _copy_sources(
         src = open_source(file) if open_source is not None else str(plan.checkpoint.path(file))
         check_unchanged(plan, [file])  # the bytes about to be read are the planned file's ...
         segments = list(copy.segments[file].values())
-        blob = BlobCheck.of(plan, file, src, segments) if len(segments) == per_file[file] else None
+        # A whole-file digest needs every byte read: none of it shared with an output unread.
+        whole = len(segments) == per_file[file] and not copy.share_fds.get(file)
+        blob = BlobCheck.of(plan, file, src, segments) if whole else None
         found = copy_segments(
             src,
             segments,
