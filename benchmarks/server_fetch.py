@@ -2,7 +2,7 @@
 stock way against ``--load-format qwen35-stages`` (issue 33). One run, ratios in the same run.
 
 A checkpoint with the Qwen3.5-35B-A3B structure scaled to ``--size`` is served by
-``tests/hub_server.py`` (a real HTTP server on 127.0.0.1 with a CDN origin). Each node is a
+``tests/support/hub_server.py`` (a real HTTP server on 127.0.0.1 with a CDN origin). Each node is a
 fresh ``HF_HOME`` and a fresh process, for ``--pp`` pipeline ranks, one rank a node:
 
 - stock: what vLLM's and SGLang's default loaders do on every node: download every
@@ -34,7 +34,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "examples")]
 
 import tiny_checkpoint  # noqa: E402
-from hub_server import HubServer  # noqa: E402
+
+from support.hub_server import HubServer  # noqa: E402
 
 REPO = "Qwen/Scaled"
 RUNTIME = "vllm"
