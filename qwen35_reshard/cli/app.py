@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from ..api import ReshardResult
+    from .report import LogReporter, RichReporter
 
 # typer (0.26 to 0.28) runs on its own copy of click, typer._click (private; click itself is no
 # dependency of typer, and click.exceptions' classes are others that catch none of these), and
@@ -652,11 +653,23 @@ def verify(
 
 
 def _consoles(output: Output) -> tuple[Console, Console]:
-    """(results, progress): results on stdout, or on stderr beside ``--json``; progress on stderr."""
+    """(results, progress): results on stdout, or on stderr beside ``--json``; progress on stderr
+    (in a log, lines never wrapped: a log is read at any width)."""
     from rich.console import Console
 
     progress = Console(stderr=True)
+    if not progress.is_terminal:
+        progress = Console(stderr=True, soft_wrap=True)
     return (progress if output.json else Console(soft_wrap=False)), progress
+
+
+def _progress_bar(console: Console) -> RichReporter | LogReporter:
+    """The rich bar in a terminal; in a log, plain lines at a steady interval."""
+    from .report import LOG_INTERVAL, LOG_INTERVAL_ENV, LogReporter, RichReporter
+
+    if console.is_terminal:
+        return RichReporter(console)
+    return LogReporter(sys.stderr, float(os.environ.get(LOG_INTERVAL_ENV) or LOG_INTERVAL))
 
 
 def _reshard(args: PlanArgs, output: Output) -> int:
@@ -665,7 +678,7 @@ def _reshard(args: PlanArgs, output: Output) -> int:
     from .report import QuietView, SplitView, dry_run_lines, fetch_line, summary
 
     results, progress = _consoles(output)
-    view = QuietView(FLAGS) if output.quiet else SplitView(results, progress, FLAGS)
+    view = QuietView(FLAGS) if output.quiet else SplitView(results, _progress_bar(progress), FLAGS)
     # plan is a dry run of split.
     kwargs = {"dry_run": True, **{f.name: getattr(args, f.name) for f in dataclasses.fields(args)}}
     try:

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import shlex
 import sys
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TextIO
 
 from rich import box
 from rich.console import Console
@@ -90,7 +93,7 @@ class _RateColumn(ProgressColumn):
 
 
 class RichReporter(ReshardProgress):
-    """A byte progress bar (rate, ETA) over all source bytes copied by this run."""
+    """A byte progress bar (rate, ETA) over all source bytes copied by this run, for a terminal."""
 
     def __init__(self, console: Console) -> None:
         self.console = console
@@ -125,14 +128,105 @@ class RichReporter(ReshardProgress):
         if self.download_task is not None:
             self.progress.advance(self.download_task, nbytes)
 
+    def stage_copied(self, stage: StagePlan) -> None:
+        """The bar shows it; the stage's line comes when it is complete."""
+
     def stage_done(self, stage: StagePlan) -> None:
         self.close()  # copying is over once stages finish; the bar stays as the last record
-        tensors = plural(len(stage.tensors), "tensor")
-        self.console.print(f"[green]done[/] {stage.dirname}: {tensors}, {format_bytes(stage.size)}")
+        self.console.print(f"[green]done[/] {_stage_line(stage)}")
 
     def close(self) -> None:
         if self.progress.live.is_started:
             self.progress.stop()
+
+
+# Seconds between two progress lines in a log (stderr not a terminal); tests set it shorter.
+LOG_INTERVAL_ENV = "QWEN35_RESHARD_PROGRESS_SECONDS"
+LOG_INTERVAL = 10.0
+
+
+class LogReporter(ReshardProgress):
+    """Progress for a log (a CI job's, ``2> file``): plain lines, each written whole and flushed
+    as it happens: a line every ``interval`` seconds (bytes, rate, time left), each stage's data
+    copied, each stage done. No bar, no padding, no wrapping: a log is read, and grepped, later.
+    """
+
+    def __init__(self, stream: TextIO, interval: float = LOG_INTERVAL) -> None:
+        self.stream = stream
+        self.interval = interval
+        self.lock = threading.Lock()  # one line at a time, from the ticker and the run's threads
+        self.total = self.done = self.downloads = self.downloaded = 0
+        self.started = 0.0
+        self.stop = threading.Event()
+        self.ticker: threading.Thread | None = None
+
+    def say(self, line: str) -> None:
+        with self.lock:
+            print(line, file=self.stream, flush=True)
+
+    def expect_downloads(self, total_bytes: int) -> None:
+        self.downloads = total_bytes
+
+    def start(self, total_bytes: int) -> None:
+        self.total, self.started = total_bytes, time.monotonic()
+        self.say(f"copying {format_bytes(total_bytes)} of source bytes")
+        self.ticker = threading.Thread(target=self._tick, name="progress-log", daemon=True)
+        self.ticker.start()
+
+    def advance(self, nbytes: int) -> None:
+        with self.lock:
+            self.done += nbytes
+
+    def fetched(self, nbytes: int) -> None:
+        with self.lock:
+            self.downloaded += nbytes
+
+    def stage_copied(self, stage: StagePlan) -> None:
+        files = plural(len(stage.files), "data file")
+        self.say(f"copied {stage.dirname}: {files}, {format_bytes(stage.size)}")
+
+    def stage_done(self, stage: StagePlan) -> None:
+        self.close()
+        self.say(f"done {_stage_line(stage)}")
+
+    def close(self) -> None:
+        """Stop the ticker and say where the copy ended, once."""
+        if self.ticker is None:
+            return
+        self.stop.set()
+        self.ticker.join()
+        self.ticker = None
+        self.say(self.line())
+
+    def _tick(self) -> None:
+        while not self.stop.wait(self.interval):
+            self.say(self.line())
+
+    def line(self) -> str:
+        """``progress: DONE of TOTAL (P%), RATE/s, T left`` (and the download, while there is one)."""
+        with self.lock:
+            done, downloaded = self.done, self.downloaded
+        elapsed = max(time.monotonic() - self.started, 1e-9)
+        rate = done / elapsed
+        left = f"{_clock((self.total - done) / rate)} left" if rate > 0 else "time left unknown"
+        pct = 100 * done / max(self.total, 1)
+        line = (
+            f"progress: {format_bytes(done)} of {format_bytes(self.total)} ({pct:.0f}%), "
+            f"{format_bytes(rate)}/s, {left}, {_clock(elapsed)} elapsed"
+        )
+        if self.downloads:
+            line += f"; downloaded {format_bytes(downloaded)} of {format_bytes(self.downloads)}"
+        return line
+
+
+def _clock(seconds: float) -> str:
+    """``H:MM:SS``, as the bar shows time."""
+    s = int(seconds + 0.5)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def _stage_line(stage: StagePlan) -> str:
+    return f"{stage.dirname}: {plural(len(stage.tensors), 'tensor')}, {format_bytes(stage.size)}"
 
 
 class QuietView(ReshardProgress):
@@ -152,14 +246,39 @@ class QuietView(ReshardProgress):
         print(message, file=sys.stderr)
 
 
-class SplitView(QuietView, RichReporter):
+class SplitView(QuietView):
     """What ``split`` and ``plan`` show as a run goes: warnings and the node, the plan (and the
-    balanced choice) on ``results`` once made, then the progress bar on ``progress``."""
+    balanced choice) on ``results`` once made, then the copy's progress through ``bar`` (a
+    :class:`RichReporter` in a terminal, a :class:`LogReporter` in a log)."""
 
-    def __init__(self, results: Console, progress: Console, flags: Mapping[str, str]) -> None:
-        QuietView.__init__(self, flags)
-        RichReporter.__init__(self, progress)
+    def __init__(
+        self, results: Console, bar: RichReporter | LogReporter, flags: Mapping[str, str]
+    ) -> None:
+        super().__init__(flags)
         self.results = results
+        self.bar = bar
+
+    # The copy's callbacks go to the bar.
+    def expect_downloads(self, total_bytes: int) -> None:
+        self.bar.expect_downloads(total_bytes)
+
+    def start(self, total_bytes: int) -> None:
+        self.bar.start(total_bytes)
+
+    def advance(self, nbytes: int) -> None:
+        self.bar.advance(nbytes)
+
+    def fetched(self, nbytes: int) -> None:
+        self.bar.fetched(nbytes)
+
+    def stage_copied(self, stage: StagePlan) -> None:
+        self.bar.stage_copied(stage)
+
+    def stage_done(self, stage: StagePlan) -> None:
+        self.bar.stage_done(stage)
+
+    def close(self) -> None:
+        self.bar.close()
 
     def planned(self, plan: Plan, choice: Choice | None) -> None:
         self.results.print(plan_table(plan))

@@ -36,6 +36,10 @@ class Reporter:
     def advance(self, nbytes: int) -> None:
         """Called as ``nbytes`` more bytes are copied or shared."""
 
+    def stage_copied(self, stage: StagePlan) -> None:
+        """Called once every data file of ``stage`` this run writes is copied, as it happens;
+        the stage is made complete later, behind the run's shared barriers (``stage_done``)."""
+
     def stage_done(self, stage: StagePlan) -> None:
         """Called when ``stage`` is complete in OUT."""
 
@@ -53,6 +57,7 @@ class _Copy:
     share_fds: dict[str, set[int]] = field(default_factory=dict)  # source file -> files sharing its blocks
     shared: int = 0  # bytes sharing the source's blocks
     lock: threading.Lock = field(default_factory=threading.Lock)
+    copied_stages: set[int] = field(default_factory=set)  # stages reported to stage_copied
 
     def on_shared(self, n: int) -> None:
         with self.lock:
@@ -99,6 +104,15 @@ class _Copy:
                     _write_back_now(o.fd)
         return completed
 
+    def report_copied(self, reporter: Reporter) -> None:
+        """Tell ``reporter`` of each stage whose files are all copied now, once."""
+        pending = {o.stage.rank for o in self.opened if o.pending_sources}
+        for o in self.opened:
+            rank = o.stage.rank
+            if rank not in pending and rank not in self.copied_stages:
+                self.copied_stages.add(rank)
+                reporter.stage_copied(o.stage)
+
     def close(self) -> None:
         """Close and delete the files not finished (a run stopped by an error or a signal)."""
         for o in self.opened:
@@ -136,6 +150,7 @@ def copy_files(
                 copy.open(plan, stage, f, out / stage.dirname / f.name, share, open_source)
             )
         reporter.start(sum(seg.nbytes for segs in copy.segments.values() for seg in segs.values()))
+        copy.report_copied(reporter)  # stages of clones alone
         # Clones are finished with the next files that are: redoing one costs nothing, so it
         # is not worth a barrier of its own. Synced file by file, they are finished now.
         ready = [o for o in copy.opened if not o.pending_sources]  # not yet durable
@@ -197,6 +212,7 @@ def _copy_sources(
                 done, _ = wait(futures, return_when=FIRST_COMPLETED)
                 for fut in done:
                     ready += copy.source_done(futures.pop(fut), fut.result(), digests)
+                copy.report_copied(reporter)
                 if futures and _batch_due(ready, durable):
                     finish_files(ready, digests, durable)
                     ready = []

@@ -1,0 +1,127 @@
+"""Progress where stderr is a log (a CI job's pipe), read line by line as a real run writes it,
+the run held at a chosen point: lines arrive as things happen, whole, never padded; in a
+terminal (a pseudo-terminal here) the rich bar as before."""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import subprocess
+import sys
+import threading
+import time
+
+from qwen35_reshard import reshard
+from qwen35_reshard.cli.report import LOG_INTERVAL_ENV
+
+# Runs the CLI (argv[3:]) holding the copy of the source shard argv[1] (its open by a copying
+# worker, not the planner's header read in the main thread) until the file argv[2] exists.
+_HOLD_SHARD = (
+    "import os, runpy, sys, threading, time\n"
+    "shard, gate = sys.argv[1:3]\n"
+    "def hook(name, args):\n"
+    "    if name == 'open' and args and str(args[0]).endswith(shard)\\\n"
+    "            and threading.current_thread() is not threading.main_thread():\n"
+    "        while not os.path.exists(gate):\n"
+    "            time.sleep(0.01)\n"
+    "sys.addaudithook(hook)\n"
+    "sys.argv = ['qwen35_reshard', *sys.argv[3:]]\n"
+    "runpy.run_module('qwen35_reshard', run_name='__main__')\n"
+)
+
+PROGRESS = re.compile(
+    r"progress: [\d.]+ (?:B|KB|MB|GB) of [\d.]+ (?:B|KB|MB|GB) \(\d+%\), [\d.]+ (?:B|KB|MB|GB)/s, "
+    r"(?:\d+:\d\d:\d\d left|time left unknown), \d+:\d\d:\d\d elapsed"
+)
+
+
+def _lines(stream) -> queue.Queue:
+    """Each line of ``stream`` as it arrives, with the time it arrived; None at the end."""
+    lines: queue.Queue = queue.Queue()
+
+    def read() -> None:
+        for raw in stream:
+            lines.put((time.monotonic(), raw.decode()))
+        lines.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    return lines
+
+
+def test_piped_progress_arrives_as_the_copy_goes(make_checkpoint, tmp_path):
+    model = make_checkpoint(text_only=True, mtp=False)
+    plan = reshard(model, None, pp=4, dry_run=True).plan
+    held = sorted(plan.checkpoint.files)[-1]  # --workers 1 copies the shards in this order
+    early = [s.dirname for s in plan.stages if held not in s.source_files]
+    late = [s.dirname for s in plan.stages if held in s.source_files]
+    assert early and late, "the checkpoint must have stages before and after the held shard"
+    gate = tmp_path / "gate"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_SHARD, held, str(gate), "--pp", "4", "--workers", "1",
+         str(model), str(tmp_path / "out")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env={**os.environ, LOG_INTERVAL_ENV: "0.05"},
+    )  # fmt: skip
+    lines = _lines(proc.stderr)
+    held_lines: list[str] = []
+    try:
+        # While the copy is held: each early stage's data copied, and progress lines at the
+        # interval, all already out; no stage done, no late stage copied.
+        while sum(bool(PROGRESS.fullmatch(x.rstrip("\n"))) for x in held_lines) < 3 or not all(
+            any(x.startswith(f"copied {d}: ") for x in held_lines) for d in early
+        ):
+            item = lines.get(timeout=60)
+            assert item is not None, "".join(held_lines)
+            held_lines.append(item[1])
+        assert proc.poll() is None
+        assert not any(x.startswith(("done ", *(f"copied {d}:" for d in late))) for x in held_lines)
+        assert not (tmp_path / "out" / "pp0" / "model.safetensors.index.json").exists()
+        for x in held_lines:
+            if x.startswith("progress: "):
+                assert "(100%)" not in x, x
+    finally:
+        gate.touch()
+    rest = []
+    while (item := lines.get(timeout=60)) is not None:
+        rest.append(item[1])
+    assert proc.wait(timeout=60) == 0, "".join(held_lines + rest)
+    log = held_lines + rest
+    for d in late:
+        assert any(x.startswith(f"copied {d}: ") for x in rest)
+    done = [x.split(":")[0] for x in rest if x.startswith("done ")]
+    assert done == [f"done {s.dirname}" for s in plan.stages]
+    last_progress = [x for x in rest if x.startswith("progress: ")][-1]
+    assert "(100%)" in last_progress
+    for x in log:  # whole lines: no padding, no control sequences, each one thing
+        assert x.endswith("\n") and x.rstrip("\n") == x.rstrip(), repr(x)
+        assert "\x1b" not in x and "\r" not in x, repr(x)
+        assert x.startswith(("copying ", "copied ", "progress: ", "done ")), repr(x)
+
+
+def test_terminal_keeps_the_bar(make_checkpoint, tmp_path):
+    """stderr a terminal: the rich bar (its drawn characters), and the done lines."""
+    model = make_checkpoint()
+    leader, follower = os.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "qwen35_reshard", "--pp", "2", str(model), str(tmp_path / "out")],
+        stdout=subprocess.DEVNULL,
+        stderr=follower,
+        env={**os.environ, "COLUMNS": "100", "TERM": "xterm"},
+    )
+    os.close(follower)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # EIO: the last writer closed the terminal
+            break
+        if not chunk:
+            break
+        seen += chunk
+    os.close(leader)
+    assert proc.wait(timeout=60) == 0
+    text = seen.decode()
+    assert "source bytes" in text and "━" in text and "done" in text and "pp1" in text
+    assert "progress: " not in text and "copied pp" not in text
