@@ -18,6 +18,7 @@ import json
 import os
 import signal
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -308,8 +309,8 @@ def _run_guarded(
     try:
         code = command(args, output)
     except ReshardError as e:
-        if output.debug:
-            raise
+        if output.debug:  # the traceback, then the same line and exit code as without --debug
+            traceback.print_exc()
         _fail(output.json, f"error: {e.render(flags)}")
         code = e.exit_code
     except KeyboardInterrupt:

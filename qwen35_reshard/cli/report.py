@@ -45,9 +45,10 @@ def _table(title: str) -> Table:
     )
 
 
-def plan_table(plan: Plan) -> Table:
+def plan_table(plan: Plan, node: Node | None = None) -> Table:
     """One row per stage: layers, tensors, size, output files, source shards read, extra roles
-    and whether this run builds it; within 80 columns up to pp=16 (numbers never wrap)."""
+    and whether this run builds it (for ``node``, when the stages are a node's); within 80
+    columns up to pp=16 (numbers never wrap)."""
     ckpt = plan.checkpoint
     table = _table(
         f"{ckpt.display}: {plural(ckpt.num_layers, 'layer')}, {plural(len(ckpt.tensors), 'tensor')}, "
@@ -71,7 +72,8 @@ def plan_table(plan: Plan) -> Table:
             "yes" if s.rank in plan.ranks else "no",
         )
     if skipped:
-        table.caption = "build no: not selected by --rank"
+        why = "--rank" if node is None else f"this node (rank {node.rank} of {node.nnodes}) does not run it"
+        table.caption = f"build no: not selected by {why}" if node is None else f"build no: {why}"
         table.caption_justify = "left"
     return table
 
@@ -257,6 +259,11 @@ class SplitView(QuietView):
         super().__init__(flags)
         self.results = results
         self.bar = bar
+        self.node: Node | None = None
+
+    def located(self, node: Node) -> None:
+        super().located(node)
+        self.node = node
 
     # The copy's callbacks go to the bar.
     def expect_downloads(self, total_bytes: int) -> None:
@@ -281,7 +288,7 @@ class SplitView(QuietView):
         self.bar.close()
 
     def planned(self, plan: Plan, choice: Choice | None) -> None:
-        self.results.print(plan_table(plan))
+        self.results.print(plan_table(plan, self.node))
         if choice is not None:
             self.results.print(balance_table(choice, plan.runtime))
             for line in balance_verdict(choice):
@@ -292,7 +299,7 @@ def dry_run_lines(result: ReshardResult) -> list[tuple[str, bool | None]]:
     """What a dry run says after its plan, each line with its ``soft_wrap``: the shareable
     bytes, what a split would fetch from the Hub, what it would do in OUT, the launch line."""
     plan = result.plan
-    lines: list[tuple[str, bool | None]] = [(shares_line(plan), None)]
+    lines: list[tuple[str, bool | None]] = [(space_line(plan), True)]
     if result.fetch is not None:
         lines.append((fetch_line(result.fetch, planned=True), None))
     if result.out_state is not None:
@@ -338,23 +345,25 @@ def node_launch_lines(plan: Plan, out: str, node: Node) -> list[str]:
             f"{env} python -m sglang.launch_server --model-path {stage} --pp-size {pp} {nodes} "
             "--dist-init-addr HEAD_IP:PORT"
         ]
-    held = ", ".join(stage_dirname(r) for r in stages)
+    # Several stages in one sglang.launch_server: the plugin gives each pipeline rank its own.
     return [
-        f"this node runs {held} in one sglang.launch_server, whose stock loader takes one --model-path "
-        "for all of them: serve the unsplit checkpoint there, load each stage through the shim "
-        "(README, recipe 4), or split with --runtime vllm and serve OUT with vLLM's --load-format "
-        "qwen35-stages"
+        f"{env} python -m sglang.launch_server --model-path {shlex.quote(out)} --pp-size {pp} {nodes} "
+        "--dist-init-addr HEAD_IP:PORT",
+        f"(this node runs {', '.join(stage_dirname(r) for r in stages)}: with qwen35-reshard installed in "
+        "SGLang's environment its plugin loads each pipeline rank's stage from OUT; docs/deploy.md)",
     ]
 
 
-def shares_line(plan: Plan) -> str:
-    """How much of the selected stages' files a filesystem that shares blocks (XFS, Btrfs,
-    ...) shares with the source, in one line that fits 80 columns."""
+def space_line(plan: Plan) -> str:
+    """The free space OUT needs for the selected stages: all of their bytes where the
+    filesystem copies them; where it can share blocks with the source (XFS, Btrfs, ... on the
+    source's own filesystem: ``--reflink``), only the bytes that cannot be shared."""
     size = sum(s.size for s in plan.selected)
     share = sum(s.shareable_bytes for s in plan.selected)
     return (
-        f"reflink: {format_bytes(share)} of {format_bytes(size)} shareable "
-        f"({100 * share / max(size, 1):.2f}%), {format_bytes(size - share)} to copy"
+        f"space: OUT needs {format_bytes(size)} free; only {format_bytes(size - share)} where its "
+        f"filesystem can share blocks with the source's (XFS, Btrfs: {100 * share / max(size, 1):.0f}% "
+        "of the bytes shared, --reflink)"
     )
 
 
@@ -373,7 +382,8 @@ def out_line(plan: Plan, out: Path, state: OutState) -> str:
     done = [s.dirname for s in plan.selected if s.rank in state.complete]
     kept = [f"the complete {', '.join(done)}"] if done else []
     if state.files_kept:
-        kept.append(f"{plural(state.files_kept, 'finished data file')} of {', '.join(todo)}")
+        held = ", ".join(stage_dirname(r) for r in sorted(state.kept) if state.kept[r])
+        kept.append(f"{plural(state.files_kept, 'finished data file')} of {held}")
     keeping = f"keeping {' and '.join(kept)}, " if kept else ""
     writes = f"writes {', '.join(todo)}" if todo else "writes the run manifest"
     return f"{out} holds an unfinished run of this split: a real run resumes it, {keeping}and {writes}"
