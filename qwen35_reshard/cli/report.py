@@ -321,7 +321,7 @@ def launch_lines(plan: Plan, out: str) -> list[str]:
     else:
         cmd = (
             f"{env} vllm serve {stage} --pipeline-parallel-size {pp}"
-            "   # each node must see its own stage at the model path: README, 'Deploying the stages'"
+            "   # each node must see its own stage at the model path: docs/deploy.md"
         )
     return [cmd]
 
