@@ -15,13 +15,14 @@ import time
 from qwen35_reshard import reshard
 from qwen35_reshard.cli.report import LOG_INTERVAL_ENV
 
-# Runs the CLI (argv[3:]) holding the copy of the source shard argv[1] (its open by a copying
-# worker, not the planner's header read in the main thread) until the file argv[2] exists.
+# Runs the CLI (argv[3:]) holding the copy of any of the source shards argv[1] (comma-separated;
+# their open by a copying worker, not the planner's header read in the main thread) until the
+# file argv[2] exists.
 _HOLD_SHARD = (
     "import os, runpy, sys, threading, time\n"
-    "shard, gate = sys.argv[1:3]\n"
+    "shards, gate = tuple(sys.argv[1].split(',')), sys.argv[2]\n"
     "def hook(name, args):\n"
-    "    if name == 'open' and args and str(args[0]).endswith(shard)\\\n"
+    "    if name == 'open' and args and str(args[0]).endswith(shards)\\\n"
     "            and threading.current_thread() is not threading.main_thread():\n"
     "        while not os.path.exists(gate):\n"
     "            time.sleep(0.01)\n"
@@ -50,28 +51,54 @@ def _lines(stream) -> queue.Queue:
 
 
 def test_piped_progress_arrives_as_the_copy_goes(make_checkpoint, tmp_path):
-    model = make_checkpoint(text_only=True, mtp=False)
+    """The copy held at the first shard pp0 does not need: pp0's data is copied by then (the
+    shards it needs go first, the vision tower's too, which every stage holds), and said."""
+    model = make_checkpoint()
     plan = reshard(model, None, pp=4, dry_run=True).plan
-    held = sorted(plan.checkpoint.files)[-1]  # --workers 1 copies the shards in this order
-    early = [s.dirname for s in plan.stages if held not in s.source_files]
-    late = [s.dirname for s in plan.stages if held in s.source_files]
-    assert early and late, "the checkpoint must have stages before and after the held shard"
+    first = set(plan.stages[0].source_files)
+    held = sorted(set(plan.checkpoint.files) - first)
+    early = [s.dirname for s in plan.stages if set(s.source_files) <= first]
+    late = [s.dirname for s in plan.stages if not set(s.source_files) <= first]
+    assert held and early and late, "the checkpoint must have stages before and after the held shards"
     gate = tmp_path / "gate"
     proc = subprocess.Popen(
-        [sys.executable, "-c", _HOLD_SHARD, held, str(gate), "--pp", "4", "--workers", "1",
+        [sys.executable, "-c", _HOLD_SHARD, ",".join(held), str(gate), "--pp", "4", "--workers", "1",
          str(model), str(tmp_path / "out")],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         env={**os.environ, LOG_INTERVAL_ENV: "0.05"},
     )  # fmt: skip
     lines = _lines(proc.stderr)
+    try:
+        held_lines, rest = _read_held_then_released(proc, lines, gate, early, late, tmp_path)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    log = held_lines + rest
+    for d in late:
+        assert any(x.startswith(f"copied {d}: ") for x in rest)
+    done = [x.split(":")[0] for x in rest if x.startswith("done ")]
+    assert done == [f"done {s.dirname}" for s in plan.stages]
+    last_progress = [x for x in rest if x.startswith("progress: ")][-1]
+    assert "(100%)" in last_progress
+    for x in log:  # whole lines: no padding, no control sequences, each one thing
+        assert x.endswith("\n") and x.rstrip("\n") == x.rstrip(), repr(x)
+        assert "\x1b" not in x and "\r" not in x, repr(x)
+        assert x.startswith(("copying ", "copied ", "progress: ", "done ")), repr(x)
+
+
+def _read_held_then_released(proc, lines, gate, early, late, tmp_path):
+    """The lines said while the copy is held, then (the gate opened) the rest."""
     held_lines: list[str] = []
+    deadline = time.monotonic() + 60
     try:
         # While the copy is held: each early stage's data copied, and progress lines at the
         # interval, all already out; no stage done, no late stage copied.
         while sum(bool(PROGRESS.fullmatch(x.rstrip("\n"))) for x in held_lines) < 3 or not all(
             any(x.startswith(f"copied {d}: ") for x in held_lines) for d in early
         ):
+            assert time.monotonic() < deadline, "".join(held_lines[-20:])
             item = lines.get(timeout=60)
             assert item is not None, "".join(held_lines)
             held_lines.append(item[1])
@@ -87,17 +114,7 @@ def test_piped_progress_arrives_as_the_copy_goes(make_checkpoint, tmp_path):
     while (item := lines.get(timeout=60)) is not None:
         rest.append(item[1])
     assert proc.wait(timeout=60) == 0, "".join(held_lines + rest)
-    log = held_lines + rest
-    for d in late:
-        assert any(x.startswith(f"copied {d}: ") for x in rest)
-    done = [x.split(":")[0] for x in rest if x.startswith("done ")]
-    assert done == [f"done {s.dirname}" for s in plan.stages]
-    last_progress = [x for x in rest if x.startswith("progress: ")][-1]
-    assert "(100%)" in last_progress
-    for x in log:  # whole lines: no padding, no control sequences, each one thing
-        assert x.endswith("\n") and x.rstrip("\n") == x.rstrip(), repr(x)
-        assert "\x1b" not in x and "\r" not in x, repr(x)
-        assert x.startswith(("copying ", "copied ", "progress: ", "done ")), repr(x)
+    return held_lines, rest
 
 
 def test_terminal_keeps_the_bar(make_checkpoint, tmp_path):

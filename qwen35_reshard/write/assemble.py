@@ -107,6 +107,17 @@ class _Copy:
                     _write_back_now(o.fd)
         return completed
 
+    def copy_order(self) -> list[str]:
+        """The source shards in the order they are copied: every shard the first stage needs
+        (the vision tower's too, which every SGLang stage holds), then those the next one needs,
+        ...; by name within a stage (layer order). The first stages' data is then complete early,
+        not all of it with the last shard."""
+        first: dict[str, int] = {}  # shard -> the lowest stage whose files still need it
+        for o in self.opened:
+            for file in o.pending_sources:
+                first[file] = min(first.get(file, o.stage.rank), o.stage.rank)
+        return sorted(self.segments, key=lambda file: (first.get(file, -1), file))
+
     def report_copied(self, reporter: Reporter) -> None:
         """Tell ``reporter`` of each stage whose files are all copied now, once."""
         pending = {o.stage.rank for o in self.opened if o.pending_sources}
@@ -207,7 +218,7 @@ def _copy_sources(
         return found
 
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        futures: dict[Future[Digests], str] = {pool.submit(run, file): file for file in sorted(copy.segments)}
+        futures: dict[Future[Digests], str] = {pool.submit(run, file): file for file in copy.copy_order()}
         try:
             if meanwhile is not None:
                 meanwhile()
