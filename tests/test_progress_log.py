@@ -142,3 +142,21 @@ def test_terminal_keeps_the_bar(make_checkpoint, tmp_path):
     text = seen.decode()
     assert "source bytes" in text and "━" in text and "done" in text and "pp1" in text
     assert "progress: " not in text and "copied pp" not in text
+
+
+def test_results_in_a_file_are_neither_padded_nor_wrapped(make_checkpoint, tmp_path):
+    """stdout and stderr piped (the plan table, the summary, the launch line; with --json the
+    human output on stderr): no line ends in padding, and the launch line is one line."""
+    model = make_checkpoint()
+    for extra, human in (((), "stdout"), (("--json",), "stderr")):
+        out = tmp_path / f"out{len(extra)}"
+        p = subprocess.run(
+            [sys.executable, "-m", "qwen35_reshard", "--pp", "4", *extra, str(model), str(out)],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert p.returncode == 0, p.stderr
+        for text in (p.stdout, p.stderr):
+            assert all(line == line.rstrip() for line in text.splitlines()), text
+        launch = [x for x in getattr(p, human).splitlines() if "sglang.launch_server" in x]
+        assert len(launch) == 1 and launch[0].rstrip().endswith("--dist-init-addr HEAD_IP:PORT"), launch
+        assert "pp0 " in getattr(p, human) and "wrote pp0, pp1, pp2, pp3" in getattr(p, human)

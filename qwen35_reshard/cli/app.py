@@ -390,14 +390,11 @@ def verify(
 
 
 def _consoles(output: Output) -> tuple[Console, Console]:
-    """(results, progress): results on stdout, or on stderr beside ``--json``; progress on stderr
-    (in a log, lines never wrapped: a log is read at any width)."""
-    from rich.console import Console
+    """(results, progress): results on stdout, or on stderr beside ``--json``; progress on stderr."""
+    from .report import console
 
-    progress = Console(stderr=True)
-    if not progress.is_terminal:
-        progress = Console(stderr=True, soft_wrap=True)
-    return (progress if output.json else Console(soft_wrap=False)), progress
+    progress = console("stderr")
+    return (progress if output.json else console("stdout")), progress
 
 
 def _progress_bar(console: Console) -> RichReporter | LogReporter:

@@ -6,6 +6,7 @@ verify alike); counts through :func:`units.plural`. Tables fit an 80-column term
 
 from __future__ import annotations
 
+import re
 import shlex
 import sys
 import threading
@@ -30,6 +31,38 @@ from ..stage.findings import Finding
 from ..units import format_bytes, plural
 from ..verify import VerifyReport
 from ..write.writer import OutState, WriteResult
+
+
+class _Unpadded:
+    """``sys.stdout`` or ``sys.stderr`` (looked up at each write: the command swaps stdout for
+    its guard) without the spaces rich pads a table's lines with: a file is read and grepped."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def write(self, text: str) -> int:
+        return getattr(sys, self.name).write(_TRAILING.sub("", text))
+
+    def flush(self) -> None:
+        getattr(sys, self.name).flush()
+
+    def isatty(self) -> bool:
+        return False
+
+    def __getattr__(self, attr: str) -> object:  # encoding, fileno, ... as the stream's
+        return getattr(getattr(sys, self.name), attr)
+
+
+_TRAILING = re.compile(r" +(?=\n)")
+
+
+def console(name: str) -> Console:
+    """A console on ``sys.stdout`` or ``sys.stderr`` (``name``): in a terminal as rich draws it;
+    elsewhere (a file, a pipe, a CI log) no line wrapped mid-sentence nor padded with spaces."""
+    stream = getattr(sys, name)
+    if stream is not None and stream.isatty():
+        return Console(stderr=name == "stderr", soft_wrap=False)
+    return Console(file=_Unpadded(name), soft_wrap=True)
 
 
 def _table(title: str) -> Table:
@@ -357,14 +390,12 @@ def node_launch_lines(plan: Plan, out: str, node: Node) -> list[str]:
 def space_line(plan: Plan) -> str:
     """The free space OUT needs for the selected stages: all of their bytes where the
     filesystem copies them; where it can share blocks with the source (XFS, Btrfs, ... on the
-    source's own filesystem: ``--reflink``), only the bytes that cannot be shared."""
+    source's own filesystem: ``--reflink``), only the bytes that cannot be shared. One line
+    within 80 columns."""
     size = sum(s.size for s in plan.selected)
     share = sum(s.shareable_bytes for s in plan.selected)
-    return (
-        f"space: OUT needs {format_bytes(size)} free; only {format_bytes(size - share)} where its "
-        f"filesystem can share blocks with the source's (XFS, Btrfs: {100 * share / max(size, 1):.0f}% "
-        "of the bytes shared, --reflink)"
-    )
+    needed, unshared = format_bytes(size), format_bytes(size - share)
+    return f"space: OUT needs {needed} free; {unshared} if it can share the source's blocks"
 
 
 def out_line(plan: Plan, out: Path, state: OutState) -> str:
