@@ -50,3 +50,37 @@ def test_vllm_note_of_the_quick_start(tiny, tmp_path):
     with pytest.raises(ReshardError, match="full-attention"):
         reshard(model, None, pp=4, runtime="vllm", dry_run=True)
     assert reshard(model, tmp_path / "vllm", pp=2, runtime="vllm").written.built == [0, 1]
+
+
+def _documented(section: str) -> set[str]:
+    """The fields docs/json.md's table under ``section`` names (first column, backticked)."""
+    text = (ROOT / "docs" / "json.md").read_text().split(f"## {section}", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1] for line in text.splitlines() if line.startswith("| `")]
+    return {name for row in rows for name in re.findall(r"`(\w+)`", row)}
+
+
+def test_json_page_names_the_fields_the_documents_have(tiny, tmp_path):
+    """Every field the --json documents have is on docs/json.md, and every field there is in some
+    document (``fetch``: a Hub source only, run by tests/test_hub.py)."""
+    import json
+    import subprocess
+
+    model = tiny.build_checkpoint(tmp_path / "model")
+
+    def doc(*args):
+        p = subprocess.run([sys.executable, "-m", "qwen35_reshard", *map(str, args), "--json"],
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+        return json.loads(p.stdout)
+
+    split = [
+        doc("--pp", 2, model, tmp_path / "out"),
+        doc("plan", "--pp", 2, "--partition", "balanced", model),
+        doc("plan", "--pp", 2, "--nnodes", 2, "--node-rank", 1, model),
+        doc("plan", "--pp", 99, model),
+    ]
+    seen = set().union(*split)
+    assert split[-1]["status"] == "error" and "node" in split[2] and "balanced" in split[1]
+    assert seen <= _documented("`split` and `plan`")
+    assert _documented("`split` and `plan`") - seen == {"fetch"}
+    report = doc("verify", tmp_path / "out")
+    assert set(report) == _documented("`verify`")
