@@ -84,3 +84,12 @@ def test_json_page_names_the_fields_the_documents_have(tiny, tmp_path):
     assert _documented("`split` and `plan`") - seen == {"fetch"}
     report = doc("verify", tmp_path / "out")
     assert set(report) == _documented("`verify`")
+
+
+def test_paths_the_docs_name_exist():
+    """Every file of this repository the pages name (tests, scripts, examples) is there."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    path = re.compile(r"((?:tests|examples|benchmarks|\.ci)/[\w./-]+\.(?:py|sh))")
+    named = {p for page in pages for p in path.findall(page.read_text())}
+    assert named
+    assert [p for p in sorted(named) if not (ROOT / p).exists()] == []

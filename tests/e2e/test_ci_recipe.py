@@ -12,10 +12,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hub_server import HubServer
 from huggingface_hub.utils import filter_repo_objects
 
-ROOT = Path(__file__).resolve().parents[1]
+from support.helpers import ROOT
+from support.hub_server import HubServer
+
 PAGE = ROOT / "docs" / "ci.md"
 INSTALL = "python3 -m pip install ."  # done: the tests run in the installed tool
 
