@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 from test_bad_input import INDEX, assert_clean_failure, assert_nothing_complete, run_cli, shards
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 COMMIT_NOTE = "40-hex commit"
 

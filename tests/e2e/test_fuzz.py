@@ -29,6 +29,8 @@ from test_bad_input import INDEX, assert_clean_failure, run_cli
 
 from qwen35_reshard import cli
 
+pytestmark = pytest.mark.slow
+
 PER_CLASS = 70  # inputs per class: 350 in all
 TOKENS = [
     b"-0", b"0.0", b"1e0", b"-1", b"18446744073709551616", b"00", b"null", b"true", b'""', b"[]", b"{}",
