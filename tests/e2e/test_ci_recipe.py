@@ -17,6 +17,8 @@ from huggingface_hub.utils import filter_repo_objects
 from support.helpers import ROOT
 from support.hub_server import HubServer
 
+pytestmark = pytest.mark.slow
+
 PAGE = ROOT / "docs" / "ci.md"
 INSTALL = "python3 -m pip install ."  # done: the tests run in the installed tool
 

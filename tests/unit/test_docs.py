@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import re
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from support.helpers import ROOT
+
 sys.path.insert(0, str(ROOT / "docs" / "tools"))
 
 import gen_api  # noqa: E402
