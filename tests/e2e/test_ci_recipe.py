@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from huggingface_hub.utils import filter_repo_objects
 
 from support.helpers import ROOT
