@@ -15,7 +15,7 @@ from pathlib import Path
 
 import msgspec
 
-from ..errors import JSON_ERRORS, ReshardError
+from ..errors import JSON_ERRORS, BadInput
 
 # A sha256 digest as the tool writes and accepts it: 64 lowercase hex digits.
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")
@@ -101,9 +101,9 @@ def parse_json_object(raw: bytes, where: str, loads: Callable[[bytes], object] =
     try:
         obj = loads(raw)
     except JSON_ERRORS as e:
-        raise ReshardError(f"{where}: not valid JSON ({e}); the file is damaged") from e
+        raise BadInput(f"{where}: not valid JSON ({e}); the file is damaged") from e
     if not isinstance(obj, dict):
-        raise ReshardError(f"{where}: expected a JSON object")
+        raise BadInput(f"{where}: expected a JSON object")
     return obj
 
 

@@ -28,17 +28,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import ReshardError
+from ..errors import StageError
 from ..format.dtypes import DTYPES
 from ..format.names import INDEX_NAME, RUN_MANIFEST, STAGE_MANIFEST, stage_dir_rank, stage_dirname
 from ..model.runtimes import launch_env
 from ..stage.findings import REBUILD, Finding
 from ..stage.manifest import StageManifest, StageTensor
 from ..stage.reader import read_run_record, read_stage
-
-
-class StageError(ReshardError):
-    """A stage directory that must not be loaded, with what to do about it in one line."""
 
 
 @dataclass

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import NamedTuple, NoReturn
 
 from ..bulk import make_tuples
-from ..errors import ReshardError, param
+from ..errors import BadInput, param
 from ..format.jsonio import is_sha256, load_index, parse_json_object
 from ..format.names import (
     CACHE_REPO_PREFIX,
@@ -143,7 +143,7 @@ def read_checkpoint(model_dir: str | os.PathLike[str]) -> Checkpoint:
     """
     root = Path(model_dir)
     if not root.is_dir():
-        raise ReshardError(
+        raise BadInput(
             f"{root}: not a directory; pass the checkpoint's directory as {param('model_dir')}"
         )
     allowed = allowed_roots(root)
@@ -160,7 +160,7 @@ def read_checkpoint(model_dir: str | os.PathLike[str]) -> Checkpoint:
             if pickles
             else ""
         )
-        raise ReshardError(f"{root}: no {INDEX_NAME} and no {SINGLE_FILE_NAME}{hint}")
+        raise BadInput(f"{root}: no {INDEX_NAME} and no {SINGLE_FILE_NAME}{hint}")
 
     def read_headers(files: list[str]) -> dict[str, Header]:
         # Every name is checked before any header is read: a name leaving the model directory
@@ -232,7 +232,7 @@ def assemble_checkpoint(
     if weight_map is not None and len(tensors) != len(weight_map):  # all in it: is it all?
         missing = [n for n in weight_map if n not in tensors]
         if missing:
-            raise ReshardError(
+            raise BadInput(
                 f"{INDEX_NAME} lists tensor {missing[0]!r} in {weight_map[missing[0]]} but that "
                 f"shard does not hold it ({len(missing)} such tensors); the checkpoint is incomplete"
             )
@@ -264,13 +264,13 @@ def _name_mismatch(
     seen = {name: f for f in earlier for name in headers[f].columns.names}
     for t in headers[file].tensors:
         if t.name in seen:
-            raise ReshardError(
+            raise BadInput(
                 f"tensor {t.name!r} appears in both {seen[t.name]} and {file}; the checkpoint is inconsistent"
             )
         listed = weight_map.get(t.name)
         if listed != file:
             where = f"lists it in {listed}" if listed else "does not list it"
-            raise ReshardError(
+            raise BadInput(
                 f"{display}/{file}: holds tensor {t.name!r} but {INDEX_NAME} {where}; "
                 "the index and the shards do not match"
             )
@@ -308,7 +308,7 @@ def load_config(raw: bytes, where: str) -> dict:
 def _num_layers(config: dict, where: str) -> int:
     n = schema.text_config(config).get("num_hidden_layers")
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ReshardError(
+        raise BadInput(
             f"{where}: no positive integer num_hidden_layers (in text_config or at the top "
             "level); is this a Qwen3.5 MoE config?"
         )
@@ -319,7 +319,7 @@ def _weight_map(index: object, where: str) -> tuple[dict[str, str], list[str]]:
     """The index's weight_map, checked, and the files it names, sorted."""
     wm = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(wm, dict) or not wm:
-        raise ReshardError(f"{where}: no non-empty weight_map object")
+        raise BadInput(f"{where}: no non-empty weight_map object")
     try:  # in bulk: a few distinct file names for ~190,000 tensors
         files = set(wm.values())
     except TypeError:  # an unhashable value: not a file name, named below
@@ -328,9 +328,9 @@ def _weight_map(index: object, where: str) -> tuple[dict[str, str], list[str]]:
         return wm, sorted(files)
     for name, file in wm.items():
         if not isinstance(file, str):
-            raise ReshardError(f"{where}: weight_map entry {name!r} is not a file name")
+            raise BadInput(f"{where}: weight_map entry {name!r} is not a file name")
         if file.endswith(PICKLE_SUFFIXES):
-            raise ReshardError(
+            raise BadInput(
                 f"{where}: tensor {name!r} is in pickled file {file!r}, which this tool never "
                 "loads; convert the checkpoint to safetensors first"
             )
@@ -340,33 +340,33 @@ def _weight_map(index: object, where: str) -> tuple[dict[str, str], list[str]]:
 def _checked_path(root: Path, name: str, allowed: tuple[Path, ...], *, what: str) -> Path:
     """``root/name`` after checking that ``name`` is a plain file name that stays inside."""
     if not is_plain_name(name):
-        raise ReshardError(
+        raise BadInput(
             f"{root / INDEX_NAME}: {what} file name {name!r} is not a plain file name inside "
             "the model directory; refusing to follow it"
         )
     path = root / name
     if not path.exists():
-        raise ReshardError(f"{path}: {what} listed by the checkpoint is missing")
+        raise BadInput(f"{path}: {what} listed by the checkpoint is missing")
     real = path.resolve()
     if not any(real.is_relative_to(a) for a in allowed):
-        raise ReshardError(
+        raise BadInput(
             f"{path}: is a symlink to {real}, outside the model directory; refusing to follow it"
         )
     if not real.is_file():
-        raise ReshardError(f"{path}: not a regular file")
+        raise BadInput(f"{path}: not a regular file")
     return path
 
 
 def _read_file(root: Path, name: str, allowed: tuple[Path, ...]) -> bytes:
     if not (root / name).exists():
-        raise ReshardError(
+        raise BadInput(
             f"{root / name}: missing; {param('model_dir')} must be a Hugging Face model directory"
         )
     path = _checked_path(root, name, allowed, what="")
     try:
         return path.read_bytes()
     except OSError as e:
-        raise ReshardError(f"{path}: cannot read ({e.strerror})") from e
+        raise BadInput(f"{path}: cannot read ({e.strerror})") from e
 
 
 def _extra_files(root: Path, allowed: tuple[Path, ...], *, skip: set[str]) -> tuple[str, ...]:

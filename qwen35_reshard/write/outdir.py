@@ -8,7 +8,7 @@ import shutil
 import stat
 from pathlib import Path
 
-from ..errors import ReshardError, param
+from ..errors import BadInput, OutError, param
 from ..format.jsonio import dumps
 from ..format.names import (
     ALIGNED,
@@ -93,7 +93,7 @@ def can_share(plan: Plan, out: Path, to_write: list[tuple[StagePlan, OutputFile]
     src = plan.checkpoint.path(shareable[0] if shareable else plan.checkpoint.files[0])
     ok = reflinks.probe(src, partial_path(out / reflinks.PROBE_NAME))
     if not ok and reflink == "always":
-        raise ReshardError(
+        raise BadInput(
             f"{param('out_dir')} {out} cannot share blocks with {src} (another filesystem, or one "
             f"without reflinks such as ext4 or tmpfs) and {param('reflink', 'always')} forbids "
             f"copying; use {param('reflink', 'auto')} to copy where sharing is impossible, or an "
@@ -112,7 +112,7 @@ def check_free_space(out: Path, needed: int, *, freed: int = 0) -> None:
     """Refuse a run that needs more than OUT's free space (plus ``freed``: what it deletes first)."""
     free = shutil.disk_usage(out).free + freed
     if needed > free:
-        raise ReshardError(
+        raise OutError(
             f"{param('out_dir')} {out} has {format_bytes(free)} free but this run writes "
             f"{format_bytes(needed)}; free {format_bytes(needed - free)} or choose another directory"
         )

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..errors import ReshardError
+from ..errors import BadInput, OutBusy, ReshardError
 from ..format.identity import RunIdentity
 from ..format.jsonio import dumps
 from ..format.names import (
@@ -66,7 +66,7 @@ def recorded_identity(out: Path, stage_dir: Path | None) -> RunIdentity:
         m = read_manifest(path, str(path))
         if not isinstance(m, Finding) and m.identity is not None:
             return m.identity
-    raise ReshardError(
+    raise BadInput(
         f"{out}: no readable {RUN_MANIFEST} or stage manifest records the split's settings; it "
         "cannot be repaired: split again"
     )
@@ -92,7 +92,7 @@ def repair_lock(out: Path, single: bool, on_wait: Callable[[str], None]) -> Iter
             for stage_dir in stage_dirs(out).values():
                 holder = claims.holder_of(stage_dir / CLAIM, now)
                 if holder is not False:
-                    raise ReshardError(
+                    raise OutBusy(
                         f"{stage_dir} is being built by a qwen35-reshard run ({claims.describe(holder)}): "
                         "run the repair again once it has finished"
                     )

@@ -39,7 +39,7 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import ReshardError, param
+from ..errors import BadInput, OutBusy, ReshardError, param
 from ..format.identity import describe_differences
 from ..format.jsonio import dumps
 from ..format.names import CLAIM, RUN_MANIFEST, RUN_MARKER
@@ -148,7 +148,7 @@ def write_plan(
         ([0, 1], True)
     """
     if options.reflink not in REFLINK_MODES:
-        raise ReshardError(f"reflink must be one of {', '.join(REFLINK_MODES)}, not {options.reflink!r}")
+        raise BadInput(f"reflink must be one of {', '.join(REFLINK_MODES)}, not {options.reflink!r}")
     access = SourceAccess.on_disk(plan.checkpoint) if source is None else source
     return _Run(plan, Path(out_dir), options, access, reporter or Reporter()).execute()
 
@@ -304,7 +304,7 @@ class _Run:
                     if other
                     else ("from a source that changed since")
                 )
-                raise ReshardError(
+                raise OutBusy(
                     f"{param('out_dir')} {out} is being written by another qwen35-reshard run "
                     f"({claims.describe(holder)}) {why}; wait for it to finish, or choose another directory"
                 )
