@@ -25,7 +25,7 @@ from .plan.capacity import Capacity
 from .plan.fetch import fetch_report, needed_by
 from .plan.nodes import Node, Nodes, pick_node
 from .plan.planner import Plan, make_plan, recorded_plan
-from .source.checkpoint import Checkpoint, read_checkpoint, source_identity
+from .source.checkpoint import Checkpoint, read_checkpoint, source_fingerprint
 from .source.hub.cache import HubRepo, HubSettings
 from .source.hub.fetch import HubFetcher
 from .source.hub.http import Traffic
@@ -436,7 +436,7 @@ def _repair(
         return RepairResult(before, [], before)
     ckpt = read_checkpoint(source)
     identity = recorded_identity(out, target if single else None)
-    if identity.source_fingerprint != source_identity(ckpt)["fingerprint"]:
+    if identity.source_fingerprint != source_fingerprint(ckpt):
         raise BadInput(
             f"{target} was split from another checkpoint than {source} (or the source changed since); "
             "repair rewrites files from the checkpoint the split was made from: pass that one"

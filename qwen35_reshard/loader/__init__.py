@@ -34,7 +34,7 @@ from ..format.names import INDEX_NAME, RUN_MANIFEST, STAGE_MANIFEST, stage_dir_r
 from ..model.runtimes import launch_env
 from ..stage.findings import REBUILD, Finding
 from ..stage.manifest import StageManifest, StageTensor
-from ..stage.reader import read_run_record, read_stage
+from ..stage.reader import RunRecord, read_run_record, read_stage
 
 
 @dataclass
@@ -309,7 +309,7 @@ def _no_stage_dir(root: Path, given: str, pp_rank: int) -> str:
     if not root.is_dir():
         return f"{given} is not a directory; pass the run directory OUT or a stage directory OUT/pp<rank>"
     run = read_run_record(root, given)
-    pp = run[1].pp if isinstance(run, tuple) else None
+    pp = run.identity.pp if isinstance(run, RunRecord) else None
     if pp is not None and pp_rank >= pp:
         return (
             f"pp_rank {pp_rank} is outside the split in {given}: it has {pp} stages (pp0..pp{pp - 1}); "

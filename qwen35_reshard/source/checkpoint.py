@@ -96,20 +96,27 @@ def source_name(ckpt: Checkpoint) -> str:
     return LOCAL_SOURCE
 
 
-def source_identity(ckpt: Checkpoint) -> dict:
-    """What identifies the source: its path (or Hub repo id and commit) for people, digests and
-    sizes for the tool. A Hub source records no endpoint and no token.
+def source_fingerprint(ckpt: Checkpoint) -> str:
+    """The source's fingerprint (a sha256 in hex), what a split records to tell its source.
 
-    The fingerprint covers config.json, the index, every shard's size and header (each
-    tensor's name, dtype, shape and offsets), not the tensors' bytes: a local shard rewritten
-    in place with other values of the same layout keeps it (a Hub source's commit names its
-    bytes; a run checks each shard's inode, size and times, see ``write.sources``).
+    It covers config.json, the index, every shard's size and header (each tensor's name,
+    dtype, shape and offsets), not the tensors' bytes: a local shard rewritten in place with
+    other values of the same layout keeps it (a Hub source's commit names its bytes; a run
+    checks each shard's inode, size and times, see ``write.sources``).
     """
-    fingerprint = hashlib.sha256(
+    return hashlib.sha256(
         json.dumps(
             [ckpt.config_sha256, ckpt.index_sha256, sorted(ckpt.file_sizes.items()), ckpt.headers_sha256]
         ).encode()
     ).hexdigest()
+
+
+def source_identity(ckpt: Checkpoint) -> dict:
+    """What identifies the source, as a manifest records it (JSON): its path (or Hub repo id
+    and commit) for people, digests, sizes and :func:`source_fingerprint` for the tool. A Hub
+    source records no endpoint and no token.
+    """
+    fingerprint = source_fingerprint(ckpt)
     return {
         **(ckpt.hub or {}),
         "path": str(ckpt.root.resolve()),

@@ -104,10 +104,10 @@ def _assess_out(plan: Plan, out: Path, overwrite: bool) -> OutState:
     record = read_run_record(out, str(out))
     if isinstance(record, Finding):
         raise BadInput(record.message)
-    recorded = record[1] if record is not None else _stages_identity(out)
+    recorded = record.identity if record is not None else _stages_identity(out)
     if recorded != identity:
         return _other_split(plan, out, entries, recorded, identity, overwrite)
-    changed = _changed_source_files(plan, out) if record is not None and record[0] == RUN_MARKER else []
+    changed = _changed_source_files(plan, out) if record is not None and record.in_progress else []
     if changed:
         return _source_changed(plan, out, changed[0], overwrite)
     complete = tuple(s.rank for s in plan.stages if stage_is_complete(out / s.dirname, identity))

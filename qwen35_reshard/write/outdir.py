@@ -27,7 +27,7 @@ from ..format.names import (
 )
 from ..plan.layout import OutputFile
 from ..plan.planner import Plan, StagePlan
-from ..stage.reader import read_run_record, stage_dirs
+from ..stage.reader import RunRecord, read_run_record, stage_dirs
 from ..transfer import reflink as reflinks
 from ..units import format_bytes
 from . import claims
@@ -137,8 +137,8 @@ def clear_split(out: Path) -> None:
     # marker then replaces it): a run killed while deleting leaves what the next run still sees
     # as a split with other settings, not files "qwen35-reshard did not write".
     record = read_run_record(out, str(out))
-    if isinstance(record, tuple) and record[0] == RUN_MANIFEST:
-        write_atomic(out / RUN_MARKER, dumps({"identity": record[1].to_json()}))
+    if isinstance(record, RunRecord) and not record.in_progress:
+        write_atomic(out / RUN_MARKER, dumps({"identity": record.identity.to_json()}))
     # What makes a directory look complete goes first, so that a run killed while deleting
     # leaves no run manifest and no stage index beside half-deleted data.
     remove(out / RUN_MANIFEST)
@@ -185,7 +185,7 @@ def clear_stage_temporaries(out: Path, stages: list[StagePlan], now: int) -> Non
     ``stages`` that no live run claims. Only a stage's claim holder writes temporaries there,
     and no claim is taken while this run holds the lock, so what is left is a killed run's
     (``now``: see :func:`~.claims.gone`)."""
-    free = [s for s in stages if claims.holder_of(out / s.dirname / CLAIM, now) is False]
+    free = [s for s in stages if not claims.holder_of(out / s.dirname / CLAIM, now).held]
     remove_partials(out, free, own=False)
     for stage in free:
         if claims.gone_file(out / stage.dirname / CLAIM, now):
