@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from ..errors import ReshardError
+from ..errors import BadInput, ReshardError
 from ..plan.capacity import capacity_from
 from ..plan.nodes import Nodes
 from ..source.hub.cache import HubSettings
@@ -460,7 +460,7 @@ def _verify(args: VerifyArgs, output: Output) -> int:
     out = sys.stderr if output.json else sys.stdout
     if args.repair:
         if args.source is None:
-            raise ReshardError("--repair rewrites files from the checkpoint: pass --source MODEL")
+            raise BadInput("--repair rewrites files from the checkpoint: pass --source MODEL")
         from ..api import repair
 
         result = repair(args.out, args.source, on_wait=lambda message: print(message, file=sys.stderr))

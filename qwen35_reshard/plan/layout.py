@@ -22,7 +22,7 @@ from operator import itemgetter, sub
 from typing import NamedTuple
 
 from ..bulk import field_getters, make_tuples
-from ..errors import ReshardError, param
+from ..errors import BadInput, param
 from ..format.dtypes import DTYPE_SIZES
 from ..format.names import ALIGNED, CLONE, GATHERED, SHARE_ALIGN
 from ..source.checkpoint import SourceTensor
@@ -125,7 +125,7 @@ def check_file_limit(tensor_names: list[str], sources: list[SourceTensor], max_f
     reach = largest - _FILE_OVERHEAD - _longest_header_entry(tensor_names, sources)
     need, name = max((_single_file_bytes(s), s.name) for s in sources if s.nbytes >= reach)
     if max_file_bytes < need:
-        raise ReshardError(
+        raise BadInput(
             f"{param('max_file_bytes', max_file_bytes)} is smaller than tensor {name!r}, which needs a "
             f"file of {need} bytes on its own; pass {param('max_file_bytes', need)} or more"
         )

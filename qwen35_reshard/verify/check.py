@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..errors import ReshardError
+from ..errors import BadInput
 from ..format.names import STAGE_MANIFEST
 from ..source.hub.cache import HubSettings
 from ..source.open import open_model
@@ -72,7 +72,7 @@ def verify(
     display = os.fspath(path)
     root = Path(display)
     if not root.is_dir():
-        raise ReshardError(f"{display}: not a directory; pass OUT or one of its stage directories (OUT/pp0)")
+        raise BadInput(f"{display}: not a directory; pass OUT or one of its stage directories (OUT/pp0)")
     ckpt, repo = (None, None)
     if source is not None:
         ckpt, repo = open_model(os.fspath(source), hub_settings or HubSettings())
@@ -82,7 +82,7 @@ def verify(
     elif is_stage_dir(root):
         stages = [new_stage(root, display, report, parent_record(root, report))]
     else:
-        raise ReshardError(
+        raise BadInput(
             f"{display}: holds no stage directories (pp0, pp1, ...) and no {STAGE_MANIFEST}; pass the "
             "OUT of a qwen35-reshard run or one of its stage directories"
         )
