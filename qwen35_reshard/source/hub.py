@@ -59,6 +59,7 @@ from ..format.names import (
     process_token,
 )
 from ..format.paths import is_plain_name
+from ..model.quant import QUANT_SIDE_FILE
 from ..units import plural
 from .header import Header, parse_header
 from .ranged import RETRY_STATUS, RangeReader, backoff, describe, log_retry, redact
@@ -371,7 +372,7 @@ def _transport_cause(e: BaseException) -> str | None:
 def read_hub_checkpoint(repo: HubRepo, *, traffic: Traffic | None = None) -> Checkpoint:
     """The checkpoint at ``repo`` as plain data: config and index through huggingface_hub,
     each shard's header by ranged reads (or from the kept headers / the cache)."""
-    from .checkpoint import assemble_checkpoint, load_config
+    from .checkpoint import assemble_checkpoint, load_config, load_quant_side
 
     traffic = traffic if traffic is not None else Traffic()
     listing = repo_listing(repo)
@@ -421,7 +422,9 @@ def read_hub_checkpoint(repo: HubRepo, *, traffic: Traffic | None = None) -> Che
         other_files=other_files,
         hub=repo.identity(),
     )
-    return replace(ckpt, blob_sha256=repo_lfs_sha256(repo, ckpt.files))
+    side = _small_file(repo, QUANT_SIDE_FILE, listing, traffic) if QUANT_SIDE_FILE in listing else None
+    quant_side = load_quant_side(side, f"{repo.describe()}/{QUANT_SIDE_FILE}")
+    return replace(ckpt, blob_sha256=repo_lfs_sha256(repo, ckpt.files), quant_side=quant_side)
 
 
 def repo_listing(repo: HubRepo) -> dict[str, int]:

@@ -56,6 +56,7 @@ from ..format.names import (
 )
 from ..format.paths import checked_file
 from ..model.names import LAYER, classify
+from ..model.quant import unchecked_message
 from ..plan.planner import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_HEADER_BYTES, Plan, make_plan
 from ..source.checkpoint import Checkpoint, source_identity, source_name
 from ..source.header import Header
@@ -101,6 +102,8 @@ class VerifyReport:
     source_bytes_hashed: int = 0
     recorded_source: str | None = None  # the checkpoint path the stage manifests record
     recorded_split: bool = False  # a run record or a stage manifest says which split this is
+    # A quantization method the schema does not know: warnings, one per stage, not findings.
+    unchecked: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -130,6 +133,7 @@ class VerifyReport:
             "not_built": self.not_built,
             "source_bytes_hashed": self.source_bytes_hashed,
             "recorded_source": self.recorded_source,
+            "unchecked_quantization": self.unchecked,
             "findings": [asdict(f) for f in self.findings],
         }
 
@@ -408,6 +412,8 @@ def _check_stage(stage: _Stage, report: VerifyReport, ckpt: Checkpoint | None, c
     found = read_stage(stage.path, stage.display, stage.run)
     for p in found.problems:
         add(p.kind, p.message, file=p.file, tensor=p.tensor)
+    if found.unchecked:
+        report.unchecked.append(unchecked_message(stage.display, found.unchecked))
     m = stage.manifest = found.manifest
     if m is None:
         return
