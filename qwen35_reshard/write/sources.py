@@ -20,7 +20,8 @@ import os
 from ..errors import ReshardError, param
 from ..plan.planner import Plan
 from ..source.header import file_stamp
-from ..transfer.copier import RangeSource, Segment
+from ..transfer.copier import RangeSource
+from ..transfer.segments import Segment
 
 # What each field of a stamp is, for the message naming what changed.
 _STAMP_FIELDS = ("device", "inode", "size", "modification time", "status-change time")
