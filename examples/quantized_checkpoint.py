@@ -28,7 +28,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tiny_checkpoint as tc  # noqa: E402
 from tiny_checkpoint import TensorSpec  # noqa: E402
 
-METHODS = ("gptq", "awq", "compressed-tensors", "modelopt-nvfp4", "modelopt-nvfp4-side", "modelopt-fp8")
+METHODS = (
+    "gptq",
+    "awq",
+    "compressed-tensors",
+    "modelopt-nvfp4",
+    "modelopt-nvfp4-side",
+    "modelopt-fp8",
+    "modelopt-fp8-side",
+)
 # Linear modules every release keeps in BF16 (their out features are tiny or they route).
 _ALWAYS_BF16 = (
     ".mlp.gate",
@@ -73,7 +81,7 @@ def quantized_set(module: str, n: int, k: int, method: str, *, bits: int, group:
             t(f"{module}.weight_scale_2", "F32", ()),
             t(f"{module}.input_scale", "F32", ()),
         ]
-    if method == "modelopt-fp8":
+    if method.startswith("modelopt-fp8"):
         return [
             t(f"{module}.weight", "F8_E4M3", (n, k)),
             t(f"{module}.weight_scale", "F32", ()),

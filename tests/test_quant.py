@@ -47,6 +47,7 @@ COMPANION = {
     "modelopt-nvfp4": ("weight_scale_2", "modelopt NVFP4 (group 16)"),
     "modelopt-nvfp4-side": ("weight_scale", "modelopt NVFP4 (group 16)"),
     "modelopt-fp8": ("weight_scale", "modelopt FP8"),
+    "modelopt-fp8-side": ("input_scale", "modelopt FP8"),
 }
 PACKED = {"gptq": "qweight", "awq": "qweight", "compressed-tensors": "weight_packed"}  # else .weight
 
@@ -203,6 +204,33 @@ def test_modelopt_nvfp4_from_hf_quant_config_alone_needs_that_file(built, tmp_pa
     assert "gate_proj.weight' has shape [32, 32] but config.json implies [32, 64]" in refused(
         model, tmp_path / "o"
     )
+
+
+def mixed_precision(bits_of_the_rest: int):
+    """compressed-tensors ``mixed-precision``: the experts' group first, every other Linear in a
+    second group of ``bits_of_the_rest``."""
+
+    def change(config: dict) -> None:
+        q = config["quantization_config"]
+        group = q["config_groups"].get("group_0") or q["config_groups"]["experts"]
+        rest = {**json.loads(json.dumps(group)), "targets": ["Linear"]}
+        rest["weights"]["num_bits"] = bits_of_the_rest
+        experts = {**group, "targets": [r"re:.*mlp\.experts\.\d+\..*"]}
+        q.update(format="mixed-precision", config_groups={"experts": experts, "rest": rest})
+
+    return change
+
+
+def test_mixed_precision_groups_each_give_their_modules_a_scheme(built, tmp_path):
+    model = copy(built["compressed-tensors"], tmp_path)
+    edit_config(model, mixed_precision(4))
+    reshard(model, tmp_path / "out", pp=2)
+    assert verify(tmp_path / "out", source=model).ok
+    shutil.rmtree(tmp_path / "out")
+    edit_config(model, mixed_precision(8))  # the tensors of the other Linear modules are 4-bit
+    message = refused(model, tmp_path / "out")
+    assert "in_proj_qkv.weight_packed' has shape [256, 8] but config.json implies [256, 16]" in message
+    assert "(32 others with a wrong shape)" in message  # none of the 4-bit group's experts
 
 
 def test_quantized_fused_experts_are_refused(tmp_path):

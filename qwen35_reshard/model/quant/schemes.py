@@ -127,13 +127,13 @@ def nvfp4_pack_quantized(group: int, *, activations: bool) -> Scheme:
 
 
 def mxfp4_pack_quantized(group: int) -> Scheme:
-    """compressed-tensors ``mxfp4-pack-quantized``: two FP4 values a byte, a U8 (E8M0) scale
-    per ``group`` (32) values."""
+    """compressed-tensors ``mxfp4-pack-quantized``: two FP4 values a byte, an E8M0 scale per
+    ``group`` (32) values (llm-compressor stores it as U8)."""
     return Scheme(
         f"compressed-tensors mxfp4-pack-quantized (group {group})",
         (
             Part("weight_packed", lambda n, k: (n, _ceil(k, 2)), _U8),
-            Part("weight_scale", lambda n, k: (n, _ceil(k, group)), _U8),
+            Part("weight_scale", lambda n, k: (n, _ceil(k, group)), _U8 | {"F8_E8M0"}),
         ),
     )
 
