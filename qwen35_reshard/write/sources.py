@@ -16,12 +16,42 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from ..errors import ReshardError, param
 from ..plan.planner import Plan
+from ..source.checkpoint import Checkpoint
 from ..source.header import file_stamp
 from ..transfer.copier import RangeSource
 from ..transfer.segments import Segment
+
+OpenSource = Callable[[str], str | RangeSource]
+
+
+@dataclass(frozen=True)
+class SourceAccess:
+    """How a run reads the source's data files.
+
+    Attributes:
+        open: ``open(name)`` gives a data file's local path or a range source (it may download
+            the file first).
+        local: the files are on this machine, where OUT may share their blocks.
+    """
+
+    open: OpenSource
+    local: bool
+
+    @classmethod
+    def on_disk(cls, ckpt: Checkpoint) -> SourceAccess:
+        """The checkpoint's own files: its directory, or its Hugging Face cache snapshot."""
+        return cls(lambda name: str(ckpt.path(name)), local=True)
+
+    @classmethod
+    def fetched(cls, open_file: OpenSource) -> SourceAccess:
+        """Files fetched as they are needed (a Hub repo): read, never shared."""
+        return cls(open_file, local=False)
+
 
 # What each field of a stamp is, for the message naming what changed.
 _STAMP_FIELDS = ("device", "inode", "size", "modification time", "status-change time")
