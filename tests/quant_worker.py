@@ -8,9 +8,9 @@
 hidden 256 and expert width 128 (normal random values, so that quantizing means something),
 then quantizes it with llm-compressor's data-free ``model_free_ptq`` on CPU, ignoring what the
 facts doc's run ignored (and, for W4A16, every Linear whose in features are not a multiple of
-its group size 128). ``decompress`` decompresses every module of each stage that holds
-``weight_packed`` with compressed-tensors' own compressor for its config group's format, and
-the same module of MODEL, and prints JSON: how many modules each stage held and which ones
+its group size 128). ``decompress`` decompresses every module of each stage that holds a
+quantization set (``weight_scale``) with compressed-tensors' own compressor for its config
+group's format, and the same module of MODEL, and prints JSON: how many modules each stage held and which ones
 differ. ``load`` prints JSON of what ``from_pretrained`` did with each directory.
 """
 
@@ -127,17 +127,22 @@ def _decompress(files: dict[str, Path], module: str, scheme, fmt: str) -> torch.
 
     local = {
         n[len(module) + 1 :]: t
-        for n, t in _read(files, [n for n in files if n.startswith(module + ".")]).items()
+        for n, t in _read(files, [n for n in files if n.rpartition(".")[0] == module]).items()
     }
     compressor = BaseCompressor.get_value_from_registry(fmt)
     return compressor.decompress(local, scheme)["weight"]
+
+
+def _quantized_modules(files: dict[str, Path]) -> list[str]:
+    """Modules with a quantization set: every format here writes ``weight_scale``."""
+    return sorted(n.removesuffix(".weight_scale") for n in files if n.endswith(".weight_scale"))
 
 
 def decompress(model: Path, stages: list[Path]) -> dict:
     config, groups = _schemes(model)
     fmt = json.loads((model / "config.json").read_text())["quantization_config"].get("format")
     source = _tensors(model)
-    quantized = sorted(n.removesuffix(".weight_packed") for n in source if n.endswith(".weight_packed"))
+    quantized = _quantized_modules(source)
     report = {"source_modules": len(quantized), "stages": {}, "different": [], "unplaced": []}
     # The control: a module compared with another one must differ, or the comparison is blind.
     a, b = quantized[0], quantized[-1]
@@ -146,7 +151,7 @@ def decompress(model: Path, stages: list[Path]) -> dict:
     seen = set()
     for stage in stages:
         files = _tensors(stage)
-        modules = sorted(n.removesuffix(".weight_packed") for n in files if n.endswith(".weight_packed"))
+        modules = _quantized_modules(files)
         for module in modules:
             scheme = _scheme_of(module, config, groups)
             group_fmt = getattr(scheme, "format", None) or fmt

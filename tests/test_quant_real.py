@@ -20,19 +20,31 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+from test_schema import drop_tensor
 
 import qwen35_reshard
+from qwen35_reshard.errors import ReshardError
 from qwen35_reshard.verify import verify
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "quant_worker.py"
 PYTHON_ENV = "QWEN35_RESHARD_QUANT_PYTHON"
 DEFAULT_PYTHON = REPO / ".venv-quant" / "bin" / "python"
-SCHEMES = ("NVFP4A16", "MXFP4A16", "W4A16")
+SCHEMES = ("NVFP4A16", "MXFP4A16", "W4A16", "FP8_DYNAMIC")
+# scheme -> (a companion of a quantized Linear's set, the method as refusals name it)
+COMPANION = {
+    "NVFP4A16": ("weight_global_scale", "compressed-tensors nvfp4-pack-quantized (group 16)"),
+    "MXFP4A16": ("weight_scale", "compressed-tensors mxfp4-pack-quantized (group 32)"),
+    "W4A16": ("weight_shape", "compressed-tensors pack-quantized (4-bit, group 128)"),
+    "FP8_DYNAMIC": ("weight_scale", "compressed-tensors float-quantized (channel)"),
+}
+EXPERT = "model.language_model.layers.1.mlp.experts.2"
 RUNTIMES = ("sglang", "vllm")
 
 
@@ -88,7 +100,7 @@ def test_producer_writes_what_the_facts_say(produced):
         config = json.loads((work / scheme / "config.json").read_text())
         assert config["quantization_config"]["quant_method"] == "compressed-tensors"
         names = json.loads((work / scheme / "model.safetensors.index.json").read_text())["weight_map"]
-        assert any(n.endswith(".mlp.experts.3.down_proj.weight_packed") for n in names)
+        assert any(n.endswith(".mlp.experts.3.down_proj.weight_scale") for n in names)
         raw = next((work / scheme).glob("*.safetensors")).read_bytes()
         assert b"__metadata__" not in raw[: 8 + int.from_bytes(raw[:8], "little")]
 
@@ -134,3 +146,24 @@ def test_transformers_loads_each_w4a16_stage_missing_only_the_other_stages_tenso
         assert report["missing"], report  # a stage is not the whole model
         assert not [k for k in report["missing"] if any(p in k for p in own[rank])], report["missing"]
         assert not [k for k in report["missing"] if not any(p in k for p in own[1 - rank])], report["missing"]
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_real_partial_sets_and_a_missing_linear_are_refused(produced, tmp_path, scheme):
+    """One companion of one expert's down_proj dropped, then that Linear's whole set: refused,
+    naming the tensor (and the method), nothing written."""
+    work, _ = produced
+    model = Path(shutil.copytree(work / scheme, tmp_path / "model"))
+    suffix, label = COMPANION[scheme]
+    drop_tensor(model, f"{EXPERT}.down_proj.{suffix}")
+    with pytest.raises(
+        ReshardError, match=re.escape(f"lacks tensor '{EXPERT}.down_proj.{suffix}', part of {label}")
+    ):
+        qwen35_reshard.reshard(model, tmp_path / "out", pp=2)
+    names = json.loads((model / "model.safetensors.index.json").read_text())["weight_map"]
+    for name in [n for n in names if n.startswith(f"{EXPERT}.down_proj.")]:
+        drop_tensor(model, name)
+    packed = "weight" if scheme == "FP8_DYNAMIC" else "weight_packed"
+    with pytest.raises(ReshardError, match=re.escape(f"lacks tensor '{EXPERT}.down_proj.{packed}'")):
+        qwen35_reshard.reshard(model, tmp_path / "out", pp=2)
+    assert not (tmp_path / "out").exists()
