@@ -206,6 +206,26 @@ def test_modelopt_nvfp4_from_hf_quant_config_alone_needs_that_file(built, tmp_pa
     )
 
 
+def test_auto_round_with_gptq_packing_and_per_module_overrides(built, tmp_path):
+    model = copy(built["gptq"], tmp_path)
+    kept = "model.language_model.layers.0.linear_attn.in_proj_qkv"
+
+    def auto_round(config: dict) -> None:
+        q = config["quantization_config"]
+        q.update(quant_method="auto-round", packing_format="auto_round:auto_gptq")
+        q["extra_config"] = {kept: {"bits": 16}}
+
+    edit_config(model, auto_round)
+    message = refused(model, tmp_path / "out")  # that module holds GPTQ tensors, the config keeps it BF16
+    assert (
+        f"'{kept}.qweight' holds auto-round (4-bit, group 32)'s tensors, but the quantization config"
+        in message
+    )
+    edit_config(model, lambda c: c["quantization_config"]["extra_config"][kept].update(bits=4))
+    reshard(model, tmp_path / "out", pp=2)
+    assert verify(tmp_path / "out", source=model).ok
+
+
 def mixed_precision(bits_of_the_rest: int):
     """compressed-tensors ``mixed-precision``: the experts' group first, every other Linear in a
     second group of ``bits_of_the_rest``."""

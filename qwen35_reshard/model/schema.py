@@ -36,7 +36,12 @@ from operator import add, attrgetter
 
 from ..errors import ReshardError
 from ..format.names import CONFIG_NAME
-from .completeness import check_complete, compare, compare_schema, others
+
+# Re-exported: callers check a schema through this module.
+from .completeness import check_complete as check_complete
+from .completeness import compare as compare
+from .completeness import compare_schema as compare_schema
+from .completeness import others as others
 from .modules import (
     DECODER_LAYER,
     EXPERT,
@@ -484,18 +489,3 @@ def _ships(names: Mapping[str, object], prefix: str, probe: str) -> bool:
     """Whether any tensor under ``prefix`` is present (``probe`` first: no scan when it is; the
     scan is one ``map`` in C, not a generator step per name)."""
     return prefix + probe in names or any(map(str.startswith, names, repeat(prefix)))
-
-
-__all__ = [
-    "Schema",
-    "check_complete",
-    "compare",
-    "compare_schema",
-    "language_model_prefix",
-    "layer_types",
-    "mtp_layers",
-    "others",
-    "required_tensors",
-    "text_config",
-    "tied_embeddings",
-]

@@ -72,6 +72,8 @@ def quantization(config: Mapping, side: Mapping | None = None) -> Quantization:
         return _gptq(q)
     if method == "awq":
         return _awq(q)
+    if method in ("auto-round", "intel/auto-round"):
+        return _auto_round(q)
     if method == "compressed-tensors":
         return _compressed_tensors(q)
     if method == "modelopt":
@@ -134,6 +136,32 @@ def _gptq(q: Mapping) -> Quantization:
         return scheme
 
     return Quantization("gptq", (scheme,), choose, uniform=not skipped and listed is None)
+
+
+def _auto_round(q: Mapping) -> Quantization:
+    """AutoRound exports with GPTQ packing (``packing_format: auto_round:auto_gptq``): GPTQ's
+    tensors; ``extra_config`` overrides a module's bits and group size (16 bits or more: kept
+    unquantized)."""
+    packing = str(q.get("packing_format") or q.get("backend") or "")
+    if "gptq" not in packing:
+        return Quantization("auto-round", unknown=f"auto-round with packing {packing or 'unnamed'}")
+    bits, group = _int(q, "bits"), _int(q, "group_size", default=128)
+    scheme = schemes.gptq(bits, group, "auto-round")
+    extra = q.get("extra_config") or {}
+    if not isinstance(extra, dict) or not all(isinstance(v, dict) for v in extra.values()):
+        raise ValueError("quantization_config extra_config must map module names to objects")
+    overrides: dict[str, Scheme | None] = {}
+    for module, over in extra.items():
+        b, g = _int(over, "bits", default=bits), _int(over, "group_size", default=group)
+        overrides[module] = (
+            None if b >= 16 else scheme if (b, g) == (bits, group) else schemes.gptq(b, g, "auto-round")
+        )
+    found = tuple(dict.fromkeys(s for s in (scheme, *overrides.values()) if s is not None))
+
+    def choose(module: str) -> Scheme | None:
+        return overrides.get(module, scheme) if module != "lm_head" else overrides.get(module)
+
+    return Quantization("auto-round", found, choose, uniform=not overrides)
 
 
 def _in_block(module: str) -> str | None:
