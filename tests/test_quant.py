@@ -292,3 +292,17 @@ def test_an_unknown_method_splits_with_a_warning_and_verify_says_so(built, tmp_p
         [sys.executable, "-m", "qwen35_reshard", "verify", str(out)], capture_output=True, text=True
     )
     assert proc.returncode == 0 and proc.stdout.count("warning: ") == 2, proc.stdout
+
+
+def test_modelopt_from_the_hub_reads_hf_quant_config(built, tmp_path):
+    """A ModelOpt export whose quantization is only in hf_quant_config.json, planned from a Hub
+    repo (tests/hub_server.py): the side file is fetched with config.json, as vLLM reads it."""
+    from hub_server import HubServer
+    from test_hub import run
+
+    hf_home = tmp_path / "hf-home"
+    hf_home.mkdir()
+    with HubServer() as hub:
+        hub.add_repo("nvidia/Tiny-NVFP4", built["modelopt-nvfp4-side"])
+        proc = run(["plan", "--pp", "2", "nvidia/Tiny-NVFP4"], hub=hub, hf_home=hf_home)
+    assert "SGLANG_PP_LAYER_PARTITION=2,2" in proc.stdout + proc.stderr
