@@ -113,29 +113,46 @@ def _block_fp8(q: Mapping) -> Quantization:
 
 
 def _gptq(q: Mapping) -> Quantization:
+    """GPTQModel's rules: ``dynamic`` ``-:regex`` keeps matching modules unquantized, another
+    regex (``+:`` optional) gives them its own bits and group size; with
+    ``modules_in_block_to_quantize`` only the modules it lists (relative to a decoder layer) are
+    quantized; ``lm_head`` only when ``lm_head`` is true."""
+    fmt = q.get("checkpoint_format")
+    if fmt not in (None, "gptq", "gptq_v2"):  # gptq_v2 differs in zero points' values, not shapes
+        return Quantization("gptq", unknown=f"gptq with checkpoint_format {fmt}")
     bits, group = _int(q, "bits"), _int(q, "group_size", default=128)
-    label = "gptq" if q.get("checkpoint_format") in (None, "gptq", "gptq_v2") else str(q["checkpoint_format"])
     scheme = schemes.gptq(bits, group)
-    if label != "gptq":
-        return Quantization(f"gptq ({label})", unknown=f"gptq with checkpoint_format {label}")
     dynamic = q.get("dynamic") or {}
-    if not isinstance(dynamic, dict):
-        raise ValueError("quantization_config dynamic must be an object")
-    skipped = [re.compile(k[2:]) for k in dynamic if isinstance(k, str) and k.startswith("-:")]
+    if not isinstance(dynamic, dict) or not all(isinstance(k, str) for k in dynamic):
+        raise ValueError("quantization_config dynamic must map regexes to objects")
+    skipped = [re.compile(k[2:]) for k in dynamic if k.startswith("-:")]
+    overrides = []
+    for key, over in dynamic.items():
+        if not key.startswith("-:") and isinstance(over, dict):
+            b, g = _int(over, "bits", default=bits), _int(over, "group_size", default=group)
+            overrides.append(
+                (
+                    re.compile(key.removeprefix("+:")),
+                    schemes.gptq(b, g) if (b, g) != (bits, group) else scheme,
+                )
+            )
     per_block = q.get("modules_in_block_to_quantize")
-    listed = {m for group_ in per_block for m in group_} if isinstance(per_block, list) else None
+    listed = (
+        {m for names in per_block if isinstance(names, list) for m in names}
+        if isinstance(per_block, list)
+        else None
+    )
     lm_head = bool(q.get("lm_head", False))
 
     def choose(module: str) -> Scheme | None:
         if module == "lm_head":
             return scheme if lm_head else None
-        if any(p.match(module) for p in skipped):
+        if any(p.match(module) for p in skipped) or (listed is not None and _in_block(module) not in listed):
             return None
-        if listed is not None and _in_block(module) not in listed:
-            return None
-        return scheme
+        return next((s for p, s in overrides if p.match(module)), scheme)
 
-    return Quantization("gptq", (scheme,), choose, uniform=not skipped and listed is None)
+    found = tuple(dict.fromkeys((scheme, *(s for _, s in overrides))))
+    return Quantization("gptq", found, choose, uniform=not skipped and not overrides and listed is None)
 
 
 def _auto_round(q: Mapping) -> Quantization:
