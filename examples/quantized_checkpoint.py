@@ -5,7 +5,7 @@ ModelOpt NVFP4 / FP8 (quantization in config.json, or in hf_quant_config.json al
 compressed-tensors W4A16 look-alike. Each quantized Linear gets its method's set of tensors
 (../shared/docs/quantized-checkpoint-facts.md, section 3) with deterministic pseudo-random
 bytes, as ``tiny_checkpoint.py`` does; the real compressed-tensors checkpoints come from
-llm-compressor (tests/quant_worker.py).
+llm-compressor (tests/support/quant_worker.py).
 
 Which Linear modules are quantized follows the releases: GPTQ, AWQ and compressed-tensors every
 decoder Linear but the routers, ``shared_expert_gate`` and ``linear_attn.in_proj_a/b``; ModelOpt
