@@ -6,15 +6,24 @@ from __future__ import annotations
 from collections.abc import Mapping
 from itertools import compress
 from operator import attrgetter
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ..errors import ReshardError
 from ..format.names import CONFIG_NAME
 
-if TYPE_CHECKING:
-    from .schema import Schema
-
 _SHAPE = attrgetter("shape")
+
+
+class Schema(Protocol):
+    """What of ``schema.Schema`` the comparison reads (schema.py imports this module)."""
+
+    names: list[str]
+    shapes: list[tuple[int, ...] | None]
+    problems: list[tuple[str, str]]
+    found: list[object]
+    looked_up_in: Mapping[str, object] | None
+
+    def method_of(self, name: str, tensors: Mapping[str, object]) -> str | None: ...
 
 
 def compare(
