@@ -8,7 +8,7 @@ from itertools import compress
 from operator import attrgetter
 from typing import Protocol
 
-from ..errors import ReshardError
+from ..errors import BadInput
 from ..format.names import CONFIG_NAME
 
 _SHAPE = attrgetter("shape")
@@ -82,20 +82,20 @@ def check_complete(required: Schema, tensors: Mapping[str, object], where: str) 
     if missing:
         method = required.method_of(missing[0], tensors)
         part = f", part of {method}" if method else ""
-        raise ReshardError(
+        raise BadInput(
             f"{where}: lacks tensor {missing[0]!r}{part}, which {CONFIG_NAME} requires "
             f"({others(len(missing) - 1)} missing); a server would leave it unloaded: the checkpoint is "
             "incomplete, download or convert it again"
         )
     if wrong:
         name, want, found = wrong[0]
-        raise ReshardError(
+        raise BadInput(
             f"{where}: tensor {name!r} has shape {list(found)} but {CONFIG_NAME} implies {list(want)} "
             f"({others(len(wrong) - 1)} with a wrong shape); the config and the weights do not match"
         )
     if required.problems:
         name, why = required.problems[0]
-        raise ReshardError(
+        raise BadInput(
             f"{where}: tensor {name!r} {why} ({others(len(required.problems) - 1)} such); the quantization "
             "config and the weights do not match"
         )

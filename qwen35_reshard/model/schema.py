@@ -34,7 +34,7 @@ from functools import cached_property
 from itertools import compress, repeat
 from operator import add, attrgetter
 
-from ..errors import ReshardError
+from ..errors import BadInput, ReshardError
 from ..format.names import CONFIG_NAME
 
 # Re-exported: callers check a schema through this module.
@@ -132,7 +132,7 @@ def layer_types(config: Mapping) -> list[str]:
     try:
         return _layer_types(text_config(config))
     except ValueError as e:
-        raise ReshardError(f"{CONFIG_NAME}: {e}") from e
+        raise BadInput(f"{CONFIG_NAME}: {e}") from e
 
 
 def mtp_layers(config: Mapping) -> int:
@@ -140,7 +140,7 @@ def mtp_layers(config: Mapping) -> int:
     try:
         return _size(text_config(config), "mtp_num_hidden_layers", 1)
     except ValueError as e:
-        raise ReshardError(f"{CONFIG_NAME}: {e}") from e
+        raise BadInput(f"{CONFIG_NAME}: {e}") from e
 
 
 def required_tensors(
@@ -159,7 +159,7 @@ def required_tensors(
     listed); ``mtp`` and ``vision`` say whether those parts ship when ``tensors`` cannot tell
     (a stage holds only some of the checkpoint); by default their presence decides.
     ``quant_side``: the checkpoint's hf_quant_config.json, parsed (ModelOpt), if it has one.
-    Raises ReshardError for a config whose sizes are not those of a Qwen3.5 MoE model, and for
+    Raises BadInput for a config whose sizes are not those of a Qwen3.5 MoE model, and for
     quantized fused 3-D experts (no release ships them: not supported).
     """
     try:
@@ -168,7 +168,7 @@ def required_tensors(
     except ReshardError:
         raise
     except ValueError as e:
-        raise ReshardError(f"{CONFIG_NAME}: {e}; is this a Qwen3.5 MoE config?") from e
+        raise BadInput(f"{CONFIG_NAME}: {e}; is this a Qwen3.5 MoE config?") from e
     w, q = walk, walk.q
     return Schema(w.names, w.shapes, w.mtp, w.vision, q.unknown, w.problems, q, w.found, tensors)
 
@@ -435,7 +435,7 @@ def _refuse_fused_quantized(
         found = next((n for n in under if n not in plain), "")
     if found:
         method = q.method or "a quantization method"
-        raise ReshardError(
+        raise BadInput(
             f"tensor {found!r}: quantized fused 3-D experts ({method}) are not supported (no release ships "
             "them); quantize a checkpoint with per-expert experts (mlp.experts.{j}.gate_proj...)"
         )
