@@ -35,6 +35,7 @@ from .write.repair import (
     remove_leftovers,
     repair_files,
     repair_lock,
+    source_mismatch,
     without_lock,
 )
 from .write.writer import (
@@ -433,6 +434,14 @@ def _partition(
 # --------------------------------------------------------------------------- repair
 
 
+def _refuse_other_bytes(target: Path, source: str | os.PathLike[str], tensor: str, where: str) -> None:
+    raise ReshardError(
+        f"{param('source')} {source} is not the checkpoint {target} was split from: the bytes of "
+        f"tensor {tensor!r} ({where}) differ from the ones the split records; nothing was written: "
+        f"pass the checkpoint the split was made from as {param('source')}"
+    )
+
+
 @dataclass(frozen=True)
 class RepairResult:
     """What a repair did: the first report, the paths of the files rewritten, the last report."""
@@ -508,6 +517,9 @@ def _repair(
     before = _verify_locked(target, source)
     if before.ok:
         return RepairResult(before, [], before)
+    if before.not_from_source and before.not_from_source[0].tensor is not None:
+        f = before.not_from_source[0]
+        _refuse_other_bytes(target, source, f.tensor, f"{f.stage}/{f.file}")
     ckpt = read_checkpoint(source)
     identity = recorded_identity(out, target if single else None)
     if identity.source_fingerprint != source_identity(ckpt)["fingerprint"]:
@@ -525,6 +537,9 @@ def _repair(
         max_header_bytes=identity.max_header_bytes,
     )
     files, redo_run_manifest, out_side = damaged_files(before.findings, Path(before.target), plan)
+    mismatch = source_mismatch(plan, out, files, before.source_digests)
+    if mismatch is not None:
+        _refuse_other_bytes(target, source, *mismatch)
     remove_leftovers(before.findings, plan, out, now)
     done = repair_files(
         plan, out, files, rewrite_run_manifest=redo_run_manifest, side_files_of_out=out_side, workers=workers

@@ -288,6 +288,8 @@ class VerifyArgs:
     revision: str | None
     token: str | None
     offline: bool
+    ranks: list[int] | str | None = None
+    nnodes: int | None = None
 
 
 def _run_guarded(
@@ -480,6 +482,7 @@ _VERIFY_EXAMPLES = f"""Examples:
   {PROG} verify out
   {PROG} verify out --source Qwen3.5-35B-A3B
   {PROG} verify out/pp2 --source Qwen3.5-35B-A3B --repair
+  {PROG} verify out --rank 2 --rank 3
   {PROG} verify out --json > report.json"""
 
 app = typer.Typer(
@@ -622,6 +625,16 @@ def verify(
             "then verify again",
         ),
     ] = False,
+    rank: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--rank",
+            metavar="R",
+            help="check only this stage of OUT (others may be absent); repeat for several; 'auto': "
+            "the stages of the node this runs on, as split takes it  [default: every stage]",
+        ),
+    ] = None,
+    nnodes: Nnodes = None,
     revision: Revision = None,
     token: Token = None,
     offline: Offline = False,
@@ -636,7 +649,7 @@ def verify(
     and every tensor's bytes. With --source, also that every source tensor is exactly where the
     plan puts it, with identical bytes. Exit 0 when all is well, 1 when something is missing,
     extra, different, corrupt or incomplete, 2 for bad input."""
-    args = VerifyArgs(out, source, repair, revision, token, offline)
+    args = VerifyArgs(out, source, repair, revision, token, offline, _ranks(rank), nnodes)
     _run_guarded(
         _verify,
         args,
@@ -718,6 +731,8 @@ def _verify(args: VerifyArgs, output: Output) -> int:
             raise ReshardError("--repair rewrites files from the checkpoint: pass --source MODEL")
         from ..api import repair
 
+        if args.ranks is not None:
+            raise ReshardError("--repair mends the stages found damaged: drop --rank")
         result = repair(args.out, args.source, on_wait=lambda message: print(message, file=sys.stderr))
         if not result.before.ok:
             for line in verify_lines(result.before, problems_only=output.quiet)[:-1]:
@@ -727,7 +742,7 @@ def _verify(args: VerifyArgs, output: Output) -> int:
         report = result.after
     else:
         settings = HubSettings(revision=args.revision, token=args.token, offline=args.offline)
-        report = verify(args.out, args.source, hub_settings=settings)
+        report = verify(args.out, args.source, ranks=args.ranks, nnodes=args.nnodes, hub_settings=settings)
     for line in verify_lines(report, problems_only=output.quiet):
         print(line, file=out)
     if output.json:

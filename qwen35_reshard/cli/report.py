@@ -18,11 +18,11 @@ from rich.table import Table
 from rich.text import Text
 
 from ..api import ReshardProgress, ReshardResult
-from ..format.names import RUN_MANIFEST, stage_dirname
+from ..format.names import MTP_DROPPED, RUN_MANIFEST, stage_dirname
 from ..model import names
 from ..plan.balance import Choice, StageLoad
 from ..plan.nodes import Node
-from ..plan.planner import Plan, StagePlan
+from ..plan.planner import DEFAULT_MAX_FILE_BYTES, Plan, StagePlan
 from ..stage.findings import Finding
 from ..units import format_bytes, plural
 from ..verify import VerifyReport
@@ -340,7 +340,8 @@ def verify_lines(report: VerifyReport, *, per_stage: int = 20, problems_only: bo
     for found in by_stage.values():  # stages recorded but absent
         lines += [f"  {f.kind}: {f.message}" for f in found]
     if report.not_built and not problems_only:
-        lines.append(f"not built here (--rank): {', '.join(f'pp{r}' for r in report.not_built)}")
+        others = ", ".join(map(stage_dirname, report.not_built))
+        lines.append(f"not checked (not asked for with --rank): {others}")
     against = f" against {report.source}" if report.source else ""
     if report.ok:
         if not problems_only:
@@ -352,7 +353,27 @@ def verify_lines(report: VerifyReport, *, per_stage: int = 20, problems_only: bo
         )
         if report.repairable:
             lines.append(f"to rebuild the damaged files from the source: {repair_command(report)}")
+        elif report.not_from_source and report.identity is not None and report.source:
+            lines.append(
+                f"the split holds other bytes than {report.source}: pass the checkpoint it was made from "
+                f"as --source, or replace it with a split of {report.source}: {replace_command(report)}"
+            )
     return lines
+
+
+def replace_command(report: VerifyReport) -> str:
+    """The split command that replaces the split ``report`` checked with one of its source, with
+    the settings the split records (and the stages checked, where only some were asked for)."""
+    identity = report.identity
+    argv = ["qwen35-reshard", "split", report.source, report.target, "--pp", str(identity.pp)]
+    argv += ["--runtime", identity.runtime, "--partition", ",".join(map(str, identity.partition))]
+    if identity.mtp == MTP_DROPPED:
+        argv.append("--no-mtp")
+    if identity.max_file_bytes != DEFAULT_MAX_FILE_BYTES:
+        argv += ["--max-file-size", str(identity.max_file_bytes)]
+    for rank in report.checked if report.not_built else ():
+        argv += ["--rank", str(rank)]
+    return shlex.join([*argv, "--overwrite"])
 
 
 def repair_command(report: VerifyReport) -> str:

@@ -28,11 +28,12 @@ import collections
 import hashlib
 import json
 import os
-from collections.abc import Callable, Sequence
+import shlex
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..errors import JSON_ERRORS, ReshardError
+from ..errors import JSON_ERRORS, ReshardError, param
 from ..format.dtypes import DTYPE_SIZES
 from ..format.identity import RunIdentity, describe_differences
 from ..format.jsonio import is_uint
@@ -56,13 +57,14 @@ from ..format.names import (
 )
 from ..format.paths import checked_file
 from ..model.names import LAYER, classify
+from ..plan.nodes import node_from_env
 from ..plan.planner import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_HEADER_BYTES, Plan, make_plan
 from ..source.checkpoint import Checkpoint, source_identity, source_name
 from ..source.header import Header
 from ..source.hub import HubFetcher, HubRepo, HubSettings, header_bytes, open_model
 from ..stage.findings import CORRUPT, DIFFERENT, EXTRA, INCOMPLETE, KINDS, MISSING, REPAIR, RERUN, Finding
 from ..stage.manifest import StageManifest, damaged_side_files, parse_side_files
-from ..stage.reader import read_run_record, read_stage, stage_dirs
+from ..stage.reader import read_manifest, read_run_record, read_stage, stage_dirs
 from ..transfer.copier import CHUNK_BYTES, Segment, copy_segments
 
 # transformers refuses safetensors files whose metadata lacks one of these formats.
@@ -71,8 +73,8 @@ METADATA_FORMATS = ("pt", "tf", "flax", "mlx")
 # How verify reports a damaged non-weight file, by what stage.manifest.damaged_side_files says of it.
 _SIDE_KIND = collections.defaultdict(lambda: CORRUPT, {"missing": MISSING, "changed": DIFFERENT})
 
-# add(kind, message, file=..., tensor=...): records a finding of one stage.
-_Add = Callable[..., None]
+# add(kind, message, file=..., tensor=...): records a finding of one stage, and returns it.
+_Add = Callable[..., Finding]
 
 
 @dataclass
@@ -97,7 +99,14 @@ class VerifyReport:
     source: str | None = None
     stages: list[StageSummary] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)
-    not_built: list[int] = field(default_factory=list)  # stages of the split absent on purpose (--rank)
+    not_built: list[int] = field(default_factory=list)  # stages of the split not asked for (``ranks``)
+    missing_stages: list[int] = field(default_factory=list)  # stages asked for (all by default) absent
+    copied: bool = False  # stage directories without a run record beside them: copied stages
+    identity: RunIdentity | None = None  # the split's settings, as its run record or first stage records
+    # Findings that the stages hold intact bytes that are not the source's (another checkpoint of the
+    # same layout, or one changed since): no repair mends that.
+    not_from_source: list[Finding] = field(default_factory=list)
+    source_digests: dict[str, str] = field(default_factory=dict, repr=False)  # source tensor -> sha256
     source_bytes_hashed: int = 0
     recorded_source: str | None = None  # the checkpoint path the stage manifests record
     recorded_split: bool = False  # a run record or a stage manifest says which split this is
@@ -112,7 +121,17 @@ class VerifyReport:
         progress or interrupted (the same command finishes it), a stage directory outside the
         split (deleted by hand), or a directory that records no split at all."""
         outside = [f for f in self.findings if f.kind == EXTRA and f.stage and not (f.file or f.tensor)]
-        return self.recorded_split and not outside and not any(f.file == RUN_MARKER for f in self.findings)
+        return (
+            self.recorded_split
+            and not outside
+            and not self.not_from_source
+            and not any(f.file == RUN_MARKER for f in self.findings)
+        )
+
+    @property
+    def checked(self) -> list[int]:
+        """The ranks of the stages checked."""
+        return sorted(s.rank for s in self.stages if s.rank is not None)
 
     def findings_for(self, stage: str) -> list[Finding]:
         return [f for f in self.findings if f.stage == stage]
@@ -127,6 +146,8 @@ class VerifyReport:
             "source": self.source,
             "counts": self.counts(),
             "stages": [asdict(s) for s in self.stages],
+            "checked": self.checked,
+            "missing_stages": self.missing_stages,
             "not_built": self.not_built,
             "source_bytes_hashed": self.source_bytes_hashed,
             "recorded_source": self.recorded_source,
@@ -150,15 +171,27 @@ def verify(
     path: str | os.PathLike[str],
     source: str | os.PathLike[str] | None = None,
     *,
+    ranks: Sequence[int] | str | None = None,
+    env: Mapping[str, str] | None = None,
+    nnodes: int | None = None,
     chunk_bytes: int = CHUNK_BYTES,
     hub_settings: HubSettings | None = None,
 ) -> VerifyReport:
     """Check the run directory or single stage directory ``path``; compare with ``source`` if given.
 
+    A run directory is checked whole: a stage of its split that is absent is a finding, unless
+    ``ranks`` asks for some stages only (a node's). Stage directories without a run record
+    beside them (stages copied to a node) are each checked on their own manifest, and must be
+    of one split.
+
     Args:
         path: the run directory OUT, or one stage directory OUT/ppN.
         source: the checkpoint the split was made from (a directory, cache folder or Hub repo
             id): then every tensor must be where the plan puts it, with identical bytes.
+        ranks: check only these stages of the run directory ``path``; ``"auto"``: those of the
+            node this runs on, read from the scheduler's variables in ``env`` (as a split's).
+        env: the environment ``ranks="auto"`` reads (default: ``os.environ``).
+        nnodes: with ``ranks="auto"``: the node count, where the environment gives none.
         chunk_bytes: read size for hashing.
         hub_settings: revision, token and offline mode for a Hub repo id ``source``.
 
@@ -186,7 +219,13 @@ def verify(
         ckpt, repo = open_model(os.fspath(source), hub_settings or HubSettings())
     report = VerifyReport(target=display, source=os.fspath(source) if source is not None else None)
     if _is_run_dir(root):
-        stages = _check_run_dir(root, display, report)
+        wanted = (ranks, os.environ if env is None else env, nnodes)
+        stages = _check_run_dir(root, display, report, wanted)
+    elif ranks is not None:
+        raise ReshardError(
+            f"{param('ranks')} picks stages of a run directory; {display} is a stage directory: pass "
+            f"{display} alone, or its run directory with {param('ranks')}"
+        )
     elif _is_stage_dir(root):
         stages = [_new_stage(root, display, report, _parent_record(root, report))]
     else:
@@ -222,11 +261,13 @@ def _is_stage_dir(root: Path) -> bool:
     return any(p.name in names or p.name.endswith(".safetensors") for p in root.iterdir())
 
 
-def _check_run_dir(root: Path, display: str, report: VerifyReport) -> list[_Stage]:
+def _check_run_dir(root: Path, display: str, report: VerifyReport, wanted: tuple) -> list[_Stage]:
     """Run-level checks; returns the stage directories to check.
 
-    A finished run has ``reshard.json`` and no run marker. Stages the run manifest records as
-    complete must be present; stages it never built (``--rank``) are noted, not failed.
+    A finished run has ``reshard.json`` and no run marker. Every stage of the split must be
+    present, or every one of ``wanted`` (ranks, env, nnodes: a node's stages); stages not asked
+    for are noted. Stage directories with no trace of a run beside them (no run record, marker,
+    lock or temporary) are copied stages: not an unfinished run.
     """
     for p in sorted(root.iterdir()):
         if p.name.endswith(PARTIAL_SUFFIX):
@@ -245,6 +286,10 @@ def _check_run_dir(root: Path, display: str, report: VerifyReport) -> list[_Stag
                 file=LOCK,
             )
         )
+    # Temporaries, OUT's lock or OUT's own files (config.json, ...): a run was here; else the
+    # stage directories were copied here.
+    only_stages = all(STAGE_DIR.fullmatch(p.name) and p.is_dir() for p in root.iterdir())
+    traces = bool(report.findings) or not only_stages
     marker = _read_json_finding(root / RUN_MARKER, display, report)
     run = _read_json_finding(root / RUN_MANIFEST, display, report)
     if (root / RUN_MARKER).exists():
@@ -256,7 +301,7 @@ def _check_run_dir(root: Path, display: str, report: VerifyReport) -> list[_Stag
                 file=RUN_MARKER,
             )
         )
-    elif not (root / RUN_MANIFEST).exists():
+    elif not (root / RUN_MANIFEST).exists() and traces:
         report.findings.append(
             Finding(
                 INCOMPLETE,
@@ -283,19 +328,17 @@ def _check_run_dir(root: Path, display: str, report: VerifyReport) -> list[_Stag
 
     report.recorded_split |= identity is not None
     dirs = stage_dirs(root)
+    report.copied = record is None and not traces
+    if report.copied:  # the split the copied stages record, if one
+        identity = _stages_identity(dirs)
+    report.identity = identity
     pp = identity.pp if identity else None
-    complete = _recorded_complete(run)
-    for rank in sorted(complete - set(dirs)):
-        name = stage_dirname(rank)
-        report.findings.append(
-            Finding(
-                MISSING,
-                f"{display}/{name} is missing but {RUN_MANIFEST} records it as complete",
-                stage=name,
-            )
-        )
+    asked = _asked_ranks(wanted, pp, display)
+    _missing_stages(display, report, pp, set(dirs), asked, _recorded_complete(run))
     stages = []
     for rank, path in dirs.items():
+        if asked is not None and rank not in asked:
+            continue
         if pp is not None and rank >= pp:
             report.findings.append(
                 Finding(
@@ -308,9 +351,68 @@ def _check_run_dir(root: Path, display: str, report: VerifyReport) -> list[_Stag
             continue
         run_record = (record_name, identity) if identity is not None else None
         stages.append(_new_stage(path, f"{display}/{path.name}", report, run_record))
-    if pp is not None:
-        report.not_built = [r for r in range(pp) if r not in dirs and r not in complete]
+    if pp is not None and asked is not None:
+        report.not_built = [r for r in range(pp) if r not in asked]
     return stages
+
+
+def _stages_identity(dirs: dict[int, Path]) -> RunIdentity | None:
+    """The identity the first stage manifest (by rank) records, if one does."""
+    for path in dirs.values():
+        m = read_manifest(path, str(path))
+        if not isinstance(m, Finding) and m.identity is not None:
+            return m.identity
+    return None
+
+
+def _asked_ranks(wanted: tuple, pp: int | None, display: str) -> set[int] | None:
+    """The stages ``ranks`` asks for (None: all), those of this node for ``"auto"``."""
+    ranks, env, nnodes = wanted
+    if ranks is None:
+        return None
+    if pp is None:
+        raise ReshardError(
+            f"{display} records no split (no readable {RUN_MANIFEST} or stage manifest): "
+            f"{param('ranks')} cannot pick its stages; verify it without {param('ranks')}"
+        )
+    if isinstance(ranks, str):
+        if ranks != "auto":
+            raise ReshardError(f"{param('ranks', ranks)} must be stage numbers or 'auto'")
+        return set(node_from_env(env, pp, nnodes).stages)
+    for r in ranks:
+        if not 0 <= r < pp:
+            raise ReshardError(f"{param('ranks', r)} is not a stage of this pp={pp} split (0 to {pp - 1})")
+    return set(ranks)
+
+
+def _missing_stages(
+    display: str,
+    report: VerifyReport,
+    pp: int | None,
+    present: set[int],
+    asked: set[int] | None,
+    complete: set[int],
+) -> None:
+    """A finding for each stage of the split (or of ``asked``) absent from the run directory."""
+    ranks = asked if asked is not None else set(range(pp)) if pp is not None else complete
+    report.missing_stages = sorted(ranks - present)
+    here = ", ".join(stage_dirname(r) for r in sorted(present & set(range(pp or 0))))
+    only = f"qwen35-reshard verify {shlex.quote(display)} " + " ".join(f"--rank {r}" for r in sorted(present))
+    for rank in report.missing_stages:
+        name = stage_dirname(rank)
+        if rank in complete:
+            why = f"{RUN_MANIFEST} records it as complete; {RERUN} (it builds it again)"
+        elif report.copied and here:
+            why = (
+                f"{display} holds copied stages ({here}) without the run's {RUN_MANIFEST}, each checked "
+                f"on its own manifest; to check them as the stages of one split: {only}"
+            )
+        elif asked is None and here:
+            why = f"build it, or check only the stages here ({here}): {only}"
+        else:
+            why = f"build it with the split's command (--rank {rank})"
+        split = f" of this pp={pp} split" if pp is not None else ""
+        report.findings.append(Finding(MISSING, f"{display}/{name}{split} is missing: {why}", stage=name))
 
 
 def _check_same_split(stages: list[_Stage], report: VerifyReport) -> None:
@@ -436,8 +538,10 @@ def _check_stage(stage: _Stage, report: VerifyReport, ckpt: Checkpoint | None, c
 
 
 def _adder(report: VerifyReport, stage: _Stage) -> _Add:
-    def add(kind: str, message: str, *, file: str | None = None, tensor: str | None = None) -> None:
-        report.findings.append(Finding(kind, message, file, tensor, stage.summary.stage))
+    def add(kind: str, message: str, *, file: str | None = None, tensor: str | None = None) -> Finding:
+        finding = Finding(kind, message, file, tensor, stage.summary.stage)
+        report.findings.append(finding)
+        return finding
 
     return add
 
@@ -597,17 +701,21 @@ def _check_against_source(
             if name not in reported:
                 _compare_side_file(stage, ckpt, name, add)
         if m.source.get("fingerprint") != fingerprint:
-            add(
-                DIFFERENT,
-                f"{stage.display} was split from another checkpoint than {ckpt.root} (or the "
-                "source changed since): config, index, shard sizes or headers differ",
+            report.not_from_source.append(
+                add(
+                    DIFFERENT,
+                    f"{stage.display} was split from another checkpoint than {ckpt.root} (or the "
+                    "source changed since): config, index, shard sizes or headers differ",
+                )
             )
         elif ckpt.hub and m.identity and m.identity.source not in (LOCAL_SOURCE, source_name(ckpt)):
-            add(
-                DIFFERENT,
-                f"{stage.display} was split from {m.identity.source}, not {source_name(ckpt)}: the "
-                "same layout but other bytes; pass --source with the commit it was split from "
-                "(--revision) to compare it",
+            report.not_from_source.append(
+                add(
+                    DIFFERENT,
+                    f"{stage.display} was split from {m.identity.source}, not {source_name(ckpt)}: the "
+                    "same layout but other bytes; pass --source with the commit it was split from "
+                    "(--revision) to compare it",
+                )
             )
         plan = _plan_for(ckpt, m, plans, add, stage.display)
         if plan is None:
@@ -616,19 +724,23 @@ def _check_against_source(
         if _recorded_limits(m) is not None and not report.findings_for(stage.summary.stage):
             _compare_layout(plan, stage, add, repo)
     wanted = sorted({name for _, name in to_compare})
-    source_digests = _hash_source(ckpt, wanted, chunk_bytes, repo)
+    source_digests = report.source_digests = _hash_source(ckpt, wanted, chunk_bytes, repo)
     report.source_bytes_hashed = sum(ckpt.tensors[n].nbytes for n in wanted)
     for stage, name in to_compare:
         mine = stage.digests.get(name)
         if mine is not None and mine != source_digests[name]:
-            file = stage.manifest.tensors[name].file
-            _adder(report, stage)(
+            t = stage.manifest.tensors[name]
+            intact = t.sha256 == mine  # the stage holds what it recorded: the source is not its
+            why = ", and are the ones its manifest records: the split is of other bytes" if intact else ""
+            finding = _adder(report, stage)(
                 DIFFERENT,
-                f"{stage.display}/{file}: the bytes of tensor {name!r} differ from the source's "
-                f"({ckpt.tensors[name].file})",
-                file=file,
+                f"{stage.display}/{t.file}: the bytes of tensor {name!r} differ from the source's "
+                f"({ckpt.tensors[name].file}){why}",
+                file=t.file,
                 tensor=name,
             )
+            if intact:
+                report.not_from_source.append(finding)
 
 
 def _plan_for(ckpt: Checkpoint, m: StageManifest, plans: dict, add: _Add, display: str) -> Plan | None:

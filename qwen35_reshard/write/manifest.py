@@ -18,6 +18,7 @@ from ..format.manifest import RUN_FORMAT, STAGE_FORMAT, TENSOR_FIELDS
 from ..format.names import CLONE, TOOL
 from ..plan.planner import OutputFile, PlacedTensor, Plan, StagePlan
 from ..source.checkpoint import SourceTensor, source_identity, source_name
+from .sources import source_stamps
 
 
 def run_identity(plan: Plan) -> RunIdentity:
@@ -94,7 +95,12 @@ def run_manifest(plan: Plan, complete: list[int], side_files: dict[str, str] | N
         "mtp": plan.mtp,
         "dropped": list(plan.dropped),
         "launch_env": plan.launch_env,
-        **({"side_files": dict(sorted(side_files.items()))} if side_files is not None else {}),
+        # What identifies each source file's bytes, for a later run to tell them unchanged cheaply.
+        **(
+            {"side_files": dict(sorted(side_files.items())), "source_files": source_stamps(plan)}
+            if side_files is not None
+            else {}
+        ),
         "stages": [
             {
                 "stage": s.rank,

@@ -166,9 +166,13 @@ def write_plan(
         # A finished split is not written to (on a read-only filesystem, not even its lock),
         # but for what a killed run left there, when OUT's lock can be had at once.
         finished = state is not None and state.action == "complete" and not (out / RUN_MARKER).exists()
-        if finished and not (has_leftovers(out, plan.stages) and _lock_free(out)):
+        leftovers = finished and has_leftovers(out, plan.stages)
+        if finished and not ((leftovers or state.restamp is not None) and _lock_free(out)):
             result.complete = list(state.complete)
             result.already_complete = [s.rank for s in plan.selected]
+            return result
+        if finished and not leftovers:
+            _restamp(plan, out, state, result, reporter)
             return result
         created = make_dirs(out)
     except OSError as e:  # OUT cannot be created or read: nothing was written
@@ -238,6 +242,19 @@ def _write_rounds(
                 claims.wait_for_change([out / plan.stages[rank].dirname / CLAIM for rank in busy])
         except OSError as e:  # a full disk, a file-size limit, ... while writing anything
             raise write_error(e, out, needed) from e
+
+
+def _restamp(plan: Plan, out: Path, state: OutState, result: WriteResult, reporter: Reporter) -> None:
+    """A finished split whose source files were stamped anew (a fresh download of the same
+    bytes, a ``touch``), their bytes found the split's: record the new stamps, so that the next
+    run needs no reads again. Only if OUT's run record is still the one assessed (no other run
+    changed OUT meanwhile)."""
+    with claims.locked(out, reporter.waiting) as now:
+        current = (out / RUN_MANIFEST).read_bytes() if (out / RUN_MANIFEST).exists() else None
+        if current == state.restamp and not (out / RUN_MARKER).exists():
+            _record(plan, out, now, result)
+    result.complete = list(state.complete)
+    result.already_complete = [s.rank for s in plan.selected]
 
 
 def _release(out: Path, stages: list[StagePlan]) -> None:
