@@ -14,7 +14,7 @@ on the same files and in interleaved order, for ``--rounds`` rounds:
   tensors, ``save_file`` per stage, fsync), one row per ``--naive`` way: ``every-shard`` (each
   stage loads every shard), ``index`` (each stage loads the shards the index lists for it) and
   ``all-in-memory`` (each shard loaded once, the whole model held until it is saved);
-- with ``--ablation``, also reshard with the page cache kept (``copy.DROP_BEHIND = False``).
+- with ``--ablation``, also reshard with the page cache kept (``pages.DROP_BEHIND = False``).
 
 Each run is its own process, started by a small launcher that reports its wall time and its
 ``os.wait4`` rusage (CPU and peak RSS of that process and its descendants only). With
@@ -178,7 +178,7 @@ def build(model: Path, target_bytes: int) -> None:
 
 
 _KEEP_CACHE = (
-    "import sys; import qwen35_reshard.transfer.copier as c; c.DROP_BEHIND = False; "
+    "import sys; import qwen35_reshard.transfer.pages as p; p.DROP_BEHIND = False; "
     "from qwen35_reshard.cli import main; sys.exit(main(sys.argv[1:]))"
 )
 
@@ -191,7 +191,7 @@ def methods(model: Path, out: Path, args: argparse.Namespace) -> dict[str, list[
         for w in args.workers
     }
     if args.ablation:
-        # The same engine with the page cache kept (copy.DROP_BEHIND = False): what streaming
+        # The same engine with the page cache kept (pages.DROP_BEHIND = False): what streaming
         # through the page cache, rather than filling it, is worth on this machine.
         w = max(args.workers)
         m[f"reshard --workers {w}, cache kept"] = [PY, "-c", _KEEP_CACHE, "--workers", str(w), *split]

@@ -24,10 +24,14 @@ from .plan.balance import Choice, choose
 from .plan.capacity import DEFAULT_MEM_FRACTION, Capacity
 from .plan.fetch import fetch_report, needed_by
 from .plan.nodes import Node, given_node, node_from_env
-from .plan.planner import DEFAULT_MAX_FILE_BYTES, Plan, make_plan
-from .source import hub
+from .plan.planner import DEFAULT_MAX_FILE_BYTES, Plan, make_plan, recorded_plan
 from .source.checkpoint import Checkpoint, read_checkpoint, source_identity
-from .verify.check import VerifyReport, recorded_plan, verify
+from .source.hub.cache import HubRepo, HubSettings
+from .source.hub.fetch import HubFetcher
+from .source.hub.http import Traffic
+from .source.open import open_model
+from .verify.check import verify
+from .verify.report import VerifyReport
 from .write.manifest import run_manifest
 from .write.repair import (
     damaged_files,
@@ -238,10 +242,10 @@ def reshard(
     if node is not None:
         events.located(node)
         ranks = node.stages
-    traffic = hub.Traffic()
+    traffic = Traffic()
     with _collector_paused():
         ckpt, repo = _open(
-            model, hub.HubSettings(revision=revision, token=token, offline=offline), traffic, events
+            model, HubSettings(revision=revision, token=token, offline=offline), traffic, events
         )
         choice, sizes = _partition(
             ckpt, partition, pp=pp, runtime=runtime, keep_mtp=keep_mtp, capacity=capacity
@@ -308,10 +312,10 @@ def _node(
 
 
 def _open(
-    model: str | os.PathLike[str], settings: hub.HubSettings, traffic: hub.Traffic, events: ReshardProgress
-) -> tuple[Checkpoint, hub.HubRepo | None]:
+    model: str | os.PathLike[str], settings: HubSettings, traffic: Traffic, events: ReshardProgress
+) -> tuple[Checkpoint, HubRepo | None]:
     """MODEL's checkpoint (and its Hub repo, for a repo id), its unlisted shard files warned of."""
-    ckpt, repo = hub.open_model(os.fspath(model), settings, traffic=traffic)
+    ckpt, repo = open_model(os.fspath(model), settings, traffic=traffic)
     for name in ckpt.unlisted:
         events.warning(
             f"{ckpt.display}/{name} is not listed in the checkpoint's index: ignored, as the "
@@ -321,14 +325,14 @@ def _open(
 
 
 def _preview(
-    planned: ReshardResult, repo: hub.HubRepo | None, traffic: hub.Traffic, *, overwrite: bool
+    planned: ReshardResult, repo: HubRepo | None, traffic: Traffic, *, overwrite: bool
 ) -> ReshardResult:
     """A dry run's result: what a split would fetch, and what it would do in OUT (the writer's
     own decision, refusals included)."""
     plan, out = planned.plan, planned.out_dir
     fetch = None
     if repo is not None:
-        fetcher = hub.HubFetcher(repo, plan.checkpoint, needed_by(plan), traffic=traffic)
+        fetcher = HubFetcher(repo, plan.checkpoint, needed_by(plan), traffic=traffic)
         fetch = fetch_report(plan, fetcher)
     state = assess_out(plan, out, overwrite=overwrite) if out is not None else None
     return replace(planned, out_state=state, fetch=fetch)
@@ -336,8 +340,8 @@ def _preview(
 
 def _write(
     planned: ReshardResult,
-    repo: hub.HubRepo | None,
-    traffic: hub.Traffic,
+    repo: HubRepo | None,
+    traffic: Traffic,
     progress: Reporter | None,
     events: ReshardProgress,
     *,
@@ -351,7 +355,7 @@ def _write(
     fetcher = None
     if repo is not None:
         needed = needed_by(plan)
-        fetcher = hub.HubFetcher(repo, plan.checkpoint, needed, traffic=traffic, on_fetched=events.fetched)
+        fetcher = HubFetcher(repo, plan.checkpoint, needed, traffic=traffic, on_fetched=events.fetched)
         events.expect_downloads(fetcher.download_bytes)
         fetcher.prepare()
     written = write_plan(

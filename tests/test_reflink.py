@@ -27,7 +27,7 @@ from test_crash_resume import command, kill_when
 
 import qwen35_reshard
 from qwen35_reshard.transfer import copier
-from qwen35_reshard.transfer.copier import Segment
+from qwen35_reshard.transfer.segments import Segment
 from qwen35_reshard.verify import verify
 
 # linux/fiemap.h

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from qwen35_reshard.errors import ReshardError
-from qwen35_reshard.transfer.copier import Segment, copy_segments
+from qwen35_reshard.transfer.copier import copy_segments
+from qwen35_reshard.transfer.segments import Segment
 
 
 def _random_case(rng: random.Random, src_dir: Path, out_dir: Path, trial: int):

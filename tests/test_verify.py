@@ -21,7 +21,8 @@ import pytest
 
 import qwen35_reshard
 from qwen35_reshard import cli, loader
-from qwen35_reshard.transfer.copier import Segment, copy_segments
+from qwen35_reshard.transfer.copier import copy_segments
+from qwen35_reshard.transfer.segments import Segment
 from qwen35_reshard.verify import verify
 
 INDEX = "model.safetensors.index.json"

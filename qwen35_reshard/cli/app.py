@@ -721,7 +721,7 @@ def _json_doc(result: ReshardResult) -> dict:
 
 def _verify(args: VerifyArgs, output: Output) -> int:
     """``verify``: the report on stdout (stderr beside ``--json``), the JSON report with ``--json``."""
-    from ..source.hub import HubSettings
+    from ..source.hub.cache import HubSettings
     from ..verify import verify
     from .report import verify_lines
 

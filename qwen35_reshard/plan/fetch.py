@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from ..source.hub import FETCH_CACHE, FETCH_WHOLE, HubFetcher, ShardFetch, repo_listing
+from ..source.hub.fetch import FETCH_CACHE, FETCH_WHOLE, HubFetcher, ShardFetch
+from ..source.hub.listing import repo_listing
 from .planner import Plan
 
 

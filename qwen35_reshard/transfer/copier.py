@@ -47,50 +47,29 @@ import errno
 import hashlib
 import mmap
 import os
-import queue
-import threading
-from collections.abc import Callable, Container, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Protocol
 
 from ..errors import ReshardError
-from . import reflink
+from . import pages, reflink
+from .hasher import RING_BUFFERS, Hasher
+from .pages import advise_sequential, close_window, drop_pages, pwrite_all
+from .segments import Piece, Run, Segment, piece_runs, source_spans, windows
 
 CHUNK_BYTES = 8 * 1024 * 1024
-# Windows of runs that are only shared, never read, in chunks: they take no memory, and a
-# window is the unit of progress and of stopping (a copy, if sharing is refused, of 1 GiB).
-LONG_WINDOW_CHUNKS = 128
-# One window being copied, one being hashed, and slack for the two to drift.
-RING_BUFFERS = 4
 # Shorter runs (of small tensors: norms, biases, scales) are written from the mapping that
 # hashes them: a kernel copy call costs more than it saves there, and on a filesystem that
 # shares blocks (XFS, Btrfs) it first tries to share the range, flushing dirty pages to do so.
 KERNEL_COPY_MIN_BYTES = 1024 * 1024
 # Output runs of at least this size are handed to writeback as soon as they are written and
 # dropped from the page cache DROP_LAG runs later; smaller ones (runs of tiny tensors) are
-# left to the kernel, to keep the number of calls down. DROP_BEHIND = False keeps all pages.
+# left to the kernel, to keep the number of calls down. pages.DROP_BEHIND = False keeps
+# all pages.
 WRITE_BEHIND_BYTES = 1024 * 1024
 DROP_LAG = 8
-DROP_BEHIND = True
 _EMPTY_SHA256 = hashlib.sha256().hexdigest()
 # copy_file_range errors that mean "not between these two files": fall back to pwrite.
 _NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL}
-
-
-@dataclass
-class Segment:
-    """One source tensor to copy: its source byte range and where each copy goes."""
-
-    name: str
-    offset: int  # absolute offset in the source file
-    nbytes: int
-    dests: list[tuple[int, int]] = field(default_factory=list)  # (output fd, absolute offset)
-
-
-# A piece of a segment inside one window: (segment, absolute begin, absolute end).
-_Piece = tuple[Segment, int, int]
-# Bytes to move: (output fd, source offset, length, output offset).
-_Run = tuple[int, int, int, int]
 
 
 class RangeSource(Protocol):
@@ -137,13 +116,13 @@ def copy_segments(
     digests.update({s.name: _EMPTY_SHA256 for s in segments if s.nbytes == 0 and s.name not in unhashed})
     remote = not isinstance(src_path, (str, os.PathLike))
     fd = -1 if remote else os.open(src_path, os.O_RDONLY)
-    hasher = _Hasher(fd, [s for s in segments if s.nbytes and s.name not in unhashed], digests, on_read)
+    hasher = Hasher(fd, [s for s in segments if s.nbytes and s.name not in unhashed], digests, on_read)
     try:
         if remote:
-            src_path.expect(_spans(segments))
+            src_path.expect(source_spans(segments))
             mover: _Mover = _RemoteMover(src_path, chunk_bytes=chunk_bytes)
         else:
-            _advise_sequential(fd)
+            advise_sequential(fd)
             mover = _Mover(
                 fd,
                 src_path,
@@ -152,7 +131,7 @@ def copy_segments(
                 share_fds=share_fds,
                 on_shared=on_shared,
             )
-        for pos, n, pieces in _chunks(segments, chunk_bytes, long_windows=unhashed):
+        for pos, n, pieces in windows(segments, chunk_bytes, long_windows=unhashed):
             if should_stop():
                 raise KeyboardInterrupt
             hasher.wait_for_room()
@@ -172,76 +151,6 @@ def copy_segments(
             os.close(fd)
     hasher.raise_error()
     return digests
-
-
-def _spans(segments: list[Segment]) -> list[tuple[int, int]]:
-    """Runs ``[begin, end)`` of source-adjacent, non-empty segments (sorted by offset)."""
-    spans: list[list[int]] = []
-    for s in segments:
-        if not s.nbytes:
-            continue
-        if spans and spans[-1][1] == s.offset:
-            spans[-1][1] += s.nbytes
-        else:
-            spans.append([s.offset, s.offset + s.nbytes])
-    return [(a, b) for a, b in spans]
-
-
-def _chunks(
-    segments: list[Segment], chunk_bytes: int, *, long_windows: Container[str] = ()
-) -> Iterator[tuple[int, int, list[_Piece]]]:
-    """Cut runs of source-adjacent, non-empty segments into windows of at most ``chunk_bytes``.
-
-    Yields ``(position, length, pieces)``; gaps between runs (tensors this run does not
-    need) are skipped, never read. Windows end at multiples of ``chunk_bytes`` of the source
-    offset, so that they cut runs at the same place whatever the run's start. Runs of segments
-    named in ``long_windows`` (shared, never read) are cut every ``LONG_WINDOW_CHUNKS`` chunks
-    instead: one sharing call where there would be hundreds.
-    """
-    segs = [s for s in segments if s.nbytes]
-    long = [s.name in long_windows for s in segs]
-    i = 0
-    while i < len(segs):
-        j = i + 1
-        while j < len(segs) and long[j] == long[i] and segs[j].offset == _end(segs[j - 1]):
-            j += 1
-        span = segs[i:j]
-        k, pos, end = 0, span[0].offset, span[-1].offset + span[-1].nbytes
-        window = chunk_bytes * LONG_WINDOW_CHUNKS if long[i] else chunk_bytes
-        while pos < end:
-            chunk_end = min((pos // window + 1) * window, end)
-            pieces: list[_Piece] = []
-            while k < len(span) and span[k].offset < chunk_end:
-                seg = span[k]
-                seg_end = seg.offset + seg.nbytes
-                pieces.append((seg, max(seg.offset, pos), min(seg_end, chunk_end)))
-                if seg_end > chunk_end:
-                    break  # continues in the next window
-                k += 1
-            yield pos, chunk_end - pos, pieces
-            pos = chunk_end
-        i = j
-
-
-def _end(s: Segment) -> int:
-    return s.offset + s.nbytes
-
-
-def _runs(pieces: list[_Piece]) -> list[_Run]:
-    """``(out fd, source offset, length, output offset)`` for each piece's destinations,
-    merging runs that are adjacent both in the source and in the same output file."""
-    runs: list[list[int]] = []
-    last: dict[int, list[int]] = {}
-    for seg, a, b in pieces:
-        for out_fd, out_off in seg.dests:
-            dst = out_off + (a - seg.offset)
-            r = last.get(out_fd)
-            if r is not None and r[1] + r[2] == a and r[3] + r[2] == dst:
-                r[2] += b - a
-            else:
-                r = last[out_fd] = [out_fd, a, b - a, dst]
-                runs.append(r)
-    return [(r[0], r[1], r[2], r[3]) for r in runs]
 
 
 class _Mover:
@@ -271,14 +180,14 @@ class _Mover:
         self.written: collections.deque[tuple[int, int, int]] = collections.deque()
 
     def move(
-        self, pos: int, n: int, pieces: list[_Piece], *, hash_needed: bool = True
+        self, pos: int, n: int, pieces: list[Piece], *, hash_needed: bool = True
     ) -> tuple[mmap.mmap | None, memoryview | None]:
         """Copy the window ``[pos, pos + n)``; return ``(mapping, None)`` or ``(None, buffer)``
         for hashing, or ``(None, None)`` when nothing needs hashing."""
         file_size = os.fstat(self.fd).st_size
         if file_size < pos + n:  # never touch a mapping past the end of the file: that is SIGBUS
             self._truncated(file_size, pos + n)
-        runs = _runs(pieces)
+        runs = piece_runs(pieces)
         if self.share_fds:
             runs = self._share(runs)
         if not hash_needed:
@@ -304,14 +213,14 @@ class _Mover:
                         pwrite_all(out_fd, view[src + done - base : src + size - base], dst + done)
                 self._behind(out_fd, dst, size)
         except BaseException:
-            _close(window)
+            close_window(window)
             raise
         return window, None
 
-    def _share(self, runs: list[_Run]) -> list[_Run]:
+    def _share(self, runs: list[Run]) -> list[Run]:
         """Share the block-aligned middle of each run into a sharing output; return what is
         left to copy: other outputs' runs, ragged heads and tails, and whatever was refused."""
-        left: list[_Run] = []
+        left: list[Run] = []
         bs = self.block
         for run in runs:
             out_fd, src, size, dst = run
@@ -333,7 +242,7 @@ class _Mover:
                 pwrite_all(out_fd, self._pread(b, src + size - b), dst + b - src)
         return left
 
-    def _kernel_copies(self, runs: list[_Run]) -> list[_Run]:
+    def _kernel_copies(self, runs: list[Run]) -> list[Run]:
         """Copy runs with copy_file_range; return the short ones and the parts it refused, to
         copy some other way."""
         left = []
@@ -396,7 +305,7 @@ class _Mover:
         got = os.preadv(self.fd, [view], pos)
         if got != n:
             self._truncated(pos + got, pos + n)
-        if DROP_BEHIND:
+        if pages.DROP_BEHIND:
             drop_pages(self.fd, pos, n)  # the bytes are in the buffer now
         return view
 
@@ -406,7 +315,7 @@ class _Mover:
             self._truncated(pos + len(data), pos + n)
         return memoryview(data)
 
-    def _write_from(self, view: memoryview, base: int, runs: list[_Run]) -> None:
+    def _write_from(self, view: memoryview, base: int, runs: list[Run]) -> None:
         for out_fd, src, size, dst in runs:
             pwrite_all(out_fd, view[src - base : src - base + size], dst)
             self._behind(out_fd, dst, size)
@@ -417,7 +326,7 @@ class _Mover:
         if size < WRITE_BEHIND_BYTES:
             return
         drop_pages(out_fd, dst, size)  # on dirty pages: starts their writeback, drops nothing
-        if DROP_BEHIND:
+        if pages.DROP_BEHIND:
             self.written.append((out_fd, dst, size))
             if len(self.written) > DROP_LAG:
                 drop_pages(*self.written.popleft())
@@ -438,126 +347,9 @@ class _RemoteMover(_Mover):
         self.source = source
 
     def move(
-        self, pos: int, n: int, pieces: list[_Piece], *, hash_needed: bool = True
+        self, pos: int, n: int, pieces: list[Piece], *, hash_needed: bool = True
     ) -> tuple[mmap.mmap | None, memoryview | None]:
         view = self._buffer(n)
         self.source.readinto(view, pos)
-        self._write_from(view, pos, _runs(pieces))
+        self._write_from(view, pos, piece_runs(pieces))
         return None, view
-
-
-class _Hasher:
-    """A thread that hashes the windows the copying thread hands it, in order.
-
-    At most ``RING_BUFFERS`` windows are in flight: the copying thread waits for room before
-    it moves the next one, and a buffer of the ring is reused only after it was hashed.
-    Mappings are closed here, once hashed.
-    """
-
-    def __init__(
-        self,
-        src_fd: int,
-        segments: list[Segment],
-        digests: dict[str, str],
-        on_read: Callable[[memoryview], None] | None = None,
-    ) -> None:
-        self._src_fd = src_fd
-        self._on_read = on_read
-        self._room = threading.Semaphore(RING_BUFFERS)
-        self._jobs: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
-        self._hashers = {s.name: hashlib.sha256() for s in segments}
-        self._digests = digests
-        self._cancelled = False
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="qwen35-reshard-sha256", daemon=True)
-
-    def wait_for_room(self) -> None:
-        self._room.acquire()
-        self.raise_error()
-
-    def submit(
-        self, window: mmap.mmap | None, view: memoryview | None, pos: int, pieces: list[_Piece]
-    ) -> None:
-        # Started by the first window to hash: a split that shares blocks hashes nothing in
-        # most shards, and a thread start costs milliseconds on a loaded machine.
-        if self._thread.ident is None:
-            self._thread.start()
-        self._jobs.put((window, view, pos, pieces))
-
-    def skip(self) -> None:
-        """Give back the room taken for a window with nothing to hash or release: no handoff
-        to the thread (a split that shares blocks moves most windows this way)."""
-        self._room.release()
-
-    def cancel(self) -> None:
-        """Stop hashing: windows still queued are only released."""
-        self._cancelled = True
-
-    def finish(self) -> None:
-        """Wait until every submitted window is hashed (or released, after ``cancel``)."""
-        if self._thread.is_alive():
-            self._jobs.put(None)
-            self._thread.join()
-
-    def raise_error(self) -> None:
-        if self._error is not None:
-            raise self._error
-
-    def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            window, view, pos, pieces = job
-            try:
-                if not self._cancelled and self._error is None:
-                    if window is not None:
-                        base = pos - pos % mmap.ALLOCATIONGRANULARITY
-                        with memoryview(window) as mapped:
-                            self._hash(mapped, base, pieces)
-                    else:
-                        self._hash(view, pos, pieces)
-            except BaseException as e:  # re-raised in the copying thread
-                self._error = e
-            finally:
-                if window is not None:
-                    _close(window)
-                    if DROP_BEHIND:  # copied and hashed: the source window is done with
-                        drop_pages(self._src_fd, pos, pieces[-1][2] - pos)
-                self._room.release()
-
-    def _hash(self, view: memoryview, base: int, pieces: list[_Piece]) -> None:
-        hashers = self._hashers
-        for seg, a, b in pieces:
-            hashers[seg.name].update(view[a - base : b - base])
-            if b == seg.offset + seg.nbytes:
-                self._digests[seg.name] = hashers.pop(seg.name).hexdigest()
-        if self._on_read is not None and pieces:
-            self._on_read(view[pieces[0][1] - base : pieces[-1][2] - base])
-
-
-def _close(window: mmap.mmap) -> None:
-    try:
-        window.close()
-    except BufferError:
-        pass  # a traceback still holds a view of it: unmapped when that is garbage-collected
-
-
-def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    """Write all of ``data`` at ``offset`` of ``fd`` (pwrite may write less than asked)."""
-    while data:
-        n = os.pwrite(fd, data, offset)
-        data = data[n:]
-        offset += n
-
-
-def drop_pages(fd: int, offset: int, size: int) -> None:
-    """POSIX_FADV_DONTNEED on a range: on Linux it starts asynchronous writeback of the range's
-    dirty pages and drops its clean ones from the page cache. Advice only: errors are ignored."""
-    if hasattr(os, "posix_fadvise"):
-        try:
-            os.posix_fadvise(fd, offset, size, os.POSIX_FADV_DONTNEED)
-        except OSError:
-            pass
-
-
-def _advise_sequential(fd: int) -> None:
-    if hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)

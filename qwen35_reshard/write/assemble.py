@@ -13,9 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..format.names import ALIGNED, CLONE, JOURNAL
-from ..plan.planner import OutputFile, Plan, StagePlan
-from ..transfer import copier
-from ..transfer.copier import RangeSource, Segment, copy_segments, drop_pages
+from ..plan.layout import OutputFile
+from ..plan.planner import Plan, StagePlan
+from ..transfer import pages
+from ..transfer.copier import RangeSource, copy_segments
+from ..transfer.pages import drop_pages
+from ..transfer.segments import Segment
 from .datafile import OpenFile, clone, create, header
 from .durability import Durability, partial_path, remove
 from .journal import Digests, append_journal
@@ -218,9 +221,9 @@ def _batch_due(ready: list[OpenFile], durable: Durability) -> bool:
 
 
 def _write_back_now(fd: int) -> None:
-    """Start writing a completed file back and drop its pages (``copier.DROP_BEHIND``): its
+    """Start writing a completed file back and drop its pages (``pages.DROP_BEHIND``): its
     dirty data then goes to disk as the copy goes, not all at the barrier."""
-    if copier.DROP_BEHIND:
+    if pages.DROP_BEHIND:
         drop_pages(fd, 0, 0)
 
 

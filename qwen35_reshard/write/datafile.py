@@ -11,9 +11,11 @@ from pathlib import Path
 
 from ..errors import ReshardError
 from ..format.names import CLONE
-from ..plan.planner import OutputFile, Plan, StagePlan
+from ..plan.layout import OutputFile
+from ..plan.planner import Plan, StagePlan
 from ..transfer import reflink as reflinks
-from ..transfer.copier import RangeSource, Segment, copy_segments
+from ..transfer.copier import RangeSource, copy_segments
+from ..transfer.segments import Segment
 from .durability import FILE_MODE, remove
 
 Digests = dict[str, str | None]  # tensor name -> sha256 (None: shared, never read)

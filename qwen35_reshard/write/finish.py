@@ -13,7 +13,7 @@ from pathlib import Path
 from ..format.jsonio import dumps
 from ..format.names import INDEX_NAME, JOURNAL, RUN_MANIFEST, RUN_MARKER, SIDE_FILE_CHUNK, STAGE_MANIFEST
 from ..plan.planner import Plan, StagePlan
-from ..transfer.copier import pwrite_all
+from ..transfer.pages import pwrite_all
 from ..write.manifest import ManifestDraft, stage_index, stage_manifest
 from .durability import FILE_MODE, Durability, partial_path, remove, write_tmp
 from .journal import Digests

@@ -16,7 +16,8 @@ from ..format.identity import RunIdentity
 from ..format.jsonio import dumps_text, json_string
 from ..format.manifest import RUN_FORMAT, STAGE_FORMAT, TENSOR_FIELDS
 from ..format.names import CLONE, TOOL
-from ..plan.planner import OutputFile, PlacedTensor, Plan, StagePlan
+from ..plan.layout import OutputFile, PlacedTensor
+from ..plan.planner import Plan, StagePlan
 from ..source.checkpoint import SourceTensor, source_identity, source_name
 from .sources import source_stamps
 

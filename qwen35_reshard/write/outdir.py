@@ -25,7 +25,8 @@ from ..format.names import (
     STAGE_MANIFEST,
     partial_base,
 )
-from ..plan.planner import OutputFile, Plan, StagePlan
+from ..plan.layout import OutputFile
+from ..plan.planner import Plan, StagePlan
 from ..stage.reader import read_run_record, stage_dirs
 from ..transfer import reflink as reflinks
 from ..units import format_bytes

@@ -36,11 +36,13 @@ from ..format.names import (
     stage_dir_rank,
 )
 from ..format.paths import is_plain_name
-from ..plan.planner import OutputFile, Plan, StagePlan
+from ..plan.layout import OutputFile
+from ..plan.planner import Plan, StagePlan
 from ..stage.findings import EXTRA, INCOMPLETE, Finding
 from ..stage.manifest import file_sha256, stage_is_complete
 from ..stage.reader import read_manifest, read_run_record, stage_dirs
-from ..transfer.copier import Segment, copy_segments
+from ..transfer.copier import copy_segments
+from ..transfer.segments import Segment
 from ..write.manifest import run_identity, run_manifest
 from . import claims
 from .assemble import Reporter, copy_files

@@ -24,7 +24,8 @@ from ..plan.planner import Plan
 from ..source.header import file_stamp
 from ..stage.findings import Finding
 from ..stage.reader import read_manifest
-from ..transfer.copier import RangeSource, Segment, copy_segments
+from ..transfer.copier import RangeSource, copy_segments
+from ..transfer.segments import Segment
 from .datafile import Digests
 
 # What each field of a stamp is, for the message naming what changed.

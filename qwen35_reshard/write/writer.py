@@ -44,7 +44,8 @@ from ..errors import ReshardError, param
 from ..format.identity import describe_differences
 from ..format.jsonio import dumps
 from ..format.names import CLAIM, LOCK, RUN_MANIFEST, RUN_MARKER
-from ..plan.planner import OutputFile, Plan, StagePlan
+from ..plan.layout import OutputFile
+from ..plan.planner import Plan, StagePlan
 from ..stage.manifest import damaged_side_files, file_sha256, stage_is_complete
 from ..stage.reader import read_run_record, stage_dirs
 from ..write.manifest import run_identity, run_manifest

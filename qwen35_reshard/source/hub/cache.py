@@ -1,0 +1,98 @@
+"""Where a Hub repo lives on this machine: its settings, the commit it is pinned to, its paths
+in huggingface_hub's cache and cached-assets folder, and the files this tool keeps there."""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ...format.names import TOOL_NAME, partial_name, process_token
+
+LISTING_NAME = "files.json"  # kept beside the headers: the repo's files and sizes at the commit
+LFS_NAME = "lfs-sha256.json"  # kept with it: each LFS file's sha256, as the Hub names its blob
+HEADER_SUFFIX = ".header"
+
+
+@dataclass(frozen=True)
+class HubSettings:
+    """How to reach the Hub. ``None`` means huggingface_hub's own default (``HF_ENDPOINT``,
+    ``HF_HUB_CACHE``, ``HF_ASSETS_CACHE``, ``HF_TOKEN`` or the saved login)."""
+
+    revision: str | None = None
+    token: str | None = field(default=None, repr=False)
+    endpoint: str | None = None
+    cache_dir: str | None = None
+    assets_dir: str | None = None
+    offline: bool = False
+
+
+@dataclass(frozen=True)
+class HubRepo:
+    """A repo pinned to one commit."""
+
+    repo_id: str
+    revision: str
+    commit: str
+    settings: HubSettings = field(repr=False)
+
+    @property
+    def offline(self) -> bool:
+        from huggingface_hub import constants as hf
+
+        return self.settings.offline or hf.is_offline_mode()
+
+    @property
+    def endpoint(self) -> str:
+        from huggingface_hub import constants as hf
+
+        return (self.settings.endpoint or hf.ENDPOINT).rstrip("/")
+
+    @property
+    def storage(self) -> Path:
+        from huggingface_hub import constants as hf
+        from huggingface_hub.file_download import repo_folder_name
+
+        cache = Path(self.settings.cache_dir or hf.HF_HUB_CACHE).expanduser()
+        return cache / repo_folder_name(repo_id=self.repo_id, repo_type="model")
+
+    @property
+    def snapshot(self) -> Path:
+        return self.storage / "snapshots" / self.commit
+
+    @property
+    def assets(self) -> Path:
+        from huggingface_hub.file_download import repo_folder_name
+        from huggingface_hub.utils import cached_assets_path
+
+        return cached_assets_path(
+            TOOL_NAME,
+            namespace=repo_folder_name(repo_id=self.repo_id, repo_type="model"),
+            subfolder=self.commit,
+            assets_dir=self.settings.assets_dir,
+        )
+
+    def describe(self) -> str:
+        return f"{self.repo_id}@{self.commit[:12]}"
+
+    def identity(self) -> dict:
+        """What the manifests record about the source: never the token or the endpoint's secrets."""
+        return {"repo_id": self.repo_id, "revision": self.revision, "commit": self.commit}
+
+
+_kept_lock = threading.Lock()  # this process's threads share its temporary names
+
+
+def write_kept(path: Path, data: bytes) -> None:
+    """Keep a header or file list: written under a temporary name of this process's (a Hub
+    cache may be shared by several processes and hosts) and renamed, so a killed run never
+    leaves a torn one that a later offline plan would trust."""
+    tmp = path.with_name(partial_name(path.name, process_token()))
+    with _kept_lock:
+        try:
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # a full disk, Ctrl-C: no temporary left in the cache
+            raise

@@ -1,0 +1,98 @@
+"""How each source shard reaches the stages a run builds: read from the cache, downloaded whole
+into it, or only the needed byte ranges."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ...errors import ReshardError
+from ...units import plural
+from ..ranged import RangeReader
+from .cache import HubRepo
+from .http import Traffic, hf_download, reader
+from .listing import repo_listing
+
+if TYPE_CHECKING:
+    from ..checkpoint import Checkpoint
+
+FETCH_CACHE, FETCH_WHOLE, FETCH_RANGES = "cache", "whole", "ranges"
+
+
+@dataclass(frozen=True)
+class ShardFetch:
+    """How one source shard reaches the stages built by this run."""
+
+    file: str
+    how: str  # FETCH_CACHE, FETCH_WHOLE or FETCH_RANGES
+    size: int  # the file's size
+    needed: int  # data bytes of it that the stages built need (each tensor once)
+
+
+def fetch_plan(ckpt: Checkpoint, needed: dict[str, set[str]], cached: set[str]) -> dict[str, ShardFetch]:
+    """Per shard of ``needed``: read from the cache (``cached``), downloaded whole (every tensor
+    of it is needed), or only the needed ranges. Pure."""
+    in_file: dict[str, int] = {}
+    for t in ckpt.tensors.values():
+        in_file[t.file] = in_file.get(t.file, 0) + 1
+    out = {}
+    for file, names in sorted(needed.items()):
+        how = FETCH_CACHE if file in cached else FETCH_WHOLE if len(names) == in_file[file] else FETCH_RANGES
+        out[file] = ShardFetch(file, how, ckpt.file_sizes[file], sum(ckpt.tensors[n].nbytes for n in names))
+    return out
+
+
+class HubFetcher:
+    """Hands the copy each source shard: a cached file, a file downloaded whole into the
+    cache, or a range reader. ``on_fetched(n)`` sees whole-file download progress."""
+
+    def __init__(
+        self,
+        repo: HubRepo,
+        ckpt: Checkpoint,
+        needed: dict[str, set[str]],
+        *,
+        traffic: Traffic | None = None,
+        on_fetched: Callable[[int], None] = lambda n: None,
+    ) -> None:
+        self.repo = repo
+        self.ckpt = ckpt
+        self.traffic = traffic if traffic is not None else Traffic()
+        self.on_fetched = on_fetched
+        cached = {f for f in needed if (repo.snapshot / f).is_file()}
+        self.fetches = fetch_plan(ckpt, needed, cached)
+
+    def prepare(self) -> None:
+        """Offline, name every file the run needs that the cache lacks; online, fetch the
+        non-weight files every stage gets (small) into the cache."""
+        missing = [f.file for f in self.fetches.values() if f.how != FETCH_CACHE]
+        missing += [n for n in self.ckpt.extra_files if not (self.repo.snapshot / n).is_file()]
+        if self.repo.offline and missing:
+            raise ReshardError(
+                f"{self.repo.describe()}: offline, and the Hugging Face cache ({self.repo.storage}) lacks "
+                f"{plural(len(missing), 'file')} this run needs: {', '.join(missing)}; run with network "
+                f"access, or download {'it' if len(missing) == 1 else 'them'} first (`hf download`)"
+            )
+        fetch_files(self.repo, self.ckpt.extra_files, self.traffic)
+
+    @property
+    def download_bytes(self) -> int:
+        """Bytes of the shards this run downloads whole."""
+        return sum(f.size for f in self.fetches.values() if f.how == FETCH_WHOLE)
+
+    def open(self, file: str) -> str | RangeReader:
+        """The source of ``file`` for the copy: a local path or a range reader."""
+        fetch = self.fetches[file]
+        if fetch.how == FETCH_RANGES:
+            return reader(self.repo, file, size=fetch.size, traffic=self.traffic)
+        if fetch.how == FETCH_WHOLE:
+            return hf_download(self.repo, file, self.traffic, size=fetch.size, on_bytes=self.on_fetched)
+        return str(self.repo.snapshot / file)
+
+
+def fetch_files(repo: HubRepo, names: tuple[str, ...], traffic: Traffic | None = None) -> None:
+    """Small files (tokenizer, configs, ...) into the cache, where the copy reads them."""
+    listing = repo_listing(repo)
+    for name in names:
+        hf_download(repo, name, traffic if traffic is not None else Traffic(), size=listing.get(name, 0))

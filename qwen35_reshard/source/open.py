@@ -1,0 +1,94 @@
+"""MODEL as the user wrote it: a local checkpoint directory, a cache repo folder, a single
+``model.safetensors``, or a Hub repo id."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..errors import ReshardError, param
+from ..format.names import CACHE_REPO_PREFIX, COMMIT, INDEX_NAME, SINGLE_FILE_NAME
+from .hub.cache import HubRepo, HubSettings
+from .hub.checkpoint import read_hub_checkpoint
+from .hub.http import Traffic, resolve
+
+if TYPE_CHECKING:
+    from .checkpoint import Checkpoint
+
+REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def is_repo_id(model: str) -> bool:
+    """``org/name`` that is not an existing local path."""
+    return bool(REPO_ID.fullmatch(model)) and not os.path.exists(model)
+
+
+def cache_repo_snapshot(path: Path, revision: str | None) -> Path | None:
+    """For a cache repo folder (``.../models--org--name``), its snapshot of ``revision``
+    (default ``main``) through ``refs/``; None when ``path`` is not such a folder."""
+    if not path.name.startswith(CACHE_REPO_PREFIX) or not (path / "snapshots").is_dir():
+        return None
+    rev = revision or "main"
+    if COMMIT.fullmatch(rev):
+        commit = rev
+    else:
+        ref = path / "refs" / rev
+        if not ref.is_file():
+            known = sorted(p.name for p in (path / "refs").glob("*")) if (path / "refs").is_dir() else []
+            raise ReshardError(
+                f"{path}: a Hugging Face cache repo folder with no refs/{rev}"
+                + (f" (it has {', '.join(known)})" if known else "")
+                + f"; pass a revision it has, or the snapshot directory {path / 'snapshots'}/<commit>"
+            )
+        commit = ref.read_text().strip()
+    snapshot = path / "snapshots" / commit
+    if not snapshot.is_dir():
+        raise ReshardError(f"{path}: refs/{rev} names commit {commit} but snapshots/{commit} is missing")
+    return snapshot
+
+
+def open_model(
+    model: str, settings: HubSettings, *, traffic: Traffic | None = None
+) -> tuple[Checkpoint, HubRepo | None]:
+    """MODEL as the user wrote it: a local checkpoint directory, a cache repo folder
+    (``models--org--name``, resolved through ``refs/``), the ``model.safetensors`` of a
+    single-file checkpoint (read as its directory) or a Hub repo id. Returns the checkpoint
+    and, for a repo id, the pinned repo (None for local sources)."""
+    from .checkpoint import read_checkpoint
+
+    path = Path(model)
+    if path.is_file() and path.name.endswith(".safetensors"):
+        path = _single_file_dir(path, model)
+    if path.is_dir():
+        snapshot = cache_repo_snapshot(path, settings.revision)
+        if snapshot is None and settings.revision is not None:
+            raise ReshardError(
+                f"{model}: {param('revision')} applies to a Hub repo id or a cache repo folder "
+                "(models--org--name), not to a plain directory"
+            )
+        return read_checkpoint(snapshot or path), None
+    if is_repo_id(model):
+        repo = resolve(model, settings)
+        return read_hub_checkpoint(repo, traffic=traffic), repo
+    raise ReshardError(
+        f"{model}: not a directory, and not a Hugging Face Hub repo id (org/name); pass the checkpoint's "
+        f"directory or its repo id as {param('model')}"
+    )
+
+
+def _single_file_dir(path: Path, model: str) -> Path:
+    """The directory of ``path``, a ``.safetensors`` file named as MODEL, when that file is the
+    whole checkpoint: the directory's one data file, as every reader of the directory sees it."""
+    if (path.parent / INDEX_NAME).exists():
+        raise ReshardError(
+            f"{model}: one shard of the checkpoint in {path.parent}, whose {INDEX_NAME} lists its shards; "
+            f"pass the directory {path.parent} as {param('model')}"
+        )
+    if path.name != SINGLE_FILE_NAME:
+        raise ReshardError(
+            f"{model}: a checkpoint without {INDEX_NAME} holds its tensors in {SINGLE_FILE_NAME} (the name "
+            f"servers and transformers look for); rename the file, or pass a directory as {param('model')}"
+        )
+    return path.parent
