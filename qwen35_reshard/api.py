@@ -465,8 +465,11 @@ def repair(
     """Verify the split in ``out_dir`` against ``source``, rewrite what is damaged, verify again.
 
     The plan is rebuilt from the settings the split records (as ``verify`` with a source does);
-    only the files verify finds damaged, missing or truncated are rewritten, a stage's index and
-    manifest only when among them; stray data files and temporaries verify names are deleted.
+    only the files that fail their own manifest (damaged, missing or truncated) are rewritten, a
+    stage's index and manifest only when among them; stray data files and temporaries verify
+    names are deleted. Before anything is written, the source's bytes of the files to rewrite
+    must hash to the digests their manifest records, and no intact file may hold other bytes
+    than the source's: else the source is not the split's, and nothing is written.
     What a rewrite cannot mend (an unfinished run) is left for the second verify to report. In
     a run directory all of it holds OUT's lock: a split of the same OUT started meanwhile
     waits, and a split another live run is writing is refused, not mended under its feet.
@@ -482,7 +485,8 @@ def repair(
 
     Raises:
         ReshardError: ``source`` is not a directory, the split records no readable settings,
-            it was made from another checkpoint, or another live run is writing it.
+            it was made from another checkpoint (another layout, or other bytes: one tensor
+            named), or another live run is writing it.
 
     Example:
         >>> import os

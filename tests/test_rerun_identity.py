@@ -197,8 +197,12 @@ def test_repair_from_other_bytes_with_a_damaged_file_writes_nothing(a, b, tmp_pa
     damaged = sorted(out.glob("pp1/*.safetensors"))[0]
     flip(damaged, damaged.stat().st_size - 1)
     before, damaged_bytes = stamps(out), damaged.read_bytes()
-    error_line(cli("verify", out, "--source", b, "--repair"))
+    line = error_line(cli("verify", out, "--source", b, "--repair"))
     assert stamps(out) == before and damaged.read_bytes() == damaged_bytes
+    # The advice: the checkpoint the split was made from, as --source.
+    assert "pass the checkpoint the split was made from as --source" in line, line
+    ok(cli("verify", out, "--source", a, "--repair"))
+    ok(cli("verify", out, "--source", a))
 
 
 def test_repair_rewrites_only_the_damaged_file(a, tmp_path):
