@@ -5,37 +5,14 @@ and files; two checkpoints of one layout and other bytes stand for two steps of 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def cli(*args, env=None) -> subprocess.CompletedProcess:
-    """``python -m qwen35_reshard ARGS`` in a subprocess."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-    cmd = [sys.executable, "-m", "qwen35_reshard", *map(str, args)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-
-
-def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
-    return proc
-
-
-def error_line(proc: subprocess.CompletedProcess) -> str:
-    """The one ``error:`` line of a refused run: exit 2, no traceback."""
-    assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
-    return lines[0]
+from test_trust import cli, error_line, ok
 
 
 def run_advice(command: str) -> subprocess.CompletedProcess:
