@@ -309,3 +309,39 @@ def test_copied_stages_are_checked_on_their_own_and_told_how_to_check_them_as_on
     ok(run_advice(advice.group(1)))
     subprocess.run(["cp", "-a", str(out / "pp0"), str(out / "pp2"), str(node)], check=True)
     ok(cli("verify", node))
+
+
+# --------------------------------------------------------------------------- 1 with shared blocks
+
+
+@pytest.fixture(scope="module")
+def xfs(tmp_path_factory):
+    """A loop-mounted XFS filesystem, as test_reflink makes them, unmounted after."""
+    from test_reflink import _mount
+
+    mnt = _mount("xfs", tmp_path_factory.mktemp("xfs"))
+    yield mnt
+    subprocess.run(["umount", str(mnt)], check=False, capture_output=True)
+
+
+def test_a_split_that_shared_blocks_is_compared_with_its_own_bytes(xfs, tiny):
+    """On XFS the split shares the source's blocks and records no digest for those tensors: a
+    rerun from other bytes of one layout is still refused naming a tensor (compared with the
+    stage's own bytes), and the same bytes stamped anew are still nothing to do."""
+    from test_reflink import CKPT
+
+    root = xfs / "rerun"
+    a = tiny.build_checkpoint(root / "a", **CKPT)
+    b = tiny.build_checkpoint(root / "b", **{**CKPT, "seed": 1})
+    out = root / "out"
+    ok(cli("--pp", 2, "--reflink", "always", a, out))
+    manifest = json.loads((out / "pp0" / "reshard-stage.json").read_text())
+    assert any(t["sha256"] is None for t in manifest["tensors"].values())  # shared, not hashed
+    line = error_line(cli("--pp", 2, b, out))
+    assert "differs" in line and "--overwrite" in line, line
+    for shard in shards(a):
+        data = shard.read_bytes()
+        shard.unlink()
+        shard.write_bytes(data)
+    ok(cli("--pp", 2, a, out))
+    ok(cli("verify", out, "--source", a))
