@@ -1,6 +1,7 @@
 """Deciding what a write does with an existing OUT, before anything is written: start anew,
 nothing (complete), resume an unfinished run with the same settings, or replace a split made
-with other settings; or refuse (OUT is a file, holds files this tool did not write, ...).
+with other settings or from other bytes (``write.sources``); or refuse (OUT is a file, holds
+files this tool did not write, ...).
 
 The one decision both a real run and a preview (``plan``, ``--dry-run``) take. Reads only.
 """

@@ -10,6 +10,12 @@ back, changes its ctime), and every shard once more before any stage is declared
 A Hub source is pinned to one commit: every byte fetched is named by it; a shard copied whole
 from a cached blob is hashed as it streams by and compared with the Hub's LFS sha256
 (:class:`BlobCheck`).
+
+A split's source is part of its identity, bytes included: the run marker and ``reshard.json``
+record each local shard's stamp (:func:`source_stamps`). A later run over the same OUT keeps
+what is there only for the shards whose stamp is unchanged (:func:`changed_files`: no read),
+or whose tensors hash to what OUT holds (:func:`source_difference`); else OUT holds another
+split (the next checkpoint of a training run has the same layout and other bytes).
 """
 
 from __future__ import annotations
