@@ -207,7 +207,8 @@ def reshard(
         workers: source shards copied at once.
         reflink: ``"auto"`` shares the source's blocks where the filesystem can, ``"always"``
             refuses where it cannot, ``"never"`` copies.
-        overwrite: replace an OUT that holds a split made with other settings.
+        overwrite: replace an OUT that holds a split made with other settings, or from other
+            bytes (a source of the same layout whose tensors differ from the ones OUT holds).
         dry_run: plan and assess OUT only; write (and download) nothing.
         revision, token, offline: for a Hub repo id: branch, tag or commit; token (default:
             ``HF_TOKEN`` or the saved login); use only the Hugging Face cache.
