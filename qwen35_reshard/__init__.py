@@ -31,8 +31,12 @@ if TYPE_CHECKING:
     from .api import RepairResult, ReshardProgress, ReshardResult, repair, reshard
     from .loader import open_stage
     from .plan.balance import Choice, choose
+    from .plan.capacity import Capacity
+    from .plan.nodes import Nodes
     from .plan.planner import Plan, make_plan
     from .source.checkpoint import Checkpoint, read_checkpoint
+    from .source.hub.cache import HubSettings
+    from .write.options import WriteOptions
     from .write.writer import Reporter, WriteResult, write_plan
 
 _LAZY = {
@@ -41,6 +45,10 @@ _LAZY = {
     "ReshardProgress": ".api",
     "repair": ".api",
     "RepairResult": ".api",
+    "Capacity": ".plan.capacity",
+    "Nodes": ".plan.nodes",
+    "HubSettings": ".source.hub.cache",
+    "WriteOptions": ".write.options",
     "Choice": ".plan.balance",
     "choose": ".plan.balance",
     "open_stage": ".loader",
@@ -54,14 +62,18 @@ _LAZY = {
 }
 
 __all__ = [
+    "Capacity",
     "Checkpoint",
     "Choice",
+    "HubSettings",
+    "Nodes",
     "Plan",
     "RepairResult",
     "Reporter",
     "ReshardError",
     "ReshardProgress",
     "ReshardResult",
+    "WriteOptions",
     "WriteResult",
     "__version__",
     "choose",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import gc
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -21,10 +21,10 @@ from .errors import ReshardError, param
 from .format.names import RUN_MANIFEST, stage_dir_rank
 from .model.runtimes import parse_partition
 from .plan.balance import Choice, choose
-from .plan.capacity import DEFAULT_MEM_FRACTION, Capacity
+from .plan.capacity import Capacity
 from .plan.fetch import fetch_report, needed_by
-from .plan.nodes import Node, given_node, node_from_env
-from .plan.planner import DEFAULT_MAX_FILE_BYTES, Plan, make_plan, recorded_plan
+from .plan.nodes import Node, Nodes, pick_node
+from .plan.planner import Plan, make_plan, recorded_plan
 from .source.checkpoint import Checkpoint, read_checkpoint, source_identity
 from .source.hub.cache import HubRepo, HubSettings
 from .source.hub.fetch import HubFetcher
@@ -33,6 +33,7 @@ from .source.open import open_model
 from .verify.check import verify
 from .verify.report import VerifyReport
 from .write.manifest import run_manifest
+from .write.options import DEFAULTS, WriteOptions
 from .write.repair import (
     damaged_files,
     recorded_identity,
@@ -42,8 +43,8 @@ from .write.repair import (
     source_mismatch,
     without_lock,
 )
+from .write.sources import SourceAccess
 from .write.writer import (
-    DEFAULT_WORKERS,
     OutState,
     Reporter,
     WriteResult,
@@ -52,7 +53,17 @@ from .write.writer import (
     write_plan,
 )
 
-__all__ = ["RepairResult", "ReshardProgress", "ReshardResult", "repair", "reshard"]
+__all__ = [
+    "Capacity",
+    "HubSettings",
+    "Nodes",
+    "RepairResult",
+    "ReshardProgress",
+    "ReshardResult",
+    "WriteOptions",
+    "repair",
+    "reshard",
+]
 
 
 class ReshardProgress(Reporter):
@@ -158,23 +169,12 @@ def reshard(
     pp: int,
     runtime: str = "sglang",
     partition: Sequence[int] | str | None = None,
-    gpu_memory: int | None = None,
-    context_length: int | None = None,
-    tp: int | None = None,
-    mem_fraction: float | None = None,
+    capacity: Capacity | None = None,
     ranks: Sequence[int] | str | None = None,
-    nnodes: int | None = None,
-    node_rank: int | None = None,
-    env: Mapping[str, str] | None = None,
-    keep_mtp: bool = True,
-    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
-    workers: int = DEFAULT_WORKERS,
-    reflink: str = "auto",
-    overwrite: bool = False,
+    nodes: Nodes | None = None,
+    hub: HubSettings | None = None,
+    write: WriteOptions = DEFAULTS,
     dry_run: bool = False,
-    revision: str | None = None,
-    token: str | None = None,
-    offline: bool = False,
     progress: Reporter | None = None,
 ) -> ReshardResult:
     """Split ``model`` into ``out_dir``/pp0, pp1, ...: what ``qwen35-reshard split`` does.
@@ -188,30 +188,18 @@ def reshard(
         partition: decoder layers per stage (a list, or ``"15,15,15,15"``), ``"balanced"``
             (the split whose fullest stage holds the fewest bytes), or None for the runtime's
             own split.
-        gpu_memory: with ``partition="balanced"``: size the split for serving on GPUs of this
-            many bytes (maximise the requests the worst stage holds); needs ``context_length``.
-        context_length: with ``gpu_memory``: tokens per request.
-        tp: with ``gpu_memory``: tensor-parallel size of each stage (default 1).
-        mem_fraction: with ``gpu_memory``: share of GPU memory the server uses for weights and
-            cache (default 0.9).
+        capacity: with ``partition="balanced"``: size the split for serving (maximise the
+            requests the worst stage holds) on these GPUs (:class:`Capacity`).
         ranks: build only these stages (default: all); ``"auto"``: the stages of the node this
             runs on, its index and the node count read from the scheduler's variables in
-            ``env`` (Slurm, Kubernetes, torchrun: :mod:`qwen35_reshard.plan.nodes` lists them).
-        nnodes: the nodes the servers run on: with ``node_rank``, build the stages SGLang and
-            vLLM run on that node; with ``ranks="auto"``, the count the environment must agree
-            with (or, where it gives none, the count).
-        node_rank: this node, 0 to ``nnodes - 1``.
-        env: the environment ``ranks="auto"`` reads (default: ``os.environ``).
-        keep_mtp: False leaves the ``mtp.*`` tensors out on purpose (recorded in the manifest).
-        max_file_bytes: largest output data file.
-        workers: source shards copied at once.
-        reflink: ``"auto"`` shares the source's blocks where the filesystem can, ``"always"``
-            refuses where it cannot, ``"never"`` copies.
-        overwrite: replace an OUT that holds a split made with other settings, or from other
-            bytes (a source of the same layout whose tensors differ from the ones OUT holds).
+            ``nodes.env`` (Slurm, Kubernetes, torchrun: :mod:`qwen35_reshard.plan.nodes` lists them).
+        nodes: the nodes the servers run on (:class:`Nodes`): with ``nnodes`` and ``node_rank``,
+            build the stages SGLang and vLLM run on that node; with ``ranks="auto"``, the count
+            the environment must agree with, and the environment to read (default: ``os.environ``).
+        hub: for a Hub repo id: revision, token, offline, ... (:class:`HubSettings`).
+        write: what OUT gets and how it is written: ``keep_mtp``, ``max_file_bytes``,
+            ``overwrite``, ``workers``, ``reflink`` (:class:`WriteOptions`).
         dry_run: plan and assess OUT only; write (and download) nothing.
-        revision, token, offline: for a Hub repo id: branch, tag or commit; token (default:
-            ``HF_TOKEN`` or the saved login); use only the Hugging Face cache.
         progress: progress callbacks: a :class:`Reporter`, or a :class:`ReshardProgress` to also
             hear warnings, the node, the plan before writing and Hub downloads.
 
@@ -224,32 +212,34 @@ def reshard(
             line naming the parameter at fault; a ValueError, so ``except ValueError`` works.
 
     Example:
-        >>> from qwen35_reshard import reshard
+        >>> from qwen35_reshard import Nodes, WriteOptions, reshard
         >>> preview = reshard(MODEL, OUT, pp=3, partition="balanced", dry_run=True)
         >>> preview.choice.partition, preview.out_state.action, preview.written
         ((3, 3, 2), 'new', None)
-        >>> result = reshard(MODEL, OUT, pp=4)
+        >>> result = reshard(MODEL, OUT, pp=4, write=WriteOptions(workers=4))
         >>> result.launch_env, result.written.built, result.bytes_copied > 0
         ('SGLANG_PP_LAYER_PARTITION=2,2,2,2', [0, 1, 2, 3], True)
         >>> on_node = {"LWS_WORKER_INDEX": "1", "LWS_GROUP_SIZE": "2"}  # what LeaderWorkerSet sets
-        >>> reshard(MODEL, OUT, pp=4, ranks="auto", env=on_node, dry_run=True).node.describe()
+        >>> reshard(MODEL, OUT, pp=4, ranks="auto", nodes=Nodes(env=on_node), dry_run=True).node.describe()
         'rank 1 of 2 from LWS_WORKER_INDEX, LWS_GROUP_SIZE: stages 2, 3'
     """
     out = None if out_dir is None else Path(out_dir)
-    _check_run(model, out, dry_run=dry_run, workers=workers)
-    capacity = _capacity(partition, gpu_memory, context_length, tp, mem_fraction)
+    _check_run(model, out, dry_run=dry_run, workers=write.workers)
+    if capacity is not None and partition != "balanced":
+        raise ReshardError(
+            f"{param('capacity')} sizes {param('partition', 'balanced')} for serving: add "
+            f"{param('partition', 'balanced')}"
+        )
     events = progress if isinstance(progress, ReshardProgress) else ReshardProgress()
-    node = _node(ranks, nnodes, node_rank, pp=pp, env=env)
+    node = pick_node(ranks, nodes, pp=pp, environ=os.environ)
     if node is not None:
         events.located(node)
         ranks = node.stages
     traffic = Traffic()
     with _collector_paused():
-        ckpt, repo = _open(
-            model, HubSettings(revision=revision, token=token, offline=offline), traffic, events
-        )
+        ckpt, repo = _open(model, hub or HubSettings(), traffic, events)
         choice, sizes = _partition(
-            ckpt, partition, pp=pp, runtime=runtime, keep_mtp=keep_mtp, capacity=capacity
+            ckpt, partition, pp=pp, runtime=runtime, keep_mtp=write.keep_mtp, capacity=capacity
         )
         plan = make_plan(
             ckpt,
@@ -257,16 +247,14 @@ def reshard(
             runtime=runtime,
             partition=sizes,
             ranks=None if ranks is None else list(ranks),
-            keep_mtp=keep_mtp,
-            max_file_bytes=max_file_bytes,
+            keep_mtp=write.keep_mtp,
+            max_file_bytes=write.max_file_bytes,
         )
     events.planned(plan, choice)
     planned = ReshardResult(plan, out, choice, tuple(ckpt.unlisted), node=node)
     if dry_run:
-        return _preview(planned, repo, traffic, overwrite=overwrite)
-    return _write(
-        planned, repo, traffic, progress, events, overwrite=overwrite, workers=workers, reflink=reflink
-    )
+        return _preview(planned, repo, traffic, overwrite=write.overwrite)
+    return _write(planned, repo, traffic, progress, events, write)
 
 
 def _check_run(model: str | os.PathLike[str], out: Path | None, *, dry_run: bool, workers: int) -> None:
@@ -277,39 +265,6 @@ def _check_run(model: str | os.PathLike[str], out: Path | None, *, dry_run: bool
         check_out_dir(Path(model), out)
     if workers < 1:
         raise ReshardError(f"{param('workers')} must be at least 1, got {workers}")
-
-
-def _node(
-    ranks: Sequence[int] | str | None,
-    nnodes: int | None,
-    node_rank: int | None,
-    *,
-    pp: int,
-    env: Mapping[str, str] | None,
-) -> Node | None:
-    """The node whose stages this run builds (None: ``ranks`` or all stages), from the
-    environment (``ranks="auto"``) or from ``nnodes`` and ``node_rank``."""
-    if ranks == "auto":
-        if node_rank is not None:
-            raise ReshardError(
-                f"{param('ranks', 'auto')} reads the node rank from the environment: drop "
-                f"{param('node_rank')}"
-            )
-        return node_from_env(os.environ if env is None else env, pp, nnodes)
-    if isinstance(ranks, str):
-        raise ReshardError(f"{param('ranks', ranks)} must be stage numbers or 'auto'")
-    if nnodes is None and node_rank is None:
-        return None
-    if ranks is not None:
-        raise ReshardError(
-            f"{param('ranks')} picks the stages itself: drop {param('nnodes')} and {param('node_rank')}, "
-            f"or {param('ranks')}"
-        )
-    if nnodes is None or node_rank is None:
-        raise ReshardError(
-            f"{param('nnodes')} and {param('node_rank')} go together: pass both, or {param('ranks', 'auto')}"
-        )
-    return given_node(pp, nnodes, node_rank)
 
 
 def _open(
@@ -345,10 +300,7 @@ def _write(
     traffic: Traffic,
     progress: Reporter | None,
     events: ReshardProgress,
-    *,
-    overwrite: bool,
-    workers: int,
-    reflink: str,
+    options: WriteOptions,
 ) -> ReshardResult:
     """A real run's result: the plan written into OUT, its Hub shards fetched as it goes."""
     plan = planned.plan
@@ -359,15 +311,8 @@ def _write(
         fetcher = HubFetcher(repo, plan.checkpoint, needed, traffic=traffic, on_fetched=events.fetched)
         events.expect_downloads(fetcher.download_bytes)
         fetcher.prepare()
-    written = write_plan(
-        plan,
-        planned.out_dir,
-        overwrite=overwrite,
-        workers=workers,
-        reporter=progress,
-        open_source=fetcher.open if fetcher is not None else None,
-        reflink=reflink,
-    )
+    source = SourceAccess.fetched(fetcher.open) if fetcher is not None else None
+    written = write_plan(plan, planned.out_dir, options, reporter=progress, source=source)
     seconds = time.monotonic() - started
     fetch = fetch_report(plan, fetcher) if fetcher is not None else None
     return replace(planned, written=written, seconds=seconds, fetch=fetch)
@@ -376,46 +321,16 @@ def _write(
 @contextmanager
 def _collector_paused() -> Iterator[None]:
     """Reading and planning make a few small objects per tensor (~190,000 for a 397B FP8
-    checkpoint), none of them cyclic: the garbage collector would only slow them, and what they
-    made lives on, frozen so that no collection walks it again (the first one after enable()
-    would take ~0.2 s at 190,000 tensors)."""
+    checkpoint), none of them cyclic: the garbage collector would only slow them. Its state is
+    the caller's again afterwards (a caller that had disabled it keeps it disabled); nothing
+    is frozen (the CLI's own process keeps its collector off: see ``cli.process``)."""
+    was_enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
-        gc.freeze()
-        gc.enable()
-
-
-def _capacity(
-    partition: Sequence[int] | str | None,
-    gpu_memory: int | None,
-    context_length: int | None,
-    tp: int | None,
-    mem_fraction: float | None,
-) -> Capacity | None:
-    """Capacity mode's settings, or None; each of its options needs ``gpu_memory`` and balanced."""
-    options = (("tp", tp), ("context_length", context_length), ("mem_fraction", mem_fraction))
-    given = [name for name, value in options if value is not None]
-    if gpu_memory is None:
-        if given:
-            raise ReshardError(f"{param(given[0])} sizes capacity mode: it needs {param('gpu_memory')}")
-        return None
-    if partition != "balanced":
-        raise ReshardError(
-            f"{param('gpu_memory')} sizes {param('partition', 'balanced')} for serving: add "
-            f"{param('partition', 'balanced')}"
-        )
-    if context_length is None:
-        raise ReshardError(
-            f"{param('gpu_memory')} needs {param('context_length')}, the tokens each request may hold"
-        )
-    return Capacity(
-        gpu_bytes=gpu_memory,
-        mem_fraction=DEFAULT_MEM_FRACTION if mem_fraction is None else mem_fraction,
-        tp=1 if tp is None else tp,
-        context_length=context_length,
-    )
+        if was_enabled:
+            gc.enable()
 
 
 def _partition(
@@ -460,7 +375,7 @@ def repair(
     out_dir: str | os.PathLike[str],
     source: str | os.PathLike[str],
     *,
-    workers: int = DEFAULT_WORKERS,
+    write: WriteOptions = DEFAULTS,
     on_wait: Callable[[str], None] = lambda message: None,
 ) -> RepairResult:
     """Verify the split in ``out_dir`` against ``source``, rewrite what is damaged, verify again.
@@ -478,7 +393,8 @@ def repair(
     Args:
         out_dir: the run directory OUT, or one stage directory OUT/ppN.
         source: the local checkpoint directory the split was made from.
-        workers: source shards copied at once.
+        write: how to write: its ``workers``, the source shards copied at once (the split's
+            own settings are the ones its manifest records).
         on_wait: called with a message when the repair waits for another run changing OUT.
 
     Returns:
@@ -510,7 +426,7 @@ def repair(
     single = stage_dir_rank(target) is not None and not (target / RUN_MANIFEST).exists()
     out = target.parent if single else target
     with repair_lock(out, single, on_wait) as now:
-        return _repair(target, out, single, source, workers, now)
+        return _repair(target, out, single, source, write.workers, now)
 
 
 def _verify_locked(target: Path, source: str | os.PathLike[str]) -> VerifyReport:

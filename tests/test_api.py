@@ -4,6 +4,7 @@ that returns what the CLI shows, with errors in the library's own parameter name
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import json
 import os
@@ -17,8 +18,9 @@ from hub_server import HubServer
 import qwen35_reshard
 from qwen35_reshard import ReshardError, ReshardProgress, choose, read_checkpoint, reshard
 from qwen35_reshard.cli import main
-from qwen35_reshard.plan.capacity import Capacity
+from qwen35_reshard.plan.capacity import Capacity, capacity_from
 from qwen35_reshard.verify import verify
+from qwen35_reshard.write.options import WriteOptions
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -105,14 +107,8 @@ def test_progress_hears_warnings_the_plan_then_the_write(make_checkpoint, tmp_pa
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"tp": 2}, "tp sizes capacity mode: it needs gpu_memory"),
-        ({"gpu_memory": 10**9, "context_length": 8}, "gpu_memory sizes partition='balanced' for serving"),
-        ({"gpu_memory": 10**9, "partition": "balanced"}, "gpu_memory needs context_length"),
-        (
-            {"gpu_memory": 10**9, "partition": "balanced", "context_length": 8, "mem_fraction": 1.5},
-            r"mem_fraction must be in \(0, 1\], got 1.5",
-        ),
-        ({"workers": 0}, "workers must be at least 1, got 0"),
+        ({"capacity": Capacity(10**9, 0.9, 1, 8)}, "capacity sizes partition='balanced' for serving"),
+        ({"write": WriteOptions(workers=0)}, "workers must be at least 1, got 0"),
         ({"dry_run": False}, "out_dir is needed to write the split"),
     ],
 )
@@ -120,6 +116,26 @@ def test_errors_name_the_library_parameters(model, kwargs, message):
     with pytest.raises(ValueError, match=message) as e:  # ReshardError is a ValueError
         reshard(model, None, **{"pp": 2, "dry_run": True, **kwargs})
     assert isinstance(e.value, ReshardError) and "--" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"tp": 2}, "tp sizes capacity mode: it needs gpu_memory"),
+        ({"gpu_memory": 10**9, "context_length": 8}, "gpu_memory sizes partition='balanced' for serving"),
+        ({"gpu_memory": 10**9, "partition": "balanced"}, "gpu_memory needs context_length"),
+        (
+            {"gpu_memory": 10**9, "partition": "balanced", "context_length": 8, "mem_fraction": 1.5},
+            r"mem_fraction must be in \(0, 1\], got 1.5",
+        ),
+    ],
+)
+def test_capacity_options_name_their_parameters(kwargs, message):
+    """The CLI's separate sizing flags become one Capacity, or the error names the flag at fault."""
+    options = dict.fromkeys(("partition", "gpu_memory", "context_length", "tp", "mem_fraction"))
+    options.update(kwargs)
+    with pytest.raises(ReshardError, match=message):
+        capacity_from(options.pop("partition"), **options)
 
 
 def test_capacity_is_checked_where_it_is_made():
@@ -137,16 +153,16 @@ def test_repair_needs_a_local_source(model, tmp_path):
 
 _HUB_RUN = """
 import json, sys
-from qwen35_reshard import ReshardProgress, reshard
+from qwen35_reshard import HubSettings, ReshardProgress, reshard
 
 class Downloads(ReshardProgress):
     expected = got = 0
     def expect_downloads(self, n): self.expected += n
     def fetched(self, n): self.got += n
 
-preview = reshard("Qwen/Tiny", sys.argv[1], pp=2, ranks=[1], dry_run=True, revision="v1")
+preview = reshard("Qwen/Tiny", sys.argv[1], pp=2, ranks=[1], dry_run=True, hub=HubSettings(revision="v1"))
 progress = Downloads()
-done = reshard("Qwen/Tiny", sys.argv[1], pp=2, ranks=[1], revision="v1", progress=progress)
+done = reshard("Qwen/Tiny", sys.argv[1], pp=2, ranks=[1], hub=HubSettings(revision="v1"), progress=progress)
 print(json.dumps({"preview": preview.fetch, "state": preview.out_state.action, "built": done.written.built,
                   "fetch": done.fetch, "expected": progress.expected, "fetched": progress.got}))
 """
@@ -184,3 +200,22 @@ def test_hub_repo_id_as_a_library_call(make_checkpoint, tmp_path):
         if f.name == "reshard-stage.json":  # records where the source came from: differs
             continue
         assert (tmp_path / "out" / "pp1" / f.name).read_bytes() == f.read_bytes(), f.name
+
+
+def test_reshard_leaves_the_callers_collector_as_it_found_it(model, tmp_path, capsys):
+    """The library pauses the garbage collector while it plans, and restores it as it was: a
+    caller that disabled it keeps it disabled, and nothing of the caller's process is frozen
+    (reshard() used to enable it and gc.freeze() ~28,000 objects). The command line run
+    in-process (argv given) is a library caller too; only its own process plays tricks."""
+    frozen = gc.get_freeze_count()
+    gc.disable()
+    try:
+        reshard(model, tmp_path / "out", pp=2)
+        assert not gc.isenabled()
+        assert main(["plan", "--pp", "2", str(model)]) == 0
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    reshard(model, None, pp=2, dry_run=True)
+    assert gc.isenabled()
+    assert gc.get_freeze_count() == frozen

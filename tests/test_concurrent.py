@@ -402,7 +402,7 @@ def test_a_run_that_cannot_start_gives_up_its_claims(model, clean, tmp_path):
     """A run that fails after claiming its stages (here: a file in the way of a stage it
     resumes) gives its claims up: the same call again in the same process fails the same
     way, rather than waiting for ever for the stage it claimed itself."""
-    from qwen35_reshard import ReshardError, reshard
+    from qwen35_reshard import ReshardError, WriteOptions, reshard
 
     out = Path(shutil.copytree(clean, tmp_path / "out"))
     (out / "pp0" / "model.safetensors.index.json").unlink()
@@ -411,7 +411,7 @@ def test_a_run_that_cannot_start_gives_up_its_claims(model, clean, tmp_path):
     data.mkdir()
     for _ in range(2):
         with pytest.raises(ReshardError, match=data.name):
-            reshard(model, out, pp=PP, workers=1)
+            reshard(model, out, pp=PP, write=WriteOptions(workers=1))
         assert not (out / "pp0" / CLAIM).exists()
 
 

@@ -39,11 +39,12 @@ LAYERS = [
                    "verify.selection", "verify.check"]),
     (7, "loader", ["loader", "loader.vllm", "loader.sglang"]),
     (7, "write", ["write", "write.claims", "write.durability", "write.journal", "write.datafile",
-                  "write.assemble", "write.assess", "write.sources", "write.outdir", "write.finish",
-                  "write.manifest",
+                  "write.assemble", "write.assess", "write.sources", "write.provenance", "write.outdir",
+                  "write.finish",
+                  "write.manifest", "write.options",
                   "write.writer", "write.repair"]),
     (8, "api", ["", "api"]),  # "": the package itself, whose names load on first use
-    (9, "cli", ["cli", "cli.report", "cli.app", "__main__"]),
+    (9, "cli", ["cli", "cli.report", "cli.flags", "cli.process", "cli.app", "__main__"]),
 ]  # fmt: skip
 LAYER = {
     f"qwen35_reshard.{m}".rstrip("."): (rank, group) for rank, group, modules in LAYERS for m in modules

@@ -26,6 +26,7 @@ import pytest
 from test_crash_resume import command, kill_when
 
 import qwen35_reshard
+from qwen35_reshard import WriteOptions
 from qwen35_reshard.transfer import copier
 from qwen35_reshard.transfer.segments import Segment
 from qwen35_reshard.verify import verify
@@ -161,7 +162,7 @@ def test_split_shares_the_sources_blocks(checkpoints, kind):
     out = model.parent / f"out-{model.name}"
     checkpoint = sum(p.stat().st_size for p in model.glob("*.safetensors"))
     before = used_bytes(out.parent)
-    done = qwen35_reshard.reshard(model, out, pp=4, reflink="always")
+    done = qwen35_reshard.reshard(model, out, pp=4, write=WriteOptions(reflink="always"))
     plan, result = done.plan, done.written
     growth = used_bytes(out.parent) - before
     try:
@@ -333,7 +334,7 @@ def test_free_space_counts_only_the_bytes_copied(checkpoints):
         os.posix_fallocate(f.fileno(), 0, st.f_bavail * st.f_frsize - room)
     try:
         with pytest.raises(qwen35_reshard.ReshardError, match="free"):
-            qwen35_reshard.reshard(model, out, pp=4, reflink="never")
+            qwen35_reshard.reshard(model, out, pp=4, write=WriteOptions(reflink="never"))
         shutil.rmtree(out, ignore_errors=True)
         result = qwen35_reshard.reshard(model, out, pp=4).written
         assert result.sharing and result.bytes_copied < room
@@ -347,8 +348,10 @@ def test_reflink_always_is_refused_on_ext4_even_with_nothing_to_share(filesystem
     """The tiny checkpoint's stages are all gathered files: still, always means always."""
     model = tiny.build_checkpoint(filesystems("ext4") / "tiny-always")
     with pytest.raises(qwen35_reshard.ReshardError, match="cannot share blocks"):
-        qwen35_reshard.reshard(model, model.parent / "out-tiny-always", pp=4, reflink="always")
-    result = qwen35_reshard.reshard(model, model.parent / "out-tiny-never", pp=4, reflink="never").written
+        always = WriteOptions(reflink="always")
+        qwen35_reshard.reshard(model, model.parent / "out-tiny-always", pp=4, write=always)
+    never = WriteOptions(reflink="never")
+    result = qwen35_reshard.reshard(model, model.parent / "out-tiny-never", pp=4, write=never).written
     assert not result.sharing and result.bytes_shared == 0
 
 
@@ -360,9 +363,9 @@ def test_a_refused_run_leaves_a_finished_split_as_it_was(filesystems, tiny):
     qwen35_reshard.reshard(model, out, pp=2, ranks=[0])
     before = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
     with pytest.raises(qwen35_reshard.ReshardError, match="cannot share blocks"):
-        qwen35_reshard.reshard(model, out, pp=2, ranks=[1], reflink="always")
+        qwen35_reshard.reshard(model, out, pp=2, ranks=[1], write=WriteOptions(reflink="always"))
     with pytest.raises(qwen35_reshard.ReshardError, match="cannot share blocks"):
-        qwen35_reshard.reshard(model, out, pp=4, overwrite=True, reflink="always")
+        qwen35_reshard.reshard(model, out, pp=4, write=WriteOptions(overwrite=True, reflink="always"))
     assert {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == before
     # And OUT is still this split's: the next run builds the missing stage.
     result = qwen35_reshard.reshard(model, out, pp=2, ranks=[1]).written

@@ -23,7 +23,7 @@ import pytest
 from safetensors import safe_open
 
 import qwen35_reshard
-from qwen35_reshard import ReshardError
+from qwen35_reshard import ReshardError, WriteOptions
 from qwen35_reshard.write import finish
 
 CLI = Path(sys.executable).with_name("qwen35-reshard")
@@ -214,7 +214,8 @@ def test_small_copy_chunks(ref, make_checkpoint, tmp_path, monkeypatch, kind, ru
 
     monkeypatch.setattr(assemble, "copy_segments", functools.partial(copy_segments, chunk_bytes=chunk))
     model = make_checkpoint(**CASES[kind], **ref.servable_attention(runtime, pp))
-    qwen35_reshard.reshard(model, tmp_path / "out", pp=pp, runtime=runtime, ranks=ranks, workers=2)
+    two = WriteOptions(workers=2)
+    qwen35_reshard.reshard(model, tmp_path / "out", pp=pp, runtime=runtime, ranks=ranks, write=two)
     check_split(ref, model, tmp_path / "out", pp=pp, runtime=runtime, ranks=ranks)
 
 
@@ -277,7 +278,8 @@ def test_source_on_another_filesystem(ref, make_checkpoint, tmp_path, other_fs_d
 @pytest.mark.parametrize("runtime", ["sglang", "vllm"])
 def test_no_mtp_drops_mtp_on_purpose(ref, make_checkpoint, tmp_path, runtime):
     model = make_checkpoint(layout="fused", **ref.servable_attention(runtime, 3))
-    plan = qwen35_reshard.reshard(model, tmp_path / "out", pp=3, runtime=runtime, keep_mtp=False).plan
+    no_mtp = WriteOptions(keep_mtp=False)
+    plan = qwen35_reshard.reshard(model, tmp_path / "out", pp=3, runtime=runtime, write=no_mtp).plan
     expected = check_split(ref, model, tmp_path / "out", pp=3, runtime=runtime, keep_mtp=False)
     assert not any(n.startswith("mtp.") for names in expected for n in names)
     embed = "model.language_model.embed_tokens.weight"
@@ -413,8 +415,8 @@ def test_transformers_reads_stage_files_and_config(ref, make_checkpoint, tmp_pat
 
 def test_two_runs_give_identical_bytes(ref, make_checkpoint, tmp_path):
     model = make_checkpoint(layout="per_expert_fp8", **ref.servable_attention("vllm", 3))
-    qwen35_reshard.reshard(model, tmp_path / "a", pp=3, runtime="vllm", workers=1)
-    qwen35_reshard.reshard(model, tmp_path / "b", pp=3, runtime="vllm", workers=3)
+    qwen35_reshard.reshard(model, tmp_path / "a", pp=3, runtime="vllm", write=WriteOptions(workers=1))
+    qwen35_reshard.reshard(model, tmp_path / "b", pp=3, runtime="vllm", write=WriteOptions(workers=3))
     run_cli("--pp", 3, "--runtime", "vllm", "--workers", 2, model, tmp_path / "c")
     a = tree(tmp_path / "a")
     assert len([p for p in a if p.endswith(".safetensors")]) >= 3

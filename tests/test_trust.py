@@ -407,7 +407,7 @@ def test_a_source_shard_replaced_during_the_run_fails_it_and_no_stage_looks_comp
     from qwen35_reshard.plan.planner import make_plan
     from qwen35_reshard.source.checkpoint import read_checkpoint
     from qwen35_reshard.stage.manifest import stage_is_complete
-    from qwen35_reshard.write.writer import Reporter, write_plan
+    from qwen35_reshard.write.writer import Reporter, WriteOptions, write_plan
 
     model = make_checkpoint(fresh=True)
     plan = make_plan(read_checkpoint(model), pp=2)
@@ -429,7 +429,7 @@ def test_a_source_shard_replaced_during_the_run_fails_it_and_no_stage_looks_comp
 
     out = tmp_path / "out"
     with pytest.raises(ReshardError) as refused:
-        write_plan(plan, out, workers=1, reporter=ReplaceOnce(), reflink="never")
+        write_plan(plan, out, WriteOptions(workers=1, reflink="never"), reporter=ReplaceOnce())
     message = str(refused.value)
     assert "\n" not in message and str(victim) in message and "changed during the run" in message, message
     assert not any(stage_is_complete(out / s.dirname) for s in plan.stages)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import qwen35_reshard
-from qwen35_reshard import cli, loader
+from qwen35_reshard import WriteOptions, cli, loader
 from qwen35_reshard.transfer.copier import copy_segments
 from qwen35_reshard.transfer.segments import Segment
 from qwen35_reshard.verify import verify
@@ -628,7 +628,7 @@ def test_files_swapped_within_a_stage_differ_from_the_plan(model, tmp_path):
     """A self-consistent stage whose files are not laid out as the plan says: only the source
     (with the file limits the run identity records) can tell."""
     out = tmp_path / "out"
-    qwen35_reshard.reshard(model, out, pp=2, max_file_bytes=150_000)
+    qwen35_reshard.reshard(model, out, pp=2, write=WriteOptions(max_file_bytes=150_000))
     stage = out / "pp1"
     a, b = sorted(p.name for p in stage.glob("*.safetensors"))[:2]
     os.rename(stage / a, stage / "tmp")
@@ -675,7 +675,7 @@ def test_other_checkpoint_is_reported(tiny, out, tmp_path):
 
 
 def test_no_mtp_split_against_source(model, tmp_path):
-    qwen35_reshard.reshard(model, tmp_path / "out", pp=2, keep_mtp=False)
+    qwen35_reshard.reshard(model, tmp_path / "out", pp=2, write=WriteOptions(keep_mtp=False))
     assert verify(tmp_path / "out", model).ok
 
 

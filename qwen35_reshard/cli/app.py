@@ -10,33 +10,58 @@ with 1, an interrupt with 130; a traceback only with ``--debug``.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import difflib
-import enum
 import json
-import os
-import signal
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, NoReturn, TextIO
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from .._version import __version__
 from ..errors import ReshardError
-from ..format.names import TOOL_NAME
-from ..model.runtimes import RUNTIMES
-from ..plan.planner import DEFAULT_MAX_FILE_BYTES
-from ..units import parse_size
-from ..write.writer import DEFAULT_WORKERS, REFLINK_MODES
+from ..plan.capacity import capacity_from
+from ..plan.nodes import Nodes
+from ..source.hub.cache import HubSettings
+from ..write.options import DEFAULT_WORKERS, WriteOptions
+from . import process
+from .flags import (
+    FLAGS,
+    MAX_FILE_DEFAULT,
+    PROG,
+    VERIFY_FLAGS,
+    ContextLength,
+    Debug,
+    GpuMemory,
+    Json,
+    MaxFileSize,
+    MemFraction,
+    Model,
+    Nnodes,
+    NodeRank,
+    NoMtp,
+    Offline,
+    Partition,
+    Pp,
+    Quiet,
+    Rank,
+    Reflink,
+    Revision,
+    Runtime,
+    RuntimeOpt,
+    Token,
+    Tp,
+    VerifyRank,
+    Version,
+    ranks_of,
+)
 
 if TYPE_CHECKING:
     from rich.console import Console
 
     from ..api import ReshardResult
+    from ..write.assemble import Reporter
 
 # typer (0.26 to 0.28) runs on its own copy of click, typer._click (private; click itself is no
 # dependency of typer, and click.exceptions' classes are others that catch none of these), and
@@ -44,152 +69,25 @@ if TYPE_CHECKING:
 UsageError = typer.BadParameter.__mro__[1]
 ClickException = UsageError.__mro__[1]
 
-PROG = TOOL_NAME
-
-# The library's parameters, as this command line spells them.
-FLAGS = {
-    "pp": "--pp",
-    "runtime": "--runtime",
-    "partition": "--partition",
-    "gpu_memory": "--gpu-memory",
-    "context_length": "--context-length",
-    "tp": "--tp",
-    "mem_fraction": "--mem-fraction",
-    "ranks": "--rank",
-    "nnodes": "--nnodes",
-    "node_rank": "--node-rank",
-    "max_file_bytes": "--max-file-size",
-    "workers": "--workers",
-    "overwrite": "--overwrite",
-    "reflink": "--reflink",
-    "dry_run": "--dry-run",
-    "model_dir": "MODEL",
-    "model": "MODEL",
-    "revision": "--revision",
-    "out_dir": "OUT",
-}
-
-
-# verify names the checkpoint with --source.
-VERIFY_FLAGS = {
-    **FLAGS,
-    "model": "--source",
-    "model_dir": "--source",
-    "source": "--source",
-    "repair": "--repair",
-}
-
-
-# What a run made (its plan, which holds the checkpoint) when this process is the command
-# itself: kept to the end, where os._exit hands the memory back at once instead of freeing
-# the ~190,000 tensors' objects of a 397B FP8 checkpoint one by one (0.1 s).
-_kept: list[object] | None = None
-
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default: ``sys.argv[1:]``); return the exit code.
 
     Without ``argv`` this process is the command itself (the console script, ``python -m``):
-    it ends here, its output flushed, without the interpreter's teardown.
-
-    stdout that cannot take the results (a full device) is one ``error:`` line, exit 2; a
-    reader that went away (``| head``) ends the process as it ends ``git log``: by SIGPIPE,
-    silently (in this process, ``argv`` given: the shell's status for it, 141).
+    it ends here, its output flushed, without the interpreter's teardown (see :mod:`.process`).
     """
-    global _kept
     program = argv is None
     argv = _with_command(list(sys.argv[1:] if argv is None else argv))
-    command = typer.main.get_command(app)
-    _kept = [] if program else None
-    stdout = sys.stdout
-    if stdout is not None:
-        sys.stdout = _Results(stdout)
+    return process.run(lambda: _invoke(argv), program=program)
+
+
+def _invoke(argv: list[str]) -> int:
+    """The command ``argv`` names, run by typer; click's usage errors in one line, no usage block."""
     try:
-        try:
-            code = command.main(args=argv, prog_name=PROG, standalone_mode=False) or 0
-        except ClickException as e:  # click's usage errors: one line, no usage block
-            _fail("--json" in argv, _usage_message(e))
-            code = e.exit_code
-        if stdout is not None:
-            sys.stdout.flush()
-    except _StdoutFailed as e:
-        code = _reader_gone(program) if isinstance(e.cause, BrokenPipeError) else _unwritable(e.cause)
-    except BrokenPipeError:  # stderr's reader went away
-        code = _reader_gone(program)
-    finally:
-        sys.stdout = stdout
-    if program:
-        _exit(code)
-    return code
-
-
-class _StdoutFailed(Exception):
-    """Writing the results to stdout failed with ``cause``: told apart from the library's OS errors."""
-
-    def __init__(self, cause: OSError) -> None:
-        super().__init__(str(cause))
-        self.cause = cause
-
-
-class _Results:
-    """``sys.stdout`` while a command runs: a write or flush that fails raises _StdoutFailed."""
-
-    def __init__(self, stream: TextIO) -> None:
-        self._stream = stream
-
-    def write(self, text: str) -> int:
-        try:
-            return self._stream.write(text)
-        except OSError as e:
-            raise _StdoutFailed(e) from e
-
-    def flush(self) -> None:
-        try:
-            self._stream.flush()
-        except OSError as e:
-            raise _StdoutFailed(e) from e
-
-    def __getattr__(self, name: str) -> object:  # isatty, fileno, encoding, ... as the stream's
-        return getattr(self._stream, name)
-
-
-def _unwritable(e: OSError) -> int:
-    """stdout cannot take the results: say so on stderr; the exit code of a refused run."""
-    with contextlib.suppress(OSError):
-        print(
-            f"error: stdout: cannot write the results ({e.strerror or e}); make room where stdout goes "
-            "or send it elsewhere",
-            file=sys.stderr,
-        )
-    return ReshardError.exit_code
-
-
-def _reader_gone(program: bool) -> int:
-    """The reader of the output went away (``| head``): end silently as ``git log | head`` does,
-    killed by SIGPIPE; in-process (``program`` false), return the shell's status for that."""
-    if program:
-        with contextlib.suppress(OSError):
-            sys.stderr.flush()
-        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGPIPE)
-    return 128 + signal.SIGPIPE
-
-
-def _exit(code: int) -> NoReturn:
-    """End the process with ``code`` once its output is out, skipping the interpreter's teardown."""
-    # The command is over: an interrupt now just ends the process, with nothing left to say.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_DFL)
-    for stream in (sys.stdout, sys.stderr):
-        if stream is None:  # started with that descriptor closed: there was nowhere to write
-            continue
-        try:
-            stream.flush()
-        except BrokenPipeError:  # main flushed stdout: this is stderr's reader gone
-            code = _reader_gone(True)
-        except (OSError, ValueError):  # closed or unwritable: nothing more to say there
-            pass
-    os._exit(code)
+        return typer.main.get_command(app).main(args=argv, prog_name=PROG, standalone_mode=False) or 0
+    except ClickException as e:
+        process.fail("--json" in argv, _usage_message(e))
+        return e.exit_code
 
 
 _GROUP_OPTIONS = ("--help", "-h", "--version", "--install-completion", "--show-completion")
@@ -223,19 +121,6 @@ def _usage_message(e: ClickException) -> str:
     return f"error: {message} (see {ctx.command_path if ctx else PROG} --help)"
 
 
-def _fail(as_json: bool, message: str) -> None:
-    """``message`` as one line on stderr; with ``--json`` also as a JSON error on stdout (when
-    stdout takes it: the line on stderr is said either way)."""
-    print(message, file=sys.stderr)
-    if as_json:
-        with contextlib.suppress(_StdoutFailed, OSError):
-            print(json.dumps({"status": "error", "error": message.removeprefix("error: ")}))
-
-
-def _raise_interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
-
-
 @dataclass(frozen=True)
 class Output:
     """How a command shows its results: ``--quiet``, ``--json``, ``--debug``."""
@@ -246,216 +131,38 @@ class Output:
 
 
 @dataclass(frozen=True)
-class PlanArgs:
-    """``plan``'s arguments, named as :func:`qwen35_reshard.reshard`'s parameters."""
-
-    model: str
-    out_dir: Path | None
-    pp: int
-    runtime: str
-    partition: str | None
-    gpu_memory: int | None
-    context_length: int | None
-    tp: int | None
-    mem_fraction: float | None
-    ranks: list[int] | str | None
-    nnodes: int | None
-    node_rank: int | None
-    keep_mtp: bool
-    max_file_bytes: int
-    revision: str | None
-    token: str | None
-    offline: bool
-
-
-@dataclass(frozen=True)
-class SplitArgs(PlanArgs):
-    """``split``'s arguments: ``plan``'s and how to write."""
-
-    dry_run: bool
-    overwrite: bool
-    workers: int
-    reflink: str
-
-
-@dataclass(frozen=True)
 class VerifyArgs:
     """``verify``'s arguments."""
 
     out: Path
     source: str | None
     repair: bool
-    revision: str | None
-    token: str | None
-    offline: bool
+    hub: HubSettings
     ranks: list[int] | str | None = None
     nnodes: int | None = None
 
 
 def _run_guarded(
-    command: Callable[[object, Output], int],
-    args: object,
+    command: Callable[[], int],
     output: Output,
     interrupted: str,
     flags: dict[str, str] = FLAGS,
 ) -> None:
-    """Run ``command``; errors become one line and an exit code, ``interrupted`` is what an
-    interrupt (Ctrl-C, SIGINT, SIGTERM) says.
-
-    SIGINT is handled here rather than left to Python's default, which a process started
-    with SIGINT ignored (a background job, some CI runners) never installs.
-    """
-    previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    """Run ``command()``; errors become one line and an exit code, ``interrupted`` is what an
+    interrupt (Ctrl-C, SIGINT, SIGTERM) says."""
     try:
-        code = command(args, output)
+        with process.interrupts_raised():
+            code = command()
     except ReshardError as e:
         if output.debug:
             raise
-        _fail(output.json, f"error: {e.render(flags)}")
+        process.fail(output.json, f"error: {e.render(flags)}")
         code = e.exit_code
     except KeyboardInterrupt:
-        _fail(output.json, f"interrupted: {interrupted}")
+        process.fail(output.json, f"interrupted: {interrupted}")
         code = 130
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
     raise typer.Exit(code)
 
-
-# --------------------------------------------------------------------------- options
-
-Runtime = enum.Enum("Runtime", {r: r for r in RUNTIMES}, type=str)
-Reflink = enum.Enum("Reflink", {m: m for m in REFLINK_MODES}, type=str)
-
-
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as e:
-        raise typer.BadParameter(str(e)) from e
-
-
-def _version(value: bool) -> None:
-    if value:
-        print(f"{PROG} {__version__}")
-        raise typer.Exit()
-
-
-Model = Annotated[
-    str,
-    typer.Argument(
-        metavar="MODEL",
-        help="checkpoint directory (plain or a Hugging Face cache snapshot) or Hub repo id",
-        show_default=False,
-    ),
-]
-Pp = Annotated[int, typer.Option("--pp", metavar="N", help="number of pipeline stages", show_default=False)]
-RuntimeOpt = Annotated[
-    Runtime, typer.Option("--runtime", help="server whose split and placement rules apply")
-]
-Partition = Annotated[
-    str | None,
-    typer.Option(
-        "--partition",
-        metavar="SPEC",
-        help="explicit layers per stage, e.g. 15,15,15,15, or 'balanced': the split whose fullest "
-        "stage holds the fewest bytes  [default: the runtime's own split]",
-        show_default=False,
-    ),
-]
-GpuMemory = Annotated[
-    int | None,
-    typer.Option(
-        "--gpu-memory",
-        parser=_size,
-        metavar="SIZE",
-        help="with --partition balanced: size for serving on GPUs of this memory, e.g. 80GB "
-        "(maximise the requests the worst stage holds)",
-    ),
-]
-Tp = Annotated[
-    int | None,
-    typer.Option(
-        "--tp", metavar="N", help="with --gpu-memory: tensor-parallel size of each stage  [default: 1]"
-    ),
-]
-ContextLength = Annotated[
-    int | None,
-    typer.Option("--context-length", metavar="TOKENS", help="with --gpu-memory: tokens per request"),
-]
-MemFraction = Annotated[
-    float | None,
-    typer.Option(
-        "--mem-fraction",
-        metavar="FRACTION",
-        help="with --gpu-memory: share of GPU memory the server uses for weights and cache  [default: 0.9]",
-    ),
-]
-
-
-def _ranks(values: list[str] | None) -> list[int] | str | None:
-    """``--rank``'s values as the library's ``ranks``: stage numbers, or ``"auto"`` alone."""
-    if not values:
-        return None
-    if values == ["auto"]:
-        return "auto"
-    for value in values:
-        if not (value.isascii() and value.isdigit()):
-            raise typer.BadParameter(
-                f"{value} is no stage number: pass 0, 1, ... or auto (alone)", param_hint="'--rank'"
-            )
-    return [int(v) for v in values]
-
-
-Rank = Annotated[
-    list[str] | None,
-    typer.Option(
-        "--rank",
-        metavar="R",
-        help="build only this stage; repeat for several; 'auto': the stages of the node this runs "
-        "on, from the scheduler's environment (Slurm, Kubernetes, torchrun)  [default: all]",
-    ),
-]
-Nnodes = Annotated[
-    int | None,
-    typer.Option("--nnodes", metavar="N", help="nodes the servers run on (with --node-rank or --rank auto)"),
-]
-NodeRank = Annotated[
-    int | None,
-    typer.Option("--node-rank", metavar="R", help="build the stages the servers run on node R of --nnodes"),
-]
-NoMtp = Annotated[
-    bool, typer.Option("--no-mtp", help="leave mtp.* out on purpose (recorded in the manifest)")
-]
-MaxFileSize = Annotated[
-    int,
-    typer.Option(
-        "--max-file-size", parser=_size, metavar="SIZE", help="largest output data file, e.g. 5GB or 500MB"
-    ),
-]
-Revision = Annotated[
-    str | None,
-    typer.Option("--revision", metavar="REV", help="branch, tag or commit of a Hub repo  [default: main]"),
-]
-Token = Annotated[
-    str | None,
-    typer.Option(
-        "--token", metavar="TOKEN", help="Hugging Face token  [default: HF_TOKEN or the saved login]"
-    ),
-]
-Offline = Annotated[bool, typer.Option("--offline", help="use only the Hugging Face cache")]
-Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="print only the launch line")]
-Json = Annotated[
-    bool, typer.Option("--json", help="print a machine-readable summary on stdout (human output on stderr)")
-]
-Debug = Annotated[bool, typer.Option("--debug", help="show tracebacks")]
-Version = Annotated[
-    bool,
-    typer.Option("--version", callback=_version, is_eager=True, help="print the version and exit"),
-]
-
-# 5GiB: the default said in the unit it was chosen in.
-_MAX_FILE_DEFAULT = f"{DEFAULT_MAX_FILE_BYTES // 2**30}GiB"
 
 _SPLIT_EXAMPLES = f"""Examples:
 
@@ -523,7 +230,7 @@ def split(
     nnodes: Nnodes = None,
     node_rank: NodeRank = None,
     no_mtp: NoMtp = False,
-    max_file_size: MaxFileSize = _MAX_FILE_DEFAULT,
+    max_file_size: MaxFileSize = MAX_FILE_DEFAULT,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="plan from the index and headers only; write nothing")
     ] = False,
@@ -551,15 +258,43 @@ def split(
 ) -> None:
     """Split MODEL into OUT/pp0, OUT/pp1, ...: one Hugging Face directory per pipeline stage,
     byte for byte, resumable. Prints the launch line for the server."""
-    args = SplitArgs(
-        model, out, pp, runtime.value, partition, gpu_memory, context_length, tp, mem_fraction,
-        _ranks(rank), nnodes, node_rank, not no_mtp, max_file_size, revision, token, offline, dry_run,
-        overwrite, workers, reflink.value,
-    )  # fmt: skip
+    ranks = ranks_of(rank)
+
+    # The one place the flags become the library's options (FLAGS spells them back in errors).
+    def run(progress: Reporter) -> ReshardResult:
+        from ..api import reshard
+
+        return reshard(
+            model,
+            out,
+            pp=pp,
+            runtime=runtime.value,
+            partition=partition,
+            capacity=capacity_from(
+                partition,
+                gpu_memory=gpu_memory,
+                context_length=context_length,
+                tp=tp,
+                mem_fraction=mem_fraction,
+            ),
+            ranks=ranks,
+            nodes=None if nnodes is None and node_rank is None else Nodes(nnodes, node_rank),
+            hub=HubSettings(revision=revision, token=token, offline=offline),
+            write=WriteOptions(
+                overwrite=overwrite,
+                workers=workers,
+                reflink=reflink.value,
+                keep_mtp=not no_mtp,
+                max_file_bytes=max_file_size,
+            ),
+            dry_run=dry_run,
+            progress=progress,
+        )
+
+    output = Output(quiet, json_, debug)
     _run_guarded(
-        _reshard,
-        args,
-        Output(quiet, json_, debug),
+        lambda: _reshard(run, out, output),
+        output,
         "nothing was written"
         if dry_run
         else "unfinished files were removed; run the same command again to resume",
@@ -588,7 +323,7 @@ def plan(
     nnodes: Nnodes = None,
     node_rank: NodeRank = None,
     no_mtp: NoMtp = False,
-    max_file_size: MaxFileSize = _MAX_FILE_DEFAULT,
+    max_file_size: MaxFileSize = MAX_FILE_DEFAULT,
     revision: Revision = None,
     token: Token = None,
     offline: Offline = False,
@@ -598,11 +333,12 @@ def plan(
     version: Version = False,
 ) -> None:
     """Show how MODEL splits into pipeline stages (from its index and headers); write nothing."""
-    args = PlanArgs(
-        model, out, pp, runtime.value, partition, gpu_memory, context_length, tp, mem_fraction,
-        _ranks(rank), nnodes, node_rank, not no_mtp, max_file_size, revision, token, offline,
+    # plan is a dry run of split.
+    split(
+        model, out, pp, runtime, partition, gpu_memory, tp, context_length, mem_fraction, rank, nnodes,
+        node_rank, no_mtp, max_file_size, dry_run=True, revision=revision, token=token, offline=offline,
+        quiet=quiet, json_=json_, debug=debug,
     )  # fmt: skip
-    _run_guarded(_reshard, args, Output(quiet, json_, debug), "nothing was written")
 
 
 @app.command(epilog=_VERIFY_EXAMPLES)
@@ -625,15 +361,7 @@ def verify(
             "then verify again",
         ),
     ] = False,
-    rank: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--rank",
-            metavar="R",
-            help="check only this stage of OUT (others may be absent); repeat for several; 'auto': "
-            "the stages of the node this runs on, as split takes it  [default: every stage]",
-        ),
-    ] = None,
+    rank: VerifyRank = None,
     nnodes: Nnodes = None,
     revision: Revision = None,
     token: Token = None,
@@ -649,11 +377,12 @@ def verify(
     and every tensor's bytes. With --source, also that every source tensor is exactly where the
     plan puts it, with identical bytes. Exit 0 when all is well, 1 when something is missing,
     extra, different, corrupt or incomplete, 2 for bad input."""
-    args = VerifyArgs(out, source, repair, revision, token, offline, _ranks(rank), nnodes)
+    hub = HubSettings(revision=revision, token=token, offline=offline)
+    args = VerifyArgs(out, source, repair, hub, ranks_of(rank), nnodes)
+    output = Output(quiet, json_, debug)
     _run_guarded(
-        _verify,
-        args,
-        Output(quiet, json_, debug),
+        lambda: _verify(args, output),
+        output,
         "files rewritten so far are complete; run the same command again to finish the repair"
         if repair
         else "nothing was written",
@@ -672,29 +401,28 @@ def _consoles(output: Output) -> tuple[Console, Console]:
     return (progress if output.json else Console(soft_wrap=False)), progress
 
 
-def _reshard(args: PlanArgs, output: Output) -> int:
-    """``split`` and ``plan``: the library's reshard, its plan shown once made, then its result."""
-    from ..api import reshard
+def _reshard(run: Callable[[Reporter], ReshardResult], out: Path | None, output: Output) -> int:
+    """``split`` and ``plan``: ``run``, the library's reshard, its plan shown once made, then
+    its result."""
     from .report import QuietView, SplitView, dry_run_lines, fetch_line, summary
 
     results, progress = _consoles(output)
-    view = QuietView(FLAGS) if output.quiet else SplitView(results, progress, FLAGS)
-    # plan is a dry run of split.
-    kwargs = {"dry_run": True, **{f.name: getattr(args, f.name) for f in dataclasses.fields(args)}}
+    view = process.collector_off_until_planned(
+        QuietView(FLAGS) if output.quiet else SplitView(results, progress, FLAGS)
+    )
     try:
-        result = reshard(**kwargs, progress=view)
+        result = run(view)
     finally:
         if isinstance(view, SplitView):
             view.close()
-    if _kept is not None:
-        _kept.append(result.plan)
+    process.keep_to_the_end(result.plan)
     plan = result.plan
     if result.dry_run:
         if not output.quiet:
             for line, wrap in dry_run_lines(result):
                 results.print(line, highlight=False, soft_wrap=wrap)
     elif not output.quiet:
-        summary(results, plan, result.written, str(args.out_dir), result.seconds, result.node)
+        summary(results, plan, result.written, str(out), result.seconds, result.node)
         if result.fetch is not None:
             results.print(fetch_line(result.fetch), highlight=False)
     if output.quiet:
@@ -721,7 +449,6 @@ def _json_doc(result: ReshardResult) -> dict:
 
 def _verify(args: VerifyArgs, output: Output) -> int:
     """``verify``: the report on stdout (stderr beside ``--json``), the JSON report with ``--json``."""
-    from ..source.hub.cache import HubSettings
     from ..verify import verify
     from .report import verify_lines
 
@@ -741,8 +468,7 @@ def _verify(args: VerifyArgs, output: Output) -> int:
                 print(f"repaired: {path}", file=out)
         report = result.after
     else:
-        settings = HubSettings(revision=args.revision, token=args.token, offline=args.offline)
-        report = verify(args.out, args.source, ranks=args.ranks, nnodes=args.nnodes, hub_settings=settings)
+        report = verify(args.out, args.source, ranks=args.ranks, nnodes=args.nnodes, hub_settings=args.hub)
     for line in verify_lines(report, problems_only=output.quiet):
         print(line, file=out)
     if output.json:

@@ -42,6 +42,44 @@ class Capacity:
                 raise ReshardError(f"{param(name)} must be at least 1, got {getattr(self, name)}")
 
 
+def capacity_from(
+    partition: object,
+    *,
+    gpu_memory: int | None,
+    context_length: int | None,
+    tp: int | None,
+    mem_fraction: float | None,
+) -> Capacity | None:
+    """Capacity mode's settings from its separate options (a command line's flags), or None
+    without ``gpu_memory``; each of the others needs it, and it needs ``partition="balanced"``.
+
+    Example:
+        >>> capacity_from("balanced", gpu_memory=80 * 10**9, context_length=4096, tp=None, mem_fraction=None)
+        Capacity(gpu_bytes=80000000000, mem_fraction=0.9, tp=1, context_length=4096)
+    """
+    options = (("tp", tp), ("context_length", context_length), ("mem_fraction", mem_fraction))
+    given = [name for name, value in options if value is not None]
+    if gpu_memory is None:
+        if given:
+            raise ReshardError(f"{param(given[0])} sizes capacity mode: it needs {param('gpu_memory')}")
+        return None
+    if partition != "balanced":
+        raise ReshardError(
+            f"{param('gpu_memory')} sizes {param('partition', 'balanced')} for serving: add "
+            f"{param('partition', 'balanced')}"
+        )
+    if context_length is None:
+        raise ReshardError(
+            f"{param('gpu_memory')} needs {param('context_length')}, the tokens each request may hold"
+        )
+    return Capacity(
+        gpu_bytes=gpu_memory,
+        mem_fraction=DEFAULT_MEM_FRACTION if mem_fraction is None else mem_fraction,
+        tp=1 if tp is None else tp,
+        context_length=context_length,
+    )
+
+
 @dataclass(frozen=True)
 class Serving:
     """Per-GPU memory a stage can use and what one request costs it, for the optimiser."""

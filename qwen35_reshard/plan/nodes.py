@@ -40,8 +40,8 @@ launch scripts         NODE_RANK                NNODES, else as for an Indexed J
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 from ..errors import ReshardError, param, spell
 
@@ -75,6 +75,57 @@ class Node:
         stages = list(self.stages)
         which = f"stage {stages[0]}" if len(stages) == 1 else f"stages {', '.join(map(str, stages))}"
         return f"rank {self.rank} of {self.nnodes} from {spell(self.source, flags or {})}: {which}"
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """The nodes the servers run on, for building one node's stages: ``node_rank`` of
+    ``nnodes`` given, or (with ``ranks="auto"``) read from the scheduler's variables in ``env``
+    (default: the process environment), ``nnodes`` then the count they must agree with.
+
+    Example:
+        >>> pick_node(None, Nodes(nnodes=2, node_rank=1), pp=4, environ={}).describe()
+        'rank 1 of 2 from nnodes, node_rank: stages 2, 3'
+    """
+
+    nnodes: int | None = None
+    node_rank: int | None = None
+    env: Mapping[str, str] | None = field(default=None, repr=False)
+
+
+def pick_node(
+    ranks: Sequence[int] | str | None, nodes: Nodes | None, *, pp: int, environ: Mapping[str, str]
+) -> Node | None:
+    """The node whose stages a run builds (None: ``ranks``, or all stages), from the
+    environment (``ranks="auto"``: ``nodes.env``, else ``environ``) or from ``nodes``.
+
+    Raises:
+        ReshardError: ``ranks`` and ``nodes`` that contradict each other, or as
+            :func:`node_from_env` and :func:`given_node`.
+    """
+    nodes = nodes or Nodes()
+    nnodes, node_rank = nodes.nnodes, nodes.node_rank
+    if ranks == "auto":
+        if node_rank is not None:
+            raise ReshardError(
+                f"{param('ranks', 'auto')} reads the node rank from the environment: drop "
+                f"{param('node_rank')}"
+            )
+        return node_from_env(environ if nodes.env is None else nodes.env, pp, nnodes)
+    if isinstance(ranks, str):
+        raise ReshardError(f"{param('ranks', ranks)} must be stage numbers or 'auto'")
+    if nnodes is None and node_rank is None:
+        return None
+    if ranks is not None:
+        raise ReshardError(
+            f"{param('ranks')} picks the stages itself: drop {param('nnodes')} and {param('node_rank')}, "
+            f"or {param('ranks')}"
+        )
+    if nnodes is None or node_rank is None:
+        raise ReshardError(
+            f"{param('nnodes')} and {param('node_rank')} go together: pass both, or {param('ranks', 'auto')}"
+        )
+    return given_node(pp, nnodes, node_rank)
 
 
 def node_stages(pp: int, nnodes: int, node_rank: int) -> range:

@@ -11,23 +11,24 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Generic, TypeVar
 
 from ..format.names import ALIGNED, CLONE, JOURNAL
 from ..plan.layout import OutputFile
 from ..plan.planner import Plan, StagePlan
 from ..transfer import pages
-from ..transfer.copier import RangeSource, copy_segments
+from ..transfer.copier import copy_segments
 from ..transfer.pages import drop_pages
 from ..transfer.segments import Segment
 from .datafile import OpenFile, clone, create, header
 from .durability import Durability, partial_path, remove
 from .journal import Digests, append_journal
-from .sources import BlobCheck, check_unchanged
+from .sources import BlobCheck, SourceAccess, check_unchanged
+
+T = TypeVar("T")
 
 # Copied bytes a run that syncs its filesystem whole may hold unfinished (lost to a crash).
 PROGRESS_BYTES = 1 << 30
-
-OpenSource = Callable[[str], str | RangeSource]
 
 
 class Reporter:
@@ -61,16 +62,10 @@ class _Copy:
         with self.lock:
             self.shared += n
 
-    def open(
-        self,
-        plan: Plan,
-        stage: StagePlan,
-        f: OutputFile,
-        final: Path,
-        share: bool,
-        open_source: OpenSource | None,
-    ) -> Digests:
+    def open(self, job: CopyJob, stage: StagePlan, f: OutputFile) -> Digests:
         """Make ``f`` under its temporary name; returns the digests it has already (a clone's)."""
+        plan, share = job.plan, job.share
+        final = job.out / stage.dirname / f.name
         tmp = partial_path(final)
         if share and f.layout == CLONE and clone(plan, f, tmp):
             self.opened.append(OpenFile(stage, f, tmp, final, os.open(tmp, os.O_RDONLY), set()))
@@ -78,7 +73,7 @@ class _Copy:
             self.on_shared(f.size)
             return dict.fromkeys(f.tensor_names)
         sharing = share and f.layout in (CLONE, ALIGNED)
-        o = create(stage, f, tmp, final, header(plan, f, open_source), preallocate=not sharing)
+        o = create(stage, f, tmp, final, header(f, job.source), preallocate=not sharing)
         self.opened.append(o)
         if sharing:
             self.share_fds.setdefault(f.source_file, set()).add(o.fd)
@@ -110,77 +105,86 @@ class _Copy:
                 remove(o.tmp)
 
 
-def copy_files(
-    plan: Plan,
-    out: Path,
-    to_write: list[tuple[StagePlan, OutputFile]],
-    digests: dict[int, Digests],
-    workers: int,
-    reporter: Reporter,
-    open_source: OpenSource | None = None,
-    *,
-    share: bool,
-    durable: Durability,
-    deferred: list[tuple[Path, Path]] | None = None,
-    meanwhile: Callable[[], None] | None = None,
-) -> tuple[int, int]:
-    """Copy (or share) the data of ``to_write``, one worker per source shard; fills ``digests``.
+@dataclass(frozen=True)
+class CopyJob:
+    """The data files a run copies (or shares), and how: from ``source``, one worker per
+    source shard up to ``workers``, sharing blocks where ``share``, made durable by ``durable``."""
 
-    Returns how many of the files' bytes were copied and how many share the source's blocks.
-    When the filesystem is synced whole and ``deferred`` is given, the files finished last are
-    left under their temporary names, closed, their (temporary, final) names added to it: the
+    plan: Plan
+    out: Path
+    files: list[tuple[StagePlan, OutputFile]]
+    source: SourceAccess
+    share: bool
+    durable: Durability
+    workers: int
+    reporter: Reporter
+
+
+@dataclass
+class Copied(Generic[T]):
+    """What :func:`copy_files` did: bytes copied and shared, the tensors' digests by stage, the
+    files left for the stages' first barrier, and what ``meanwhile()`` returned."""
+
+    bytes_copied: int
+    bytes_shared: int
+    digests: dict[int, Digests]
+    deferred: list[tuple[Path, Path]]
+    meanwhile: T
+
+
+def copy_files(job: CopyJob, meanwhile: Callable[[], T], *, defer_last: bool = False) -> Copied[T]:
+    """Copy (or share) the data of ``job.files``, one worker per source shard.
+
+    When the filesystem is synced whole and ``defer_last``, the files finished last are left
+    under their temporary names, closed, their (temporary, final) names in ``deferred``: the
     stages' first barrier makes them durable with everything else. ``meanwhile()`` runs in
     this thread while the workers copy.
     """
+    durable = job.durable
+    digests: dict[int, Digests] = {stage.rank: {} for stage, _ in job.files}
     copy = _Copy()
     try:
-        for stage, f in to_write:
-            digests[stage.rank].update(
-                copy.open(plan, stage, f, out / stage.dirname / f.name, share, open_source)
-            )
-        reporter.start(sum(seg.nbytes for segs in copy.segments.values() for seg in segs.values()))
+        for stage, f in job.files:
+            digests[stage.rank].update(copy.open(job, stage, f))
+        job.reporter.start(sum(seg.nbytes for segs in copy.segments.values() for seg in segs.values()))
         # Clones are finished with the next files that are: redoing one costs nothing, so it
         # is not worth a barrier of its own. Synced file by file, they are finished now.
         ready = [o for o in copy.opened if not o.pending_sources]  # not yet durable
         if not durable.whole_fs:
             finish_files(ready, digests, durable)
             ready = []
-        ready = _copy_sources(plan, copy, digests, ready, workers, reporter, open_source, durable, meanwhile)
-        if durable.whole_fs and deferred is not None:
-            deferred.extend(_close_for_barrier(ready))
+        ready, meanwhile_result = _copy_sources(job, copy, digests, ready, meanwhile)
+        deferred = []
+        if durable.whole_fs and defer_last:
+            deferred = _close_for_barrier(ready)
         else:
             finish_files(ready, digests, durable)
-        return sum(f.size for _, f in to_write) - copy.shared, copy.shared
+        copied = sum(f.size for _, f in job.files) - copy.shared
+        return Copied(copied, copy.shared, digests, deferred, meanwhile_result)
     finally:
         copy.close()
 
 
 def _copy_sources(
-    plan: Plan,
-    copy: _Copy,
-    digests: dict[int, Digests],
-    ready: list[OpenFile],
-    workers: int,
-    reporter: Reporter,
-    open_source: OpenSource | None,
-    durable: Durability,
-    meanwhile: Callable[[], None] | None,
-) -> list[OpenFile]:
+    job: CopyJob, copy: _Copy, digests: dict[int, Digests], ready: list[OpenFile], meanwhile: Callable[[], T]
+) -> tuple[list[OpenFile], T]:
     """Copy every source shard's runs, finishing files in batches as shards complete them;
-    returns the completed files not finished yet (``ready`` and those after it)."""
+    returns the completed files not finished yet (``ready`` and those after it), and what
+    ``meanwhile()`` returned."""
+    plan, durable = job.plan, job.durable
     stop = threading.Event()
     # Tensors per shard, for telling a Hub shard copied whole (its bytes checked as they stream).
     per_file = Counter(t.file for t in plan.checkpoint.tensors.values()) if plan.checkpoint.hub else Counter()
 
     def run(file: str) -> Digests:
-        src = open_source(file) if open_source is not None else str(plan.checkpoint.path(file))
+        src = job.source.open(file)
         check_unchanged(plan, [file])  # the bytes about to be read are the planned file's ...
         segments = list(copy.segments[file].values())
         blob = BlobCheck.of(plan, file, src, segments) if len(segments) == per_file[file] else None
         found = copy_segments(
             src,
             segments,
-            on_progress=reporter.advance,
+            on_progress=job.reporter.advance,
             should_stop=stop.is_set,
             share_fds=frozenset(copy.share_fds.get(file, ())),
             on_shared=copy.on_shared,
@@ -191,11 +195,10 @@ def _copy_sources(
             blob.check()
         return found
 
-    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+    with ThreadPoolExecutor(max_workers=max(1, job.workers)) as pool:
         futures: dict[Future[Digests], str] = {pool.submit(run, file): file for file in sorted(copy.segments)}
         try:
-            if meanwhile is not None:
-                meanwhile()
+            meanwhile_result = meanwhile()
             while futures:
                 done, _ = wait(futures, return_when=FIRST_COMPLETED)
                 for fut in done:
@@ -208,7 +211,7 @@ def _copy_sources(
             for fut in futures:
                 fut.cancel()
             raise
-    return ready
+    return ready, meanwhile_result
 
 
 def _batch_due(ready: list[OpenFile], durable: Durability) -> bool:

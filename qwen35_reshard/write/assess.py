@@ -25,7 +25,8 @@ from ..transfer import reflink as reflinks
 from ..write.manifest import run_identity
 from .durability import write_error
 from .journal import Digests, keepable
-from .sources import changed_files, check_unchanged, source_difference
+from .provenance import changed_files, source_difference
+from .sources import check_unchanged
 
 
 @dataclass(frozen=True)

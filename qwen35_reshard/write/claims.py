@@ -351,3 +351,19 @@ def pause(waited: int) -> float:
 def describe(owner: Owner | None) -> str:
     """How a message names the run ``owner`` (which may be unknown)."""
     return owner.describe() if owner is not None else "unknown host and pid"
+
+
+def lock_free(out: Path) -> bool:
+    """Whether OUT's lock can be taken now: not held by a live run, on a filesystem that takes
+    writes. Taken and given back at once: a finished split with nothing to do never waits
+    (a repair may hold the lock for long) or fails (a serving node's read-only volume) only
+    to clear what a killed run left."""
+    try:
+        held = try_take(out / LOCK)
+    except OSError as e:
+        if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            return False
+        raise
+    if held is None:
+        release(out / LOCK)
+    return held is None

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,9 +13,10 @@ from ..format.names import CLONE
 from ..plan.layout import OutputFile
 from ..plan.planner import Plan, StagePlan
 from ..transfer import reflink as reflinks
-from ..transfer.copier import RangeSource, copy_segments
+from ..transfer.copier import copy_segments
 from ..transfer.segments import Segment
 from .durability import FILE_MODE, remove
+from .sources import SourceAccess
 
 Digests = dict[str, str | None]  # tensor name -> sha256 (None: shared, never read)
 
@@ -33,12 +33,12 @@ class OpenFile:
     pending_sources: set[str]  # source shards whose tensors are still to be copied into it
 
 
-def header(plan: Plan, f: OutputFile, open_source: Callable[[str], str | RangeSource] | None = None) -> bytes:
+def header(f: OutputFile, source: SourceAccess) -> bytes:
     """The bytes before ``f``'s data buffer: the plan's, or for a CLONE its source's own
-    (read from ``open_source(file)`` when given, as the data is)."""
+    (read through ``source``, as the data is)."""
     if f.layout != CLONE:
         return f.header
-    src = open_source(f.source_file) if open_source is not None else str(plan.checkpoint.path(f.source_file))
+    src = source.open(f.source_file)
     if not isinstance(src, str | os.PathLike):
         buf = memoryview(bytearray(f.data_start))
         src.readinto(buf, 0)

@@ -23,6 +23,7 @@ from ..errors import JSON_ERRORS
 from ..format.names import CLONE, JOURNAL
 from ..plan.planner import Plan, StagePlan
 from .datafile import Digests, file_digests, header, matches, stamp
+from .sources import SourceAccess
 
 
 def read_journal(path: Path) -> dict[str, tuple[Digests, list[int] | None]]:
@@ -65,7 +66,10 @@ def keepable(plan: Plan, stage_dir: Path, stage: StagePlan) -> dict[str, Digests
             continue
         path = stage_dir / f.name
         # A CLONE's header is its source's own: from the Hub it is not read just to compare.
-        head = b"" if f.layout == CLONE and plan.checkpoint.hub is not None else header(plan, f)
+        if f.layout == CLONE and plan.checkpoint.hub is not None:
+            head = b""
+        else:
+            head = header(f, SourceAccess.on_disk(plan.checkpoint))
         if not matches(path, f, head):
             continue
         unchanged = journaled is not None and journaled == stamp(path)

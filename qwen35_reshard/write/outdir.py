@@ -197,3 +197,26 @@ def clear_finished_journals(out: Path, stages: list[StagePlan]) -> None:
     repair killed as it rewrote files of one leaves it."""
     for stage in stages:
         remove(out / stage.dirname / JOURNAL)
+
+
+def bytes_needed(
+    plan: Plan, todo: list[StagePlan], to_write: list[tuple[StagePlan, OutputFile]], sharing: bool
+) -> int:
+    """Bytes the run writes: its data files but what they share, and the side files' copies."""
+    shared = sum(f.shareable_bytes for _, f in to_write) if sharing else 0
+    side_copies = len(todo) + 1  # each stage's, and OUT's own
+    return sum(f.size for _, f in to_write) - shared + side_copies * side_file_bytes(plan)
+
+
+def unfinished(out: Path, plan: Plan, complete: list[int]) -> bool:
+    """Whether a stage of the split that is not ``complete`` in OUT holds files (what a killed
+    run left there)."""
+    for stage in plan.stages:
+        if stage.rank in complete:
+            continue
+        try:
+            if any((out / stage.dirname).iterdir()):
+                return True
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+    return False

@@ -45,13 +45,14 @@ from ..transfer.copier import copy_segments
 from ..transfer.segments import Segment
 from ..write.manifest import run_identity, run_manifest
 from . import claims
-from .assemble import Reporter, copy_files
+from .assemble import CopyJob, Reporter, copy_files
 from .datafile import file_digests, header, matches
 from .durability import Durability, fsync_dir, remove, remove_partials, write_atomic, write_error
 from .finish import finish_stages, prepare_stages
 from .journal import Digests
+from .options import DEFAULT_WORKERS
 from .outdir import check_free_space, side_file_bytes
-from .writer import DEFAULT_WORKERS
+from .sources import SourceAccess
 
 
 def recorded_identity(out: Path, stage_dir: Path | None) -> RunIdentity:
@@ -231,7 +232,11 @@ def repair_files(
             remove(out / stage.dirname / INDEX_NAME)  # not a complete-looking stage while it is mended
         # Mended files are copied, not shared: their bytes are read and get their digests.
         durable = Durability(out, whole_fs=False)
-        copy_files(plan, out, to_write, digests, workers, reporter, share=False, durable=durable)
+        local = SourceAccess.on_disk(plan.checkpoint)
+        job = CopyJob(plan, out, to_write, local, False, durable, workers, reporter)  # copied, not shared
+        copied = copy_files(job, meanwhile=lambda: None)
+        for rank, found in copied.digests.items():
+            digests[rank].update(found)
         for stage in stages:
             if stage not in redo_meta:
                 remove(out / stage.dirname / JOURNAL)  # a finished stage holds none
@@ -287,7 +292,7 @@ def _source_digests(plan: Plan, path: Path, f: OutputFile) -> Digests | None:
     """sha256 of each tensor of the stage's data file ``path`` when the file is ``f`` exactly:
     its size and header the plan's, each tensor's bytes its source's. None otherwise (also
     when it is missing or short)."""
-    if not matches(path, f, header(plan, f)):
+    if not matches(path, f, header(f, SourceAccess.on_disk(plan.checkpoint))):
         return None
     by_source: dict[str, list[Segment]] = {}
     for t in f.tensors:

@@ -11,28 +11,50 @@ A Hub source is pinned to one commit: every byte fetched is named by it; a shard
 from a cached blob is hashed as it streams by and compared with the Hub's LFS sha256
 (:class:`BlobCheck`).
 
-A split's source is part of its identity, bytes included: the run marker and ``reshard.json``
-record each local shard's stamp (:func:`source_stamps`). A later run over the same OUT keeps
-what is there only for the shards whose stamp is unchanged (:func:`changed_files`: no read),
-or whose tensors hash to what OUT holds (:func:`source_difference`); else OUT holds another
-split (the next checkpoint of a training run has the same layout and other bytes).
+The run marker and ``reshard.json`` record each local shard's stamp (:func:`source_stamps`):
+what a later run over the same OUT compares first (see :mod:`.provenance`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterable, Mapping
-from pathlib import Path
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from ..errors import ReshardError, param
 from ..plan.planner import Plan
+from ..source.checkpoint import Checkpoint
 from ..source.header import file_stamp
-from ..stage.findings import Finding
-from ..stage.reader import read_manifest
-from ..transfer.copier import RangeSource, copy_segments
+from ..transfer.copier import RangeSource
 from ..transfer.segments import Segment
-from .datafile import Digests
+
+OpenSource = Callable[[str], str | RangeSource]
+
+
+@dataclass(frozen=True)
+class SourceAccess:
+    """How a run reads the source's data files.
+
+    Attributes:
+        open: ``open(name)`` gives a data file's local path or a range source (it may download
+            the file first).
+        local: the files are on this machine, where OUT may share their blocks.
+    """
+
+    open: OpenSource
+    local: bool
+
+    @classmethod
+    def on_disk(cls, ckpt: Checkpoint) -> SourceAccess:
+        """The checkpoint's own files: its directory, or its Hugging Face cache snapshot."""
+        return cls(lambda name: str(ckpt.path(name)), local=True)
+
+    @classmethod
+    def fetched(cls, open_file: OpenSource) -> SourceAccess:
+        """Files fetched as they are needed (a Hub repo): read, never shared."""
+        return cls(open_file, local=False)
+
 
 # What each field of a stamp is, for the message naming what changed.
 _STAMP_FIELDS = ("device", "inode", "size", "modification time", "status-change time")
@@ -47,69 +69,6 @@ def source_stamps(plan: Plan) -> dict:
     # Without the device: runs on other hosts sharing OUT and MODEL (NFS, Lustre) see the same
     # inode, size and times of a file, but each client numbers the mount's device its own way.
     return {f: list(stamp[1:]) for f, stamp in ckpt.stamps.items()}
-
-
-def changed_files(plan: Plan, recorded: object) -> list[str]:
-    """The local source files whose stamp is not the one ``recorded`` (a run record's
-    ``source_files``; every file when it records none); none for a Hub source, whose commit
-    the run identity names. Stat calls only: the stamps were taken as the headers were read."""
-    if plan.checkpoint.hub is not None:
-        return []
-    now = source_stamps(plan)
-    if not isinstance(recorded, dict):
-        return sorted(now)
-    return [name for name in sorted({*recorded, *now}) if recorded.get(name) != now.get(name)]
-
-
-def source_difference(
-    plan: Plan,
-    out: Path,
-    ranks: Iterable[int],
-    kept: Mapping[int, Mapping[str, Digests]],
-    files: Iterable[str],
-) -> str | None:
-    """The first tensor of the source ``files`` whose bytes are not the ones OUT holds for it:
-    the digest the manifest of a complete stage of ``ranks`` records, or a kept file's journal
-    (``kept``: rank -> file -> digests); where the split shared blocks and recorded none, the
-    stage file's own bytes. None when every one matches: then the stages hold the source's bytes.
-
-    Reads the tensors of ``files`` (once each) and, for shared blocks, the stages' copies.
-    """
-    ckpt = plan.checkpoint
-    files = set(files)
-    want: dict[str, str] = {}
-    unrecorded: dict[Path, list[Segment]] = {}
-    for rank in ranks:
-        stage = plan.stages[rank]
-        m = read_manifest(out / stage.dirname, str(out / stage.dirname))
-        recorded = {} if isinstance(m, Finding) else {n: t.sha256 for n, t in m.tensors.items()}
-        for f in stage.files:
-            for t in f.tensors:
-                if t.source.file not in files:
-                    continue
-                if recorded.get(t.name) is not None:
-                    want[t.name] = recorded[t.name]
-                else:
-                    segment = Segment(t.name, f.data_start + t.out_offset, t.source.nbytes)
-                    unrecorded.setdefault(out / stage.dirname / f.name, []).append(segment)
-    for digests in (d for files_kept in kept.values() for d in files_kept.values()):
-        want.update({n: d for n, d in digests.items() if d is not None and ckpt.tensors[n].file in files})
-    for path, segments in unrecorded.items():
-        try:
-            held = copy_segments(str(path), sorted(segments, key=lambda s: s.offset))
-        except (OSError, ReshardError):  # a damaged stage: not this source's bytes
-            return segments[0].name
-        want.update({n: d for n, d in held.items() if n not in want and d is not None})
-    by_file: dict[str, list[Segment]] = {}
-    for name in want:
-        t = ckpt.tensors[name]
-        by_file.setdefault(t.file, []).append(Segment(name, t.offset, t.nbytes))
-    for file in sorted(by_file):
-        got = copy_segments(str(ckpt.path(file)), sorted(by_file[file], key=lambda s: s.offset))
-        differ = sorted(n for n, d in got.items() if d != want[n])
-        if differ:
-            return differ[0]
-    return None
 
 
 def check_unchanged(plan: Plan, files: list[str] | tuple[str, ...]) -> None:
