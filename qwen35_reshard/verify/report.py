@@ -44,6 +44,8 @@ class VerifyReport:
     findings: list[Finding] = field(default_factory=list)
     not_built: list[int] = field(default_factory=list)  # stages of the split not asked for (``ranks``)
     missing_stages: list[int] = field(default_factory=list)  # stages asked for (all by default) absent
+    # Of those, the ones no run record says were complete: built by a split, not mended by a repair.
+    unbuilt: list[int] = field(default_factory=list)
     copied: bool = False  # stage directories without a run record beside them: copied stages
     identity: RunIdentity | None = None  # the split's settings, as its run record or first stage records
     # Findings that the stages hold intact bytes that are not the source's (another checkpoint of the
@@ -62,12 +64,14 @@ class VerifyReport:
     def repairable(self) -> bool:
         """Whether ``verify --source MODEL --repair`` mends everything found: not a run in
         progress or interrupted (the same command finishes it), a stage directory outside the
-        split (deleted by hand), or a directory that records no split at all."""
+        split (deleted by hand), a stage never built here, other bytes than the source's, or a
+        directory that records no split at all."""
         outside = [f for f in self.findings if f.kind == EXTRA and f.stage and not (f.file or f.tensor)]
         return (
             self.recorded_split
             and not outside
             and not self.not_from_source
+            and not self.unbuilt
             and not any(f.file == RUN_MARKER for f in self.findings)
         )
 

@@ -66,6 +66,7 @@ def report_missing(
     building it, or checking only the stages present."""
     ranks = asked if asked is not None else set(range(pp)) if pp is not None else complete
     report.missing_stages = sorted(ranks - present)
+    report.unbuilt = [r for r in report.missing_stages if r not in complete]
     here = sorted(present & set(range(pp or 0)))
     names = ", ".join(map(stage_dirname, here))
     only = shlex.join(["qwen35-reshard", "verify", display, *(a for r in here for a in ("--rank", str(r)))])
