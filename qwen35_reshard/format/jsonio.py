@@ -7,6 +7,7 @@ encoder is pure Python (seconds), its compact one C.
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
 from collections.abc import Callable, Collection, Iterable, Iterator
@@ -96,8 +97,14 @@ def parse_json_object(raw: bytes, where: str, loads: Callable[[bytes], object] =
     """The JSON object in ``raw`` (the file ``where``), parsed by ``loads``.
 
     Raises:
-        ReshardError: ``raw`` is not valid JSON, or not an object.
+        ReshardError: ``raw`` is not plain UTF-8 (see :func:`is_plain_utf8`), not valid JSON,
+            or not an object.
     """
+    if not is_plain_utf8(raw):
+        raise ReshardError(
+            f"{where}: not plain UTF-8 text (UTF-16 or UTF-32, a byte order mark, or bytes that are no "
+            "UTF-8), which transformers refuses; save the file as UTF-8 without a byte order mark"
+        )
     try:
         obj = loads(raw)
     except JSON_ERRORS as e:
@@ -105,6 +112,24 @@ def parse_json_object(raw: bytes, where: str, loads: Callable[[bytes], object] =
     if not isinstance(obj, dict):
         raise ReshardError(f"{where}: expected a JSON object")
     return obj
+
+
+def is_plain_utf8(raw: bytes) -> bool:
+    """Whether ``raw`` is JSON text as transformers reads it (``open(encoding="utf-8")``, then
+    ``json.loads``): UTF-8, no byte order mark, no NUL. ``json.loads(bytes)`` itself also takes
+    UTF-16 and UTF-32 and skips a BOM, so a file it reads may still be refused downstream.
+
+    Example:
+        >>> is_plain_utf8(b'{"a": 1}'), is_plain_utf8('{"a": 1}'.encode("utf-16"))
+        (True, False)
+    """
+    if raw.startswith(codecs.BOM_UTF8) or b"\0" in raw:  # NUL: UTF-16/32 text, or no JSON anyway
+        return False
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def read_json(path: Path) -> dict | None:

@@ -155,7 +155,7 @@ def placement_rules(pp: int, runtime: str, tied: bool, mtp_kept: bool) -> dict[s
 
     The plan places tensors by it, and the stage checks (loader, verify) derive from it what a
     stage must hold: one rule for both. SGLang's rules are those of SGLang 0.5.23's model code,
-    checked by running it (tests/test_sglang_loading.py).
+    checked by running it (tests/engine/test_sglang_loading.py).
     """
     first, last, every = (0,), (pp - 1,), tuple(range(pp))
     if runtime == "vllm":

@@ -8,9 +8,11 @@ model directory (or, for a Hugging Face cache snapshot, out of the repo's ``blob
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from itertools import repeat
@@ -145,6 +147,11 @@ def read_checkpoint(model_dir: str | os.PathLike[str]) -> Checkpoint:
     if not root.is_dir():
         raise ReshardError(
             f"{root}: not a directory; pass the checkpoint's directory as {param('model_dir')}"
+        )
+    if not _utf8(str(root.resolve())):
+        raise ReshardError(
+            f"{root}: the directory's path is not UTF-8, which the stages' manifests record as the "
+            f"source; rename it, then pass it as {param('model_dir')}"
         )
     allowed = allowed_roots(root)
     config_bytes = _read_file(root, CONFIG_NAME, allowed)
@@ -345,16 +352,51 @@ def _checked_path(root: Path, name: str, allowed: tuple[Path, ...], *, what: str
             "the model directory; refusing to follow it"
         )
     path = root / name
-    if not path.exists():
-        raise ReshardError(f"{path}: {what} listed by the checkpoint is missing")
-    real = path.resolve()
+    try:
+        st = os.stat(path)
+        real = Path(os.path.realpath(path))
+    except FileNotFoundError:
+        raise ReshardError(f"{path}: {what} listed by the checkpoint is missing") from None
+    except OSError as e:
+        if e.errno == errno.ENAMETOOLONG:
+            raise ReshardError(
+                f"{root}: {what} file name {_shown(name)} is too long for the filesystem "
+                f"({len(os.fsencode(name))} bytes); the checkpoint's file names are damaged"
+            ) from e
+        raise ReshardError(f"{path}: cannot read ({e.strerror})") from e
+    except ValueError as e:  # a lone surrogate (\ud800) no file name can hold
+        raise ReshardError(
+            f"{root}: {what} file name {_shown(name)} is no file name this system can open; "
+            "the checkpoint's file names are damaged"
+        ) from e
     if not any(real.is_relative_to(a) for a in allowed):
         raise ReshardError(
             f"{path}: is a symlink to {real}, outside the model directory; refusing to follow it"
         )
-    if not real.is_file():
+    if not stat.S_ISREG(st.st_mode):
         raise ReshardError(f"{path}: not a regular file")
+    if not _utf8(name):
+        raise ReshardError(
+            f"{root}: file name {_shown(name)} is not UTF-8, which the stages' manifests cannot record; "
+            "rename or remove the file"
+        )
     return path
+
+
+def _utf8(name: str) -> bool:
+    """Whether ``name`` (as os.listdir gives it: undecodable bytes as surrogates) is UTF-8 text."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _shown(name: str, limit: int = 60) -> str:
+    """``name`` for a message: quoted and escaped, its middle elided past ``limit`` characters."""
+    if len(name) > limit:
+        name = f"{name[: limit // 2]}...{name[-limit // 2 :]}"
+    return repr(name)
 
 
 def _read_file(root: Path, name: str, allowed: tuple[Path, ...]) -> bytes:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import ReshardError, param
 from ..format.names import CACHE_REPO_PREFIX, COMMIT, INDEX_NAME, SINGLE_FILE_NAME
-from .hub.cache import HubRepo, HubSettings
+from .hub.cache import HubRepo, HubSettings, inside, read_ref
 from .hub.checkpoint import read_hub_checkpoint
 from .hub.http import Traffic, resolve
 
@@ -34,18 +34,21 @@ def cache_repo_snapshot(path: Path, revision: str | None) -> Path | None:
     if COMMIT.fullmatch(rev):
         commit = rev
     else:
-        ref = path / "refs" / rev
-        if not ref.is_file():
+        commit = read_ref(path, rev)
+        if commit is None:
             known = sorted(p.name for p in (path / "refs").glob("*")) if (path / "refs").is_dir() else []
             raise ReshardError(
                 f"{path}: a Hugging Face cache repo folder with no refs/{rev}"
                 + (f" (it has {', '.join(known)})" if known else "")
                 + f"; pass a revision it has, or the snapshot directory {path / 'snapshots'}/<commit>"
             )
-        commit = ref.read_text().strip()
     snapshot = path / "snapshots" / commit
     if not snapshot.is_dir():
         raise ReshardError(f"{path}: refs/{rev} names commit {commit} but snapshots/{commit} is missing")
+    if not inside(snapshot, path / "snapshots"):
+        raise ReshardError(
+            f"{snapshot}: a symlink out of the cache repo folder {path}; refusing to follow it"
+        )
     return snapshot
 
 

@@ -173,14 +173,17 @@ def _copy_sources(
     ``meanwhile()`` returned."""
     plan, durable = job.plan, job.durable
     stop = threading.Event()
-    # Tensors per shard, for telling a Hub shard copied whole (its bytes checked as they stream).
-    per_file = Counter(t.file for t in plan.checkpoint.tensors.values()) if plan.checkpoint.hub else Counter()
+    # Tensors per shard, for telling a cache blob copied whole (its bytes checked as they stream).
+    ckpt = plan.checkpoint
+    per_file = Counter(t.file for t in ckpt.tensors.values()) if ckpt.blob_sha256 else Counter()
 
     def run(file: str) -> Digests:
         src = job.source.open(file)
         check_unchanged(plan, [file])  # the bytes about to be read are the planned file's ...
         segments = list(copy.segments[file].values())
-        blob = BlobCheck.of(plan, file, src, segments) if len(segments) == per_file[file] else None
+        # A whole-file digest needs every byte read: none of it shared with an output unread.
+        whole = len(segments) == per_file[file] and not copy.share_fds.get(file)
+        blob = BlobCheck.of(plan, file, src, segments) if whole else None
         found = copy_segments(
             src,
             segments,

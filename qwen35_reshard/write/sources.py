@@ -8,8 +8,8 @@ the run could tell. So each shard is checked against its stamp just before it is
 just after (the bytes read in between are then the planned file's: replacing it, or putting it
 back, changes its ctime), and every shard once more before any stage is declared complete.
 A Hub source is pinned to one commit: every byte fetched is named by it; a shard copied whole
-from a cached blob is hashed as it streams by and compared with the Hub's LFS sha256
-(:class:`BlobCheck`).
+from a cached blob (of a Hub source, or of a cache folder given as MODEL) is hashed as it
+streams by and compared with the Hub's LFS sha256, the blob's name (:class:`BlobCheck`).
 
 The run marker and ``reshard.json`` record each local shard's stamp (:func:`source_stamps`):
 what a later run over the same OUT compares first (see :mod:`.provenance`).
@@ -104,30 +104,33 @@ class BlobCheck:
     sha256 of it: huggingface_hub checks only a download's size, and the copy reads every byte
     of a shard it needs whole anyway."""
 
-    def __init__(self, where: str, path: str, want: str, head: bytes) -> None:
-        self.where, self.path, self.want = where, path, want
+    def __init__(self, where: str, path: str, want: str, head: bytes, fix: str) -> None:
+        self.where, self.path, self.want, self.fix = where, path, want, fix
         self.digest = hashlib.sha256(head)
         self.update = self.digest.update
 
     @classmethod
     def of(cls, plan: Plan, file: str, src: str | RangeSource, segments: list[Segment]) -> BlobCheck | None:
         """The check of source ``file``, whose every tensor ``segments`` copies, read from the
-        local path ``src`` (a cached blob): when it is a Hub shard with a known LFS sha256."""
+        local path ``src``: when it is a Hugging Face cache blob, named by its sha256 (the Hub's
+        LFS sha256), of a Hub source or of a cache folder given as MODEL."""
         ckpt = plan.checkpoint
         want = ckpt.blob_sha256.get(file)
-        if ckpt.hub is None or want is None or not isinstance(src, str | os.PathLike):
+        if want is None or not isinstance(src, str | os.PathLike):
             return None
         data_start = ckpt.file_sizes[file] - sum(s.nbytes for s in segments)  # tensors tile the data
         with open(src, "rb") as f:
             head = f.read(data_start)
-        return cls(f"{ckpt.display}: {file}", os.path.realpath(src), want, head)
+        # A Hub source fetches the file again; a cache folder given as MODEL is only read.
+        fix = "run the same command again" if ckpt.hub else "download the file again"
+        return cls(f"{ckpt.display}: {file}", os.path.realpath(src), want, head, fix)
 
     def check(self) -> None:
-        """Raise ReshardError unless the bytes read are the Hub's."""
+        """Raise ReshardError unless the bytes read are the Hub's (those the blob is named by)."""
         got = self.digest.hexdigest()
         if got != self.want:
             raise ReshardError(
                 f"{self.where}: the bytes read (sha256 {got[:12]}...) are not the Hub's (LFS sha256 "
-                f"{self.want[:12]}...): the cached copy {self.path} is damaged or was replaced; delete it "
-                "and run the same command again"
+                f"{self.want[:12]}..., the cached blob's name): the cached copy {self.path} is damaged or "
+                f"was replaced; delete it and {self.fix}"
             )

@@ -4,11 +4,14 @@ in huggingface_hub's cache and cached-assets folder, and the files this tool kee
 from __future__ import annotations
 
 import os
+import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ...errors import ReshardError, param
 from ...format.names import TOOL_NAME, partial_name, process_token
+from ...format.paths import is_plain_name
 
 LISTING_NAME = "files.json"  # kept beside the headers: the repo's files and sizes at the commit
 LFS_NAME = "lfs-sha256.json"  # kept with it: each LFS file's sha256, as the Hub names its blob
@@ -61,6 +64,27 @@ class HubRepo:
     def snapshot(self) -> Path:
         return self.storage / "snapshots" / self.commit
 
+    def cached(self, name: str) -> Path | None:
+        """The file ``name`` of the cached snapshot, or None when the cache lacks it.
+
+        huggingface_hub links each snapshot file to ``blobs/``: one that resolves out of the
+        repo's cache folder (planted, or a damaged cache) is never read.
+
+        Raises:
+            ReshardError: ``name`` (or the snapshot) is a symlink out of the cache folder.
+        """
+        path = self.snapshot / name
+        try:
+            if not path.is_file():
+                return None
+        except (OSError, ValueError):  # a name no filesystem holds (too long, a NUL): not cached
+            return None
+        if not inside(path, self.storage):
+            raise ReshardError(
+                f"{path}: a symlink out of the cache repo folder {self.storage}; refusing to follow it"
+            )
+        return path
+
     @property
     def assets(self) -> Path:
         from huggingface_hub.file_download import repo_folder_name
@@ -96,3 +120,48 @@ def write_kept(path: Path, data: bytes) -> None:
         except BaseException:
             tmp.unlink(missing_ok=True)  # a full disk, Ctrl-C: no temporary left in the cache
             raise
+
+
+def read_ref(repo_folder: Path, revision: str) -> str | None:
+    """The commit that ``refs/<revision>`` of a Hugging Face cache repo folder names, or None
+    when it has no such ref.
+
+    A ref is one 40-hex commit id (huggingface_hub writes nothing else there); anything else
+    is refused unread and unshown: the commit becomes a path under ``snapshots/``, and the
+    message must not print what a damaged or planted file holds.
+
+    Raises:
+        ReshardError: ``revision`` is no ref name, the ref resolves out of the repo folder,
+            or it holds anything but a commit id.
+    """
+    parts = Path(revision).parts
+    if Path(revision).is_absolute() or not parts or ".." in parts or not is_plain_name(parts[-1]):
+        raise ReshardError(f"{param('revision', revision)} is not a branch, tag or commit of {repo_folder}")
+    ref = repo_folder / "refs" / revision
+    try:
+        if not ref.is_file():
+            return None
+        if not inside(ref, repo_folder):
+            raise ReshardError(
+                f"{ref}: a symlink out of the cache repo folder {repo_folder}; refusing to follow it"
+            )
+        with open(ref, "rb") as f:
+            raw = f.read(_REF_READ)
+    except OSError as e:
+        raise ReshardError(f"{ref}: cannot read ({e.strerror})") from e
+    if not _REF.fullmatch(raw):
+        raise ReshardError(
+            f"{ref}: not one 40-hex commit id, as a Hugging Face cache ref holds; the cache folder is "
+            f"damaged: delete that file and download again, or pass a snapshot directory "
+            f"{repo_folder / 'snapshots'}/<commit>"
+        )
+    return raw[:40].decode("ascii")
+
+
+_REF = re.compile(rb"[0-9a-f]{40}\n?")
+_REF_READ = 42  # one byte past the longest ref (40 hex digits and a newline): a longer file is none
+
+
+def inside(path: Path, folder: Path) -> bool:
+    """Whether ``path``, symlinks resolved, is inside ``folder`` (symlinks resolved too)."""
+    return Path(os.path.realpath(path)).is_relative_to(os.path.realpath(folder))

@@ -60,14 +60,14 @@ class HubFetcher:
         self.ckpt = ckpt
         self.traffic = traffic if traffic is not None else Traffic()
         self.on_fetched = on_fetched
-        cached = {f for f in needed if (repo.snapshot / f).is_file()}
+        cached = {f for f in needed if repo.cached(f) is not None}
         self.fetches = fetch_plan(ckpt, needed, cached)
 
     def prepare(self) -> None:
         """Offline, name every file the run needs that the cache lacks; online, fetch the
         non-weight files every stage gets (small) into the cache."""
         missing = [f.file for f in self.fetches.values() if f.how != FETCH_CACHE]
-        missing += [n for n in self.ckpt.extra_files if not (self.repo.snapshot / n).is_file()]
+        missing += [n for n in self.ckpt.extra_files if self.repo.cached(n) is None]
         if self.repo.offline and missing:
             raise ReshardError(
                 f"{self.repo.describe()}: offline, and the Hugging Face cache ({self.repo.storage}) lacks "

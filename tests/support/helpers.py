@@ -1,0 +1,102 @@
+"""Helpers every kind of test uses: the repository's paths, running the command, what a refused
+run says, and what a run left behind."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository
+SUPPORT = Path(__file__).resolve().parent  # the workers run as scripts from here
+CLI = Path(sys.executable).with_name("qwen35-reshard")  # the installed command
+
+
+def run_without(modules: list[str], code: str) -> str:
+    """Run ``code`` in a fresh interpreter in which ``modules`` cannot be imported; its stdout."""
+    blocked = "".join(f"sys.modules[{m!r}] = None; " for m in modules)
+    res = subprocess.run(
+        [sys.executable, "-c", f"import sys; {blocked}\n{code}"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert res.returncode == 0, res.stderr
+    return res.stdout
+
+
+def run_cli(*args, check=True) -> subprocess.CompletedProcess:
+    """The installed ``qwen35-reshard`` with ``args``; exit 0 asserted unless ``check=False``."""
+    proc = subprocess.run([str(CLI), *map(str, args)], capture_output=True, text=True, timeout=120)
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def mount_namespace(probe: Path) -> list[str] | None:
+    """A command prefix that runs in a private mount namespace where tmpfs can be mounted.
+
+    Root gets a plain mount namespace; anyone else a user namespace mapped to root (where the
+    kernel allows unprivileged user namespaces). The mount vanishes with the namespace.
+    """
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        return None
+    candidates = [[unshare, "--user", "--map-root-user", "--mount"]]
+    if os.geteuid() == 0:
+        candidates.insert(0, [unshare, "--mount"])
+    probe.mkdir(exist_ok=True)
+    for prefix in candidates:
+        p = subprocess.run([*prefix, "mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(probe)],
+                           capture_output=True)  # fmt: skip
+        if p.returncode == 0:
+            return prefix
+    return None
+
+
+def one_error_line(proc: subprocess.CompletedProcess) -> str:
+    """The one ``error:`` line of a refused run: exit 2, no traceback, exactly one ``error:``
+    line and it is the last on stderr; stdout holds no more than what was printed before the
+    write started (no summary, no launch line)."""
+    assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert "wrote" not in proc.stdout and "PP_LAYER_PARTITION" not in proc.stdout, proc.stdout
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and proc.stderr.rstrip("\n").splitlines()[-1] == lines[0], proc.stderr
+    return lines[0]
+
+
+def lone_error_line(proc: subprocess.CompletedProcess) -> str:
+    """``one_error_line``, and nothing else on stderr."""
+    line = one_error_line(proc)
+    assert proc.stderr.strip() == line, proc.stderr
+    return line
+
+
+def tree(root: Path) -> dict[str, bytes | str | None]:
+    """Everything under ``root``, hidden entries too, by relative path: a file's bytes, a
+    symlink's target (never followed), None for a directory. Equal trees hold the same names,
+    kinds and bytes."""
+    out: dict[str, bytes | str | None] = {}
+    for p in sorted(root.rglob("*")):
+        rel = str(p.relative_to(root))
+        out[rel] = os.readlink(p) if p.is_symlink() else None if p.is_dir() else p.read_bytes()
+    return out
+
+
+def digests(root: Path) -> dict[str, str]:
+    """sha256 of every file under ``root`` (hidden ones too), streamed: for outputs too big to
+    hold in memory twice."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_file():
+            h = hashlib.sha256()
+            with open(p, "rb") as f:
+                while chunk := f.read(1 << 22):
+                    h.update(chunk)
+            out[str(p.relative_to(root))] = h.hexdigest()
+    return out
