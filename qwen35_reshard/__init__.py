@@ -25,7 +25,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 from ._version import __version__
-from .errors import ReshardError
+from .errors import BadInput, HubError, OutBusy, OutError, ReshardError, StageError
 
 if TYPE_CHECKING:
     from .api import RepairResult, ReshardProgress, ReshardResult, repair, reshard
@@ -62,17 +62,22 @@ _LAZY = {
 }
 
 __all__ = [
+    "BadInput",
     "Capacity",
     "Checkpoint",
     "Choice",
+    "HubError",
     "HubSettings",
     "Nodes",
+    "OutBusy",
+    "OutError",
     "Plan",
     "RepairResult",
     "Reporter",
     "ReshardError",
     "ReshardProgress",
     "ReshardResult",
+    "StageError",
     "WriteOptions",
     "WriteResult",
     "__version__",

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .errors import ReshardError, param
+from .errors import BadInput, param
 from .format.names import RUN_MANIFEST, stage_dir_rank
 from .model.runtimes import parse_partition
 from .plan.balance import Choice, choose
@@ -25,7 +25,7 @@ from .plan.capacity import Capacity
 from .plan.fetch import fetch_report, needed_by
 from .plan.nodes import Node, Nodes, pick_node
 from .plan.planner import Plan, make_plan, recorded_plan
-from .source.checkpoint import Checkpoint, read_checkpoint, source_identity
+from .source.checkpoint import Checkpoint, read_checkpoint, source_fingerprint
 from .source.hub.cache import HubRepo, HubSettings
 from .source.hub.fetch import HubFetcher
 from .source.hub.http import Traffic
@@ -208,8 +208,11 @@ def reshard(
         be, for a dry run), bytes copied and shared, and the launch line's ``launch_env``.
 
     Raises:
-        ReshardError: bad input (a parameter, the checkpoint, OUT) or a failed run, in one
-            line naming the parameter at fault; a ValueError, so ``except ValueError`` works.
+        ReshardError: in one line naming the parameter at fault; a ValueError, so ``except
+            ValueError`` works. By kind (:mod:`qwen35_reshard.errors`): BadInput (a parameter,
+            the checkpoint, what OUT holds), OutBusy (another live run is writing OUT:
+            ``retryable``), OutError (the OS refused a write in OUT: the same call resumes),
+            HubError (a Hub repo id).
 
     Example:
         >>> from qwen35_reshard import Nodes, WriteOptions, reshard
@@ -226,7 +229,7 @@ def reshard(
     out = None if out_dir is None else Path(out_dir)
     _check_run(model, out, dry_run=dry_run, workers=write.workers)
     if capacity is not None and partition != "balanced":
-        raise ReshardError(
+        raise BadInput(
             f"{param('capacity')} sizes {param('partition', 'balanced')} for serving: add "
             f"{param('partition', 'balanced')}"
         )
@@ -260,11 +263,11 @@ def reshard(
 def _check_run(model: str | os.PathLike[str], out: Path | None, *, dry_run: bool, workers: int) -> None:
     """Refuse, before reading anything, a run with no OUT or one inside MODEL, or no workers."""
     if out is None and not dry_run:
-        raise ReshardError(f"{param('out_dir')} is needed to write the split; or pass {param('dry_run')}")
+        raise BadInput(f"{param('out_dir')} is needed to write the split; or pass {param('dry_run')}")
     if out is not None and Path(model).is_dir():
         check_out_dir(Path(model), out)
     if workers < 1:
-        raise ReshardError(f"{param('workers')} must be at least 1, got {workers}")
+        raise BadInput(f"{param('workers')} must be at least 1, got {workers}")
 
 
 def _open(
@@ -355,7 +358,7 @@ def _partition(
 
 
 def _refuse_other_bytes(target: Path, source: str | os.PathLike[str], tensor: str, where: str) -> None:
-    raise ReshardError(
+    raise BadInput(
         f"{param('source')} {source} is not the checkpoint {target} was split from: the bytes of "
         f"tensor {tensor!r} ({where}) differ from the ones the split records; nothing was written: "
         f"pass the checkpoint the split was made from as {param('source')}"
@@ -401,9 +404,10 @@ def repair(
         A :class:`RepairResult`: the report before, the files rewritten, the report after.
 
     Raises:
-        ReshardError: ``source`` is not a directory, the split records no readable settings,
-            it was made from another checkpoint (another layout, or other bytes: one tensor
-            named), or another live run is writing it.
+        BadInput: ``source`` is not a directory, the split records no readable settings, or it
+            was made from another checkpoint (another layout, or other bytes: one tensor named).
+        OutBusy: another live run is writing it.
+        OutError: a rewrite the OS refused.
 
     Example:
         >>> import os
@@ -417,7 +421,7 @@ def repair(
         (False, True, True)
     """
     if not Path(source).is_dir():
-        raise ReshardError(
+        raise BadInput(
             f"{param('repair')} rewrites files from a local checkpoint, and {source} is not a directory: "
             "download the checkpoint (or the shards verify names) and pass its directory as "
             f"{param('source')}"
@@ -447,8 +451,8 @@ def _repair(
         _refuse_other_bytes(target, source, f.tensor, f"{f.stage}/{f.file}")
     ckpt = read_checkpoint(source)
     identity = recorded_identity(out, target if single else None)
-    if identity.source_fingerprint != source_identity(ckpt)["fingerprint"]:
-        raise ReshardError(
+    if identity.source_fingerprint != source_fingerprint(ckpt):
+        raise BadInput(
             f"{target} was split from another checkpoint than {source} (or the source changed since); "
             "repair rewrites files from the checkpoint the split was made from: pass that one"
         )

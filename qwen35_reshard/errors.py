@@ -1,6 +1,18 @@
-"""The exception the tool raises for bad input or a failed run, in the library's own terms.
+"""The exceptions the tool raises for bad input or a failed run, in the library's own terms.
 
-Its message is a single line that names the file, tensor or parameter at fault and what to do.
+Every one is a :class:`ReshardError` (a ValueError), whose message is a single line that names
+the file, tensor or parameter at fault and what to do; the command line prints it as
+``error: ...`` and exits with its ``exit_code`` (2 for each). What went wrong, by class:
+
+- :class:`BadInput`: a parameter, the checkpoint, or what OUT holds is not what the tool can
+  work with (a bad ``pp``, a damaged header, OUT holding another split): fix it, run again.
+- :class:`OutBusy`: another live run is writing OUT (or building the stage a repair would
+  mend): ``retryable``, the same call succeeds once that run has finished.
+- :class:`OutError`: the operating system refused a write in OUT (a full disk, no
+  permission, a read-only volume); raised ``from`` the OSError: the same command resumes.
+- :class:`HubError`: the Hugging Face Hub could not be reached, refused the request, or the
+  repo is incomplete.
+- :class:`StageError`: a stage directory that must not be loaded (the loader shim).
 A parameter is named through :func:`param`, so each caller sees its own spelling: ``str(e)``
 says ``pp`` or ``overwrite=True`` (the library's parameters), the CLI renders the same error
 with its flags (``--pp``, ``--overwrite``) through :meth:`ReshardError.render`.
@@ -32,6 +44,7 @@ class ReshardError(ValueError):
     """
 
     exit_code = 2
+    retryable = False  # whether the same call may succeed later, unchanged
 
     def __str__(self) -> str:
         return self.render({})
@@ -55,3 +68,25 @@ def spell(text: str, flags: Mapping[str, str]) -> str:
         return f"{flags[name]} {value.strip(chr(39))}"
 
     return _PARAM.sub(one, text)
+
+
+class BadInput(ReshardError):
+    """A parameter, the checkpoint or what OUT holds is not what the tool can work with."""
+
+
+class OutBusy(ReshardError):
+    """Another live run is writing OUT: wait for it to finish (or choose another directory)."""
+
+    retryable = True
+
+
+class OutError(ReshardError):
+    """The operating system refused a write in OUT (full disk, no permission, read-only)."""
+
+
+class HubError(ReshardError):
+    """The Hugging Face Hub could not be reached, refused the request, or the repo is incomplete."""
+
+
+class StageError(ReshardError):
+    """A stage directory that must not be loaded, with what to do about it in one line."""

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import msgspec
 
-from ..errors import JSON_ERRORS, ReshardError
+from ..errors import JSON_ERRORS, BadInput
 
 # A sha256 digest as the tool writes and accepts it: 64 lowercase hex digits.
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")
@@ -101,16 +101,16 @@ def parse_json_object(raw: bytes, where: str, loads: Callable[[bytes], object] =
             or not an object.
     """
     if not is_plain_utf8(raw):
-        raise ReshardError(
+        raise BadInput(
             f"{where}: not plain UTF-8 text (UTF-16 or UTF-32, a byte order mark, or bytes that are no "
             "UTF-8), which transformers refuses; save the file as UTF-8 without a byte order mark"
         )
     try:
         obj = loads(raw)
     except JSON_ERRORS as e:
-        raise ReshardError(f"{where}: not valid JSON ({e}); the file is damaged") from e
+        raise BadInput(f"{where}: not valid JSON ({e}); the file is damaged") from e
     if not isinstance(obj, dict):
-        raise ReshardError(f"{where}: expected a JSON object")
+        raise BadInput(f"{where}: expected a JSON object")
     return obj
 
 

@@ -28,17 +28,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import ReshardError
+from ..errors import StageError
 from ..format.dtypes import DTYPES
 from ..format.names import INDEX_NAME, RUN_MANIFEST, STAGE_MANIFEST, stage_dir_rank, stage_dirname
 from ..model.runtimes import launch_env
 from ..stage.findings import REBUILD, Finding
 from ..stage.manifest import StageManifest, StageTensor
-from ..stage.reader import read_run_record, read_stage
-
-
-class StageError(ReshardError):
-    """A stage directory that must not be loaded, with what to do about it in one line."""
+from ..stage.reader import RunRecord, read_run_record, read_stage
 
 
 @dataclass
@@ -171,7 +167,7 @@ class Stage:
         except ModuleNotFoundError as e:
             raise StageError(
                 f"iter_weights needs {e.name}, which is not installed: pip install {e.name} (torch from "
-                "https://download.pytorch.org/whl/cpu for the CPU build; see the README's Install)"
+                "https://download.pytorch.org/whl/cpu for the CPU build; see docs/install.md)"
             ) from e
 
         if sys.byteorder != "little":
@@ -313,7 +309,7 @@ def _no_stage_dir(root: Path, given: str, pp_rank: int) -> str:
     if not root.is_dir():
         return f"{given} is not a directory; pass the run directory OUT or a stage directory OUT/pp<rank>"
     run = read_run_record(root, given)
-    pp = run[1].pp if isinstance(run, tuple) else None
+    pp = run.identity.pp if isinstance(run, RunRecord) else None
     if pp is not None and pp_rank >= pp:
         return (
             f"pp_rank {pp_rank} is outside the split in {given}: it has {pp} stages (pp0..pp{pp - 1}); "

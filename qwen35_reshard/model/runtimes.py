@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..errors import ReshardError, param
+from ..errors import BadInput, param
 from ..units import plural
 from . import names
 
@@ -37,15 +37,15 @@ def default_partition(num_layers: int, pp: int, runtime: str) -> list[int]:
 def check_runtime(runtime: str) -> None:
     """Refuse a runtime whose split and placement rules the tool does not know."""
     if runtime not in RUNTIMES:
-        raise ReshardError(f"{param('runtime', runtime)} is not one of {', '.join(RUNTIMES)}")
+        raise BadInput(f"{param('runtime', runtime)} is not one of {', '.join(RUNTIMES)}")
 
 
 def check_pp(num_layers: int, pp: int) -> None:
     """Refuse a stage count that leaves a stage without a decoder layer."""
     if pp < 1:
-        raise ReshardError(f"{param('pp')} must be at least 1, got {pp}")
+        raise BadInput(f"{param('pp')} must be at least 1, got {pp}")
     if pp > num_layers:
-        raise ReshardError(
+        raise BadInput(
             f"{param('pp', pp)} is larger than the model's {num_layers} decoder layers; use at most "
             f"{param('pp', num_layers)}"
         )
@@ -56,7 +56,7 @@ def parse_partition(text: str, *, pp: int, num_layers: int) -> list[int]:
     try:
         sizes = [int(part) for part in text.split(",")]
     except ValueError as e:
-        raise ReshardError(
+        raise BadInput(
             f"{param('partition', text)} must be comma-separated integers, e.g. "
             f"{','.join(map(str, default_partition(num_layers, pp, 'sglang')))}"
         ) from e
@@ -68,14 +68,14 @@ def check_partition(sizes: list[int], *, pp: int, num_layers: int) -> None:
     """Refuse a partition that is not ``pp`` positive layer counts summing to ``num_layers``."""
     text = ",".join(map(str, sizes))
     if len(sizes) != pp:
-        raise ReshardError(
+        raise BadInput(
             f"{param('partition', text)} has {plural(len(sizes), 'entry', 'entries')} but "
             f"{param('pp')} is {pp}"
         )
     if any(s < 1 for s in sizes):
-        raise ReshardError(f"{param('partition', text)}: every stage needs at least one layer")
+        raise BadInput(f"{param('partition', text)}: every stage needs at least one layer")
     if sum(sizes) != num_layers:
-        raise ReshardError(
+        raise BadInput(
             f"{param('partition', text)} sums to {sum(sizes)} but the model has {num_layers} decoder layers"
         )
 
@@ -142,7 +142,7 @@ def check_servable(
         remedy = f"the model has {layers}: use at most {param('pp', full)}"
     else:
         remedy = "the model has no full-attention layer, so no split of it can be served"
-    raise ReshardError(f"{param('runtime', runtime)} cannot serve {split}: {problem}; {remedy}")
+    raise BadInput(f"{param('runtime', runtime)} cannot serve {split}: {problem}; {remedy}")
 
 
 def launch_env(runtime: str, partition: list[int]) -> str:

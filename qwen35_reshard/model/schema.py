@@ -31,7 +31,7 @@ from itertools import compress, repeat
 from operator import add, attrgetter
 from typing import NamedTuple
 
-from ..errors import ReshardError
+from ..errors import BadInput
 from ..format.names import CONFIG_NAME
 
 # --------------------------------------------------------------------------- shapes as data
@@ -228,7 +228,7 @@ def layer_types(config: Mapping) -> list[str]:
     try:
         return _layer_types(text_config(config))
     except ValueError as e:
-        raise ReshardError(f"{CONFIG_NAME}: {e}") from e
+        raise BadInput(f"{CONFIG_NAME}: {e}") from e
 
 
 def mtp_layers(config: Mapping) -> int:
@@ -236,7 +236,7 @@ def mtp_layers(config: Mapping) -> int:
     try:
         return _size(text_config(config), "mtp_num_hidden_layers", 1)
     except ValueError as e:
-        raise ReshardError(f"{CONFIG_NAME}: {e}") from e
+        raise BadInput(f"{CONFIG_NAME}: {e}") from e
 
 
 def required_tensors(
@@ -260,7 +260,7 @@ def required_tensors(
         walk.model()
         return Schema(walk.names, walk.shapes, walk.mtp, walk.vision, walk.unchecked, walk.found, tensors)
     except ValueError as e:
-        raise ReshardError(f"{CONFIG_NAME}: {e}; is this a Qwen3.5 MoE config?") from e
+        raise BadInput(f"{CONFIG_NAME}: {e}; is this a Qwen3.5 MoE config?") from e
 
 
 class _ExpertColumns(NamedTuple):
@@ -592,14 +592,14 @@ def check_complete(required: Schema, tensors: Mapping[str, object], where: str) 
     """
     missing, wrong = compare_schema(required, tensors)
     if missing:
-        raise ReshardError(
+        raise BadInput(
             f"{where}: lacks tensor {missing[0]!r}, which {CONFIG_NAME} requires ({others(len(missing) - 1)} "
             "missing); a server would leave it unloaded: the checkpoint is incomplete, download or "
             "convert it again"
         )
     if wrong:
         name, want, found = wrong[0]
-        raise ReshardError(
+        raise BadInput(
             f"{where}: tensor {name!r} has shape {list(found)} but {CONFIG_NAME} implies {list(want)} "
             f"({others(len(wrong) - 1)} with a wrong shape); the config and the weights do not match"
         )

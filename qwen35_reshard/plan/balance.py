@@ -26,7 +26,7 @@ from itertools import accumulate, groupby
 from operator import itemgetter
 
 from ..bulk import field_getters
-from ..errors import ReshardError
+from ..errors import BadInput
 from ..format.names import MTP_ABSENT, MTP_DROPPED, MTP_KEPT
 from ..model import names
 from ..model.runtimes import (
@@ -283,7 +283,7 @@ def choose(
     )
     problem = servable(runtime, types, default)
     if partition is None:
-        raise ReshardError(
+        raise BadInput(
             f"no split of the {ckpt.num_layers} decoder layers into {pp} stages can be served by "
             f"{runtime}: in its default split {','.join(map(str, default))}, {problem}; use fewer stages"
         )

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import ReshardError, param
+from ..errors import BadInput, param
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _CACHE_BYTES = 2  # BF16 KV cache and conv state
@@ -36,10 +36,10 @@ class Capacity:
 
     def __post_init__(self) -> None:
         if not 0 < self.mem_fraction <= 1:
-            raise ReshardError(f"{param('mem_fraction')} must be in (0, 1], got {self.mem_fraction}")
+            raise BadInput(f"{param('mem_fraction')} must be in (0, 1], got {self.mem_fraction}")
         for name in ("tp", "context_length"):
             if getattr(self, name) < 1:
-                raise ReshardError(f"{param(name)} must be at least 1, got {getattr(self, name)}")
+                raise BadInput(f"{param(name)} must be at least 1, got {getattr(self, name)}")
 
 
 def capacity_from(
@@ -61,15 +61,15 @@ def capacity_from(
     given = [name for name, value in options if value is not None]
     if gpu_memory is None:
         if given:
-            raise ReshardError(f"{param(given[0])} sizes capacity mode: it needs {param('gpu_memory')}")
+            raise BadInput(f"{param(given[0])} sizes capacity mode: it needs {param('gpu_memory')}")
         return None
     if partition != "balanced":
-        raise ReshardError(
+        raise BadInput(
             f"{param('gpu_memory')} sizes {param('partition', 'balanced')} for serving: add "
             f"{param('partition', 'balanced')}"
         )
     if context_length is None:
-        raise ReshardError(
+        raise BadInput(
             f"{param('gpu_memory')} needs {param('context_length')}, the tokens each request may hold"
         )
     return Capacity(
@@ -113,7 +113,7 @@ def linear_state_bytes(text_config: dict, runtime: str, tp: int) -> int:
     kernel = _int(text_config, "linear_conv_kernel_dim")
     ssm = text_config.get("mamba_ssm_dtype") or _DEFAULT_SSM_DTYPE[runtime]
     if not isinstance(ssm, str) or ssm not in _DTYPE_BYTES:  # a list is no name (nor hashable)
-        raise ReshardError(f"config.json: mamba_ssm_dtype {ssm!r} is not one of {', '.join(_DTYPE_BYTES)}")
+        raise BadInput(f"config.json: mamba_ssm_dtype {ssm!r} is not one of {', '.join(_DTYPE_BYTES)}")
     conv = _ceil(2 * hk * dk + hv * dv, tp) * (kernel - 1) * _CACHE_BYTES
     recurrent = _ceil(hv, tp) * dk * dv * _DTYPE_BYTES[ssm]
     return conv + recurrent
@@ -126,7 +126,7 @@ def _ceil(a: int, b: int) -> int:
 def _int(text_config: dict, key: str) -> int:
     value = text_config.get(key)
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ReshardError(
+        raise BadInput(
             f"config.json: no positive integer {key} in the text config; capacity mode needs "
             "it to size the KV cache and linear-attention state"
         )

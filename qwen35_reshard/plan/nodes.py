@@ -43,7 +43,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ..errors import ReshardError, param, spell
+from ..errors import BadInput, ReshardError, param, spell
 
 
 @dataclass(frozen=True)
@@ -107,22 +107,22 @@ def pick_node(
     nnodes, node_rank = nodes.nnodes, nodes.node_rank
     if ranks == "auto":
         if node_rank is not None:
-            raise ReshardError(
+            raise BadInput(
                 f"{param('ranks', 'auto')} reads the node rank from the environment: drop "
                 f"{param('node_rank')}"
             )
         return node_from_env(environ if nodes.env is None else nodes.env, pp, nnodes)
     if isinstance(ranks, str):
-        raise ReshardError(f"{param('ranks', ranks)} must be stage numbers or 'auto'")
+        raise BadInput(f"{param('ranks', ranks)} must be stage numbers or 'auto'")
     if nnodes is None and node_rank is None:
         return None
     if ranks is not None:
-        raise ReshardError(
+        raise BadInput(
             f"{param('ranks')} picks the stages itself: drop {param('nnodes')} and {param('node_rank')}, "
             f"or {param('ranks')}"
         )
     if nnodes is None or node_rank is None:
-        raise ReshardError(
+        raise BadInput(
             f"{param('nnodes')} and {param('node_rank')} go together: pass both, or {param('ranks', 'auto')}"
         )
     return given_node(pp, nnodes, node_rank)
@@ -144,16 +144,16 @@ def node_stages(pp: int, nnodes: int, node_rank: int) -> range:
         ReshardError: counts below 1, counts that do not divide, a node rank out of range.
     """
     if pp < 1:
-        raise ReshardError(f"{param('pp')} must be at least 1, got {pp}")
+        raise BadInput(f"{param('pp')} must be at least 1, got {pp}")
     if nnodes < 1:
-        raise ReshardError(f"{param('nnodes')} must be at least 1, got {nnodes}")
+        raise BadInput(f"{param('nnodes')} must be at least 1, got {nnodes}")
     if pp % nnodes and nnodes % pp:
-        raise ReshardError(
+        raise BadInput(
             f"{param('nnodes', nnodes)} and {param('pp', pp)} do not divide: the servers give every "
             "node the same number of stages, so one must be a multiple of the other"
         )
     if not 0 <= node_rank < nnodes:
-        raise ReshardError(
+        raise BadInput(
             f"{param('node_rank', node_rank)} is not a node of {param('nnodes', nnodes)}: "
             f"use 0 to {nnodes - 1}"
         )
@@ -198,7 +198,7 @@ def node_from_env(env: Mapping[str, str], pp: int, nnodes: int | None = None) ->
     """
     readings = [r for r in (_read(env, *source) for source in _SOURCES) if r is not None]
     if not readings:
-        raise ReshardError(
+        raise BadInput(
             f"{param('ranks', 'auto')} found no node index in the environment (none of "
             f"{', '.join(s[0] for s in _SOURCES)} is set): run it under the scheduler, or pass "
             f"{param('nnodes')} and {param('node_rank')}"
@@ -218,11 +218,11 @@ def node_from_env(env: Mapping[str, str], pp: int, nnodes: int | None = None) ->
     else:
         count = counted.nnodes
         if nnodes is not None and nnodes != count:
-            raise ReshardError(
+            raise BadInput(
                 f"{param('nnodes', nnodes)} but {_shown(env, counted)}: drop {param('nnodes')} or fix it"
             )
     if first.rank >= count:
-        raise ReshardError(
+        raise BadInput(
             f"{_shown(env, first)}: node index {first.rank} is not below the node count {count} "
             f"({used[-1]}); number the nodes from 0"
         )
@@ -230,7 +230,7 @@ def node_from_env(env: Mapping[str, str], pp: int, nnodes: int | None = None) ->
 
 
 def _disagree(env: Mapping[str, str], one: _Reading, other: _Reading) -> ReshardError:
-    return ReshardError(
+    return BadInput(
         f"{_shown(env, one)} and {_shown(env, other)} disagree about this node: unset the variables "
         f"that do not apply, or pass {param('nnodes')} and {param('node_rank')}"
     )
@@ -248,7 +248,7 @@ def _read(env: Mapping[str, str], index_var: str, count_var: str | None) -> _Rea
         if "SLURM_ARRAY_TASK_ID" in env:
             return None  # 0 in every array task: the array index is this node's
         if "SLURM_STEP_ID" not in env and _number(env, "SLURM_NNODES", 1) > 1:
-            raise ReshardError(
+            raise BadInput(
                 f"SLURM_NODEID is 0 in the batch script of a job on {env['SLURM_NNODES']} nodes: run "
                 f"{param('ranks', 'auto')} in a job step, one task per node (srun --ntasks-per-node=1)"
             )
@@ -258,7 +258,7 @@ def _read(env: Mapping[str, str], index_var: str, count_var: str | None) -> _Rea
     if count_var is None or count_var not in env:
         return _Reading(rank, None, (index_var,))
     if count_var == "PET_NNODES" and ":" in env[count_var]:
-        raise ReshardError(
+        raise BadInput(
             f"PET_NNODES={env[count_var]} is an elastic range: stages need a fixed node count, so "
             f"pass {param('nnodes')} and {param('node_rank')}"
         )
@@ -272,12 +272,12 @@ def _torchrun(env: Mapping[str, str], rank: int) -> _Reading:
         return _Reading(rank, None, used[:1])
     world, local = _number(env, "WORLD_SIZE", 1), _number(env, "LOCAL_WORLD_SIZE", 1)
     if world % local:
-        raise ReshardError(
+        raise BadInput(
             f"WORLD_SIZE={world} is no multiple of LOCAL_WORLD_SIZE={local}: torchrun's node count "
             f"is their ratio; pass {param('nnodes')} and {param('node_rank')}"
         )
     if "GROUP_WORLD_SIZE" in env and _number(env, "GROUP_WORLD_SIZE", 1) != world // local:
-        raise ReshardError(
+        raise BadInput(
             f"GROUP_WORLD_SIZE={env['GROUP_WORLD_SIZE']} disagrees with WORLD_SIZE={world} / "
             f"LOCAL_WORLD_SIZE={local}: pass {param('nnodes')} and {param('node_rank')}"
         )
@@ -291,7 +291,7 @@ def _number(env: Mapping[str, str], name: str, least: int) -> int:
         return least
     if not (text.isascii() and text.isdigit()) or int(text) < least:
         what = "a node index (0, 1, ...)" if least == 0 else "a node count (1, 2, ...)"
-        raise ReshardError(f"{name}={text!r} is not {what}: fix the variable or unset it")
+        raise BadInput(f"{name}={text!r} is not {what}: fix the variable or unset it")
     return int(text)
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from itertools import chain, groupby, repeat
 
 from ..bulk import field_getters
-from ..errors import ReshardError, param
+from ..errors import BadInput, param
 from ..format.names import GATHERED, MTP_ABSENT, MTP_DROPPED, MTP_KEPT, stage_dirname
 from ..model import names, schema
 from ..model.runtimes import (
@@ -156,7 +156,7 @@ def make_plan(
     ranks = sorted(set(ranks)) if ranks is not None else list(range(pp))
     for r in ranks:
         if not 0 <= r < pp:
-            raise ReshardError(f"{param('ranks', r)} is out of range for {param('pp', pp)} (0..{pp - 1})")
+            raise BadInput(f"{param('ranks', r)} is out of range for {param('pp', pp)} (0..{pp - 1})")
 
     # What follows runs for every tensor (~190,000 for a 397B FP8 checkpoint): it works on
     # whole columns (map, slices, list equality), and per role key (the name prefix that
@@ -291,7 +291,7 @@ def check_roles(
     unplaced = [k for k, r in roles.items() if r is None]
     if unplaced:
         name = tensor_names[keys.index(unplaced[0])]
-        raise ReshardError(
+        raise BadInput(
             f"tensor {name!r}: no placement rule covers it (not a decoder layer, embed_tokens, "
             "norm, lm_head, mtp.* or model.visual.* tensor); refusing to drop or guess"
         )
@@ -302,7 +302,7 @@ def check_roles(
             for n, k in zip(tensor_names, keys, strict=True)
             if (roles[k].layer or 0) >= num_layers
         )
-        raise ReshardError(
+        raise BadInput(
             f"tensor {name!r}: layer {role.layer} is not below num_hidden_layers={num_layers} "
             "in config.json; the config and the weights do not match"
         )
@@ -310,7 +310,7 @@ def check_roles(
         # The ids found are all below num_layers, so the first one missing is at most
         # len(found): never walk num_layers itself, which a config can make 10**15.
         first = next(i for i in range(len(found) + 1) if i not in found)
-        raise ReshardError(
+        raise BadInput(
             f"decoder layer {first} has no tensors ({num_layers - len(found)} of {num_layers} layers "
             "missing); the checkpoint is incomplete or config.json's num_hidden_layers is wrong"
         )

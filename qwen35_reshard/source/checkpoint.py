@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import NamedTuple, NoReturn
 
 from ..bulk import make_tuples
-from ..errors import ReshardError, param
+from ..errors import BadInput, param
 from ..format.jsonio import is_sha256, load_index, parse_json_object
 from ..format.names import (
     CACHE_REPO_PREFIX,
@@ -98,20 +98,27 @@ def source_name(ckpt: Checkpoint) -> str:
     return LOCAL_SOURCE
 
 
-def source_identity(ckpt: Checkpoint) -> dict:
-    """What identifies the source: its path (or Hub repo id and commit) for people, digests and
-    sizes for the tool. A Hub source records no endpoint and no token.
+def source_fingerprint(ckpt: Checkpoint) -> str:
+    """The source's fingerprint (a sha256 in hex), what a split records to tell its source.
 
-    The fingerprint covers config.json, the index, every shard's size and header (each
-    tensor's name, dtype, shape and offsets), not the tensors' bytes: a local shard rewritten
-    in place with other values of the same layout keeps it (a Hub source's commit names its
-    bytes; a run checks each shard's inode, size and times, see ``write.sources``).
+    It covers config.json, the index, every shard's size and header (each tensor's name,
+    dtype, shape and offsets), not the tensors' bytes: a local shard rewritten in place with
+    other values of the same layout keeps it (a Hub source's commit names its bytes; a run
+    checks each shard's inode, size and times, see ``write.sources``).
     """
-    fingerprint = hashlib.sha256(
+    return hashlib.sha256(
         json.dumps(
             [ckpt.config_sha256, ckpt.index_sha256, sorted(ckpt.file_sizes.items()), ckpt.headers_sha256]
         ).encode()
     ).hexdigest()
+
+
+def source_identity(ckpt: Checkpoint) -> dict:
+    """What identifies the source, as a manifest records it (JSON): its path (or Hub repo id
+    and commit) for people, digests, sizes and :func:`source_fingerprint` for the tool. A Hub
+    source records no endpoint and no token.
+    """
+    fingerprint = source_fingerprint(ckpt)
     return {
         **(ckpt.hub or {}),
         "path": str(ckpt.root.resolve()),
@@ -145,11 +152,11 @@ def read_checkpoint(model_dir: str | os.PathLike[str]) -> Checkpoint:
     """
     root = Path(model_dir)
     if not root.is_dir():
-        raise ReshardError(
+        raise BadInput(
             f"{root}: not a directory; pass the checkpoint's directory as {param('model_dir')}"
         )
     if not _utf8(str(root.resolve())):
-        raise ReshardError(
+        raise BadInput(
             f"{root}: the directory's path is not UTF-8, which the stages' manifests record as the "
             f"source; rename it, then pass it as {param('model_dir')}"
         )
@@ -167,7 +174,7 @@ def read_checkpoint(model_dir: str | os.PathLike[str]) -> Checkpoint:
             if pickles
             else ""
         )
-        raise ReshardError(f"{root}: no {INDEX_NAME} and no {SINGLE_FILE_NAME}{hint}")
+        raise BadInput(f"{root}: no {INDEX_NAME} and no {SINGLE_FILE_NAME}{hint}")
 
     def read_headers(files: list[str]) -> dict[str, Header]:
         # Every name is checked before any header is read: a name leaving the model directory
@@ -239,7 +246,7 @@ def assemble_checkpoint(
     if weight_map is not None and len(tensors) != len(weight_map):  # all in it: is it all?
         missing = [n for n in weight_map if n not in tensors]
         if missing:
-            raise ReshardError(
+            raise BadInput(
                 f"{INDEX_NAME} lists tensor {missing[0]!r} in {weight_map[missing[0]]} but that "
                 f"shard does not hold it ({len(missing)} such tensors); the checkpoint is incomplete"
             )
@@ -271,13 +278,13 @@ def _name_mismatch(
     seen = {name: f for f in earlier for name in headers[f].columns.names}
     for t in headers[file].tensors:
         if t.name in seen:
-            raise ReshardError(
+            raise BadInput(
                 f"tensor {t.name!r} appears in both {seen[t.name]} and {file}; the checkpoint is inconsistent"
             )
         listed = weight_map.get(t.name)
         if listed != file:
             where = f"lists it in {listed}" if listed else "does not list it"
-            raise ReshardError(
+            raise BadInput(
                 f"{display}/{file}: holds tensor {t.name!r} but {INDEX_NAME} {where}; "
                 "the index and the shards do not match"
             )
@@ -315,7 +322,7 @@ def load_config(raw: bytes, where: str) -> dict:
 def _num_layers(config: dict, where: str) -> int:
     n = schema.text_config(config).get("num_hidden_layers")
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ReshardError(
+        raise BadInput(
             f"{where}: no positive integer num_hidden_layers (in text_config or at the top "
             "level); is this a Qwen3.5 MoE config?"
         )
@@ -326,7 +333,7 @@ def _weight_map(index: object, where: str) -> tuple[dict[str, str], list[str]]:
     """The index's weight_map, checked, and the files it names, sorted."""
     wm = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(wm, dict) or not wm:
-        raise ReshardError(f"{where}: no non-empty weight_map object")
+        raise BadInput(f"{where}: no non-empty weight_map object")
     try:  # in bulk: a few distinct file names for ~190,000 tensors
         files = set(wm.values())
     except TypeError:  # an unhashable value: not a file name, named below
@@ -335,9 +342,9 @@ def _weight_map(index: object, where: str) -> tuple[dict[str, str], list[str]]:
         return wm, sorted(files)
     for name, file in wm.items():
         if not isinstance(file, str):
-            raise ReshardError(f"{where}: weight_map entry {name!r} is not a file name")
+            raise BadInput(f"{where}: weight_map entry {name!r} is not a file name")
         if file.endswith(PICKLE_SUFFIXES):
-            raise ReshardError(
+            raise BadInput(
                 f"{where}: tensor {name!r} is in pickled file {file!r}, which this tool never "
                 "loads; convert the checkpoint to safetensors first"
             )
@@ -347,7 +354,7 @@ def _weight_map(index: object, where: str) -> tuple[dict[str, str], list[str]]:
 def _checked_path(root: Path, name: str, allowed: tuple[Path, ...], *, what: str) -> Path:
     """``root/name`` after checking that ``name`` is a plain file name that stays inside."""
     if not is_plain_name(name):
-        raise ReshardError(
+        raise BadInput(
             f"{root / INDEX_NAME}: {what} file name {name!r} is not a plain file name inside "
             "the model directory; refusing to follow it"
         )
@@ -356,27 +363,27 @@ def _checked_path(root: Path, name: str, allowed: tuple[Path, ...], *, what: str
         st = os.stat(path)
         real = Path(os.path.realpath(path))
     except FileNotFoundError:
-        raise ReshardError(f"{path}: {what} listed by the checkpoint is missing") from None
+        raise BadInput(f"{path}: {what} listed by the checkpoint is missing") from None
     except OSError as e:
         if e.errno == errno.ENAMETOOLONG:
-            raise ReshardError(
+            raise BadInput(
                 f"{root}: {what} file name {_shown(name)} is too long for the filesystem "
                 f"({len(os.fsencode(name))} bytes); the checkpoint's file names are damaged"
             ) from e
-        raise ReshardError(f"{path}: cannot read ({e.strerror})") from e
+        raise BadInput(f"{path}: cannot read ({e.strerror})") from e
     except ValueError as e:  # a lone surrogate (\ud800) no file name can hold
-        raise ReshardError(
+        raise BadInput(
             f"{root}: {what} file name {_shown(name)} is no file name this system can open; "
             "the checkpoint's file names are damaged"
         ) from e
     if not any(real.is_relative_to(a) for a in allowed):
-        raise ReshardError(
+        raise BadInput(
             f"{path}: is a symlink to {real}, outside the model directory; refusing to follow it"
         )
     if not stat.S_ISREG(st.st_mode):
-        raise ReshardError(f"{path}: not a regular file")
+        raise BadInput(f"{path}: not a regular file")
     if not _utf8(name):
-        raise ReshardError(
+        raise BadInput(
             f"{root}: file name {_shown(name)} is not UTF-8, which the stages' manifests cannot record; "
             "rename or remove the file"
         )
@@ -401,14 +408,14 @@ def _shown(name: str, limit: int = 60) -> str:
 
 def _read_file(root: Path, name: str, allowed: tuple[Path, ...]) -> bytes:
     if not (root / name).exists():
-        raise ReshardError(
+        raise BadInput(
             f"{root / name}: missing; {param('model_dir')} must be a Hugging Face model directory"
         )
     path = _checked_path(root, name, allowed, what="")
     try:
         return path.read_bytes()
     except OSError as e:
-        raise ReshardError(f"{path}: cannot read ({e.strerror})") from e
+        raise BadInput(f"{path}: cannot read ({e.strerror})") from e
 
 
 def _extra_files(root: Path, allowed: tuple[Path, ...], *, skip: set[str]) -> tuple[str, ...]:

@@ -22,7 +22,7 @@ from typing import Annotated, Literal, NamedTuple
 import msgspec
 
 from ..bulk import make_tuple, make_tuples
-from ..errors import JSON_ERRORS, ReshardError
+from ..errors import JSON_ERRORS, BadInput, ReshardError
 from ..format.dtypes import DTYPE_SIZES
 
 MAX_HEADER_BYTES = 100_000_000  # the reference reader's limit
@@ -97,28 +97,28 @@ def read_header(path: str | os.PathLike[str], *, display: str | None = None) -> 
             file_size = st.st_size
             prefix = f.read(8)
             if len(prefix) < 8:
-                raise ReshardError(f"{where}: not a safetensors file (shorter than 8 bytes)")
+                raise BadInput(f"{where}: not a safetensors file (shorter than 8 bytes)")
             (n,) = struct.unpack("<Q", prefix)
             if n > MAX_HEADER_BYTES:
-                raise ReshardError(
+                raise BadInput(
                     f"{where}: header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit; "
                     "the file is corrupt or not safetensors"
                 )
             if 8 + n > file_size:
-                raise ReshardError(
+                raise BadInput(
                     f"{where}: header length {n} runs past the end of the {file_size}-byte file; "
                     "the file is truncated or not safetensors"
                 )
             raw = f.read(n)
     except OSError as e:
-        raise ReshardError(f"{where}: cannot read ({e.strerror})") from e
+        raise BadInput(f"{where}: cannot read ({e.strerror})") from e
     return replace(parse_header(raw, file_size=file_size, where=where), stamp=file_stamp(st))
 
 
 def parse_header(raw: bytes, *, file_size: int, where: str) -> Header:
     """Check header bytes ``raw`` of a file of ``file_size`` bytes; see :func:`read_header`."""
     if not raw.startswith(b"{"):
-        raise ReshardError(f"{where}: header does not start with '{{'; not a safetensors file")
+        raise BadInput(f"{where}: header does not start with '{{'; not a safetensors file")
     fast = None if b"-" in raw and _NEGATIVE_ZERO.search(raw) else _typed_header(raw, file_size, where)
     if fast is not None:
         return fast
@@ -129,20 +129,20 @@ def parse_header(raw: bytes, *, file_size: int, where: str) -> Header:
             # json keeps the last of repeated keys silently: parse again, naming the first one.
             obj = json.loads(text, parse_int=_parse_int, object_pairs_hook=_no_duplicate_keys(where))
     except UnicodeDecodeError as e:
-        raise ReshardError(f"{where}: header is not valid UTF-8") from e
+        raise BadInput(f"{where}: header is not valid UTF-8") from e
     except json.JSONDecodeError as e:
-        raise ReshardError(f"{where}: header is not valid JSON ({e.msg} at byte {e.pos})") from e
+        raise BadInput(f"{where}: header is not valid JSON ({e.msg} at byte {e.pos})") from e
     except ReshardError:  # a repeated key, already named: a ValueError, but no JSON error
         raise
     except JSON_ERRORS as e:
         why = "nested too deep or a number too long"
-        raise ReshardError(f"{where}: header is not JSON this tool reads ({why})") from e
+        raise BadInput(f"{where}: header is not JSON this tool reads ({why})") from e
     if not isinstance(obj, dict):
-        raise ReshardError(f"{where}: header is not a JSON object")
+        raise BadInput(f"{where}: header is not a JSON object")
     if b"\\" in raw and not _encodable(obj):
         # Only an escape can spell a lone surrogate (\ud800): no character, so no UTF-8 header
         # can hold it. The reference reader refuses it too.
-        raise ReshardError(
+        raise BadInput(
             f"{where}: header holds a lone surrogate escape (\\ud800-\\udfff); not valid JSON text"
         )
     metadata = obj.pop(METADATA_KEY, None)
@@ -151,7 +151,7 @@ def parse_header(raw: bytes, *, file_size: int, where: str) -> Header:
     if not isinstance(metadata, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):
-        raise ReshardError(f"{where}: __metadata__ must map strings to strings")
+        raise BadInput(f"{where}: __metadata__ must map strings to strings")
     data_start = 8 + len(raw)
     data_size = file_size - data_start
     columns = _checked_columns(obj, data_size)
@@ -299,7 +299,7 @@ def _no_duplicate_keys(where: str):
             seen: set[str] = set()
             for k, _ in pairs:
                 if k in seen:
-                    raise ReshardError(f"{where}: tensor {k!r} appears twice in the header")
+                    raise BadInput(f"{where}: tensor {k!r} appears twice in the header")
                 seen.add(k)
         return out
 
@@ -379,15 +379,15 @@ def _tensor_entry(name: str, info: object, where: str) -> TensorEntry:
     # Called once per tensor (~190,000 for a 397B FP8 checkpoint): checks are written for
     # speed. json only yields int or bool for integers, so ``type(x) is int`` excludes bools.
     if type(info) is not dict or info.keys() != _ENTRY_KEYS:
-        raise ReshardError(f"{where}: tensor {name!r} must have exactly dtype, shape and data_offsets")
+        raise BadInput(f"{where}: tensor {name!r} must have exactly dtype, shape and data_offsets")
     dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
     if type(dtype) is not str or dtype not in DTYPE_SIZES:
-        raise ReshardError(f"{where}: tensor {name!r} has unsupported dtype {dtype!r}")
+        raise BadInput(f"{where}: tensor {name!r} has unsupported dtype {dtype!r}")
     if type(shape) is not list or not all([type(d) is int and d >= 0 for d in shape]):
         hint = _negative_zero_hint(shape)
-        raise ReshardError(f"{where}: tensor {name!r} has an invalid shape {shape!r}{hint}")
+        raise BadInput(f"{where}: tensor {name!r} has an invalid shape {shape!r}{hint}")
     if _count_overflows(shape):
-        raise ReshardError(
+        raise BadInput(
             f"{where}: tensor {name!r} has shape {shape!r}, whose element count overflows 64 bits; "
             "the reference reader refuses it"
         )
@@ -396,13 +396,13 @@ def _tensor_entry(name: str, info: object, where: str) -> TensorEntry:
         or len(offsets) != 2
         or not all([type(o) is int and o >= 0 for o in offsets])
     ):
-        raise ReshardError(
+        raise BadInput(
             f"{where}: tensor {name!r} has invalid data_offsets {offsets!r}{_negative_zero_hint(offsets)}"
         )
     begin, end = offsets
     expected = math.prod(shape) * DTYPE_SIZES[dtype]
     if end - begin != expected:
-        raise ReshardError(
+        raise BadInput(
             f"{where}: tensor {name!r} is {end - begin} bytes but {dtype} x {shape} needs {expected}"
         )
     return make_tuple(TensorEntry, (name, dtype, tuple(shape), begin, end))
@@ -434,20 +434,20 @@ def _check_tiling(tensors: list[TensorEntry], *, data_size: int, where: str) -> 
     pos = 0
     for t in tensors:
         if t.begin < pos:
-            raise ReshardError(f"{where}: tensor {t.name!r} overlaps the tensor before it")
+            raise BadInput(f"{where}: tensor {t.name!r} overlaps the tensor before it")
         if t.begin > pos:
-            raise ReshardError(
+            raise BadInput(
                 f"{where}: {t.begin - pos}-byte hole before tensor {t.name!r} in the data buffer"
             )
         pos = t.end
     if pos > data_size:
         last = tensors[-1].name
-        raise ReshardError(
+        raise BadInput(
             f"{where}: tensor {last!r} runs {pos - data_size} bytes past the end of the file; "
             "the file is truncated"
         )
     if pos < data_size:
-        raise ReshardError(
+        raise BadInput(
             f"{where}: {data_size - pos} trailing bytes after the last tensor; not a valid safetensors file"
         )
 

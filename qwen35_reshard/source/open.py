@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import ReshardError, param
+from ..errors import BadInput, param
 from ..format.names import CACHE_REPO_PREFIX, COMMIT, INDEX_NAME, SINGLE_FILE_NAME
 from .hub.cache import HubRepo, HubSettings, inside, read_ref
 from .hub.checkpoint import read_hub_checkpoint
@@ -37,16 +37,16 @@ def cache_repo_snapshot(path: Path, revision: str | None) -> Path | None:
         commit = read_ref(path, rev)
         if commit is None:
             known = sorted(p.name for p in (path / "refs").glob("*")) if (path / "refs").is_dir() else []
-            raise ReshardError(
+            raise BadInput(
                 f"{path}: a Hugging Face cache repo folder with no refs/{rev}"
                 + (f" (it has {', '.join(known)})" if known else "")
                 + f"; pass a revision it has, or the snapshot directory {path / 'snapshots'}/<commit>"
             )
     snapshot = path / "snapshots" / commit
     if not snapshot.is_dir():
-        raise ReshardError(f"{path}: refs/{rev} names commit {commit} but snapshots/{commit} is missing")
+        raise BadInput(f"{path}: refs/{rev} names commit {commit} but snapshots/{commit} is missing")
     if not inside(snapshot, path / "snapshots"):
-        raise ReshardError(
+        raise BadInput(
             f"{snapshot}: a symlink out of the cache repo folder {path}; refusing to follow it"
         )
     return snapshot
@@ -67,7 +67,7 @@ def open_model(
     if path.is_dir():
         snapshot = cache_repo_snapshot(path, settings.revision)
         if snapshot is None and settings.revision is not None:
-            raise ReshardError(
+            raise BadInput(
                 f"{model}: {param('revision')} applies to a Hub repo id or a cache repo folder "
                 "(models--org--name), not to a plain directory"
             )
@@ -75,7 +75,7 @@ def open_model(
     if is_repo_id(model):
         repo = resolve(model, settings)
         return read_hub_checkpoint(repo, traffic=traffic), repo
-    raise ReshardError(
+    raise BadInput(
         f"{model}: not a directory, and not a Hugging Face Hub repo id (org/name); pass the checkpoint's "
         f"directory or its repo id as {param('model')}"
     )
@@ -85,12 +85,12 @@ def _single_file_dir(path: Path, model: str) -> Path:
     """The directory of ``path``, a ``.safetensors`` file named as MODEL, when that file is the
     whole checkpoint: the directory's one data file, as every reader of the directory sees it."""
     if (path.parent / INDEX_NAME).exists():
-        raise ReshardError(
+        raise BadInput(
             f"{model}: one shard of the checkpoint in {path.parent}, whose {INDEX_NAME} lists its shards; "
             f"pass the directory {path.parent} as {param('model')}"
         )
     if path.name != SINGLE_FILE_NAME:
-        raise ReshardError(
+        raise BadInput(
             f"{model}: a checkpoint without {INDEX_NAME} holds its tensors in {SINGLE_FILE_NAME} (the name "
             f"servers and transformers look for); rename the file, or pass a directory as {param('model')}"
         )

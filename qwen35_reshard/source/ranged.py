@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from urllib.parse import urljoin, urlsplit
 
-from ..errors import ReshardError
+from ..errors import HubError
 
 # Status codes worth another try (as huggingface_hub retries them), and CDN answers that mean
 # "this signed address has expired: ask the Hub for a fresh one".
@@ -82,7 +82,7 @@ def log_retry(display: str, cause: str, wait: float, attempt: int, attempts: int
     )
 
 
-class RangeError(ReshardError):
+class RangeError(HubError):
     """A ranged read that could not be completed or whose answer was wrong."""
 
 

@@ -41,6 +41,15 @@ from ..format.paths import checked_file, is_plain_name, is_plain_safetensors_nam
 from ..model.runtimes import RUNTIMES, layer_ranges
 
 
+@dataclass(frozen=True)
+class FileLayout:
+    """How a stage's data file was made, as its manifest records it."""
+
+    layout: str  # CLONE, ALIGNED or GATHERED (format.names)
+    source: str | None  # the source shard a CLONE or ALIGNED file was made from
+    sha256: str | None  # the whole file's digest, where known (a clone of a Hub cache blob)
+
+
 class StageTensor(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     """One tensor of a stage: where its bytes are and what they are.
 
@@ -92,7 +101,7 @@ class StageManifest:
     side_files: dict[str, str]  # non-weight file (config.json, tokenizer, ...) -> sha256
     files: dict[str, int]  # data file -> size in bytes
     file_tensors: dict[str, int]  # data file -> how many of ``tensors`` it holds
-    layouts: dict[str, dict]  # data file -> {"layout", "source", "sha256" (a clone's, if known)}
+    layouts: dict[str, FileLayout]  # by data file
     tensors: dict[str, StageTensor]  # in load order (file, then offset) once read by read_stage
 
 
@@ -157,7 +166,7 @@ def parse_stage_manifest(m: dict) -> StageManifest | str:
         files={f: info["bytes"] for f, info in files.items()},
         file_tensors={f: per_file[f] for f in files},
         layouts={
-            f: {k: info.get(k) for k in ("source", "sha256")} | {"layout": info.get("layout", GATHERED)}
+            f: FileLayout(info.get("layout", GATHERED), info.get("source"), info.get("sha256"))
             for f, info in files.items()
         },
         tensors=entries,

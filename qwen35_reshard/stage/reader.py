@@ -66,7 +66,7 @@ def stage_dirs(run_dir: Path) -> dict[int, Path]:
     return dict(sorted(found.items()))
 
 
-def read_stage(root: Path, display: str, run: tuple[str, RunIdentity] | None = None) -> StageDir:
+def read_stage(root: Path, display: str, run: RunRecord | None = None) -> StageDir:
     """Check the stage directory ``root`` (``display`` in messages) against its manifest.
 
     ``run`` is ``(record name, identity)`` from the run directory beside the stage, if any
@@ -86,13 +86,12 @@ def read_stage(root: Path, display: str, run: tuple[str, RunIdentity] | None = N
                 STAGE_MANIFEST,
             )
         )
-    if run is not None and run[1] != m.identity:
-        record, theirs = run
-        differ = describe_differences(theirs, m.identity) if m.identity else "no recorded identity"
+    if run is not None and run.identity != m.identity:
+        differ = describe_differences(run.identity, m.identity) if m.identity else "no recorded identity"
         problems.append(
             Finding(
                 DIFFERENT,
-                f"{display} belongs to another split than the one {record} beside it records "
+                f"{display} belongs to another split than the one {run.name} beside it records "
                 f"({differ}): delete {display} and run the qwen35-reshard command for the split "
                 "you want again",
             )
@@ -151,8 +150,24 @@ def read_manifest(root: Path, display: str) -> StageManifest | Finding:
     return m
 
 
-def read_run_record(run_dir: Path, display: str) -> tuple[str, RunIdentity] | Finding | None:
-    """``(record name, identity)`` of the split the run directory ``run_dir`` records, if any.
+@dataclass(frozen=True)
+class RunRecord:
+    """What a run directory records of its split: the file it is in (``name``: the run marker
+    of a run in progress or interrupted, or ``reshard.json`` of a finished one) and the
+    split's identity."""
+
+    name: str
+    identity: RunIdentity
+
+    @property
+    def in_progress(self) -> bool:
+        """Whether it is the run marker's: a run in progress, or interrupted."""
+        return self.name == RUN_MARKER
+
+
+def read_run_record(run_dir: Path, display: str) -> RunRecord | Finding | None:
+    """The record of the split the run directory ``run_dir`` holds, if any; a Finding when the
+    record is damaged.
 
     The run marker records a run in progress or interrupted, ``reshard.json`` a finished one;
     the marker is newer when both are there. A stage copied on its own has neither.
@@ -172,7 +187,7 @@ def read_run_record(run_dir: Path, display: str) -> tuple[str, RunIdentity] | Fi
                 f"it holds; delete {display} (or choose another directory) and split again"
             )
             return Finding(CORRUPT, why, name)
-        return name, identity
+        return RunRecord(name, identity)
     return None
 
 

@@ -50,7 +50,7 @@ import os
 from collections.abc import Callable
 from typing import Protocol
 
-from ..errors import ReshardError
+from ..errors import BadInput
 from . import pages, reflink
 from .hasher import RING_BUFFERS, Hasher
 from .pages import advise_sequential, close_window, drop_pages, pwrite_all
@@ -332,7 +332,7 @@ class _Mover:
                 drop_pages(*self.written.popleft())
 
     def _truncated(self, at: int, wanted: int) -> None:
-        raise ReshardError(
+        raise BadInput(
             f"{self.src_path}: file ended at byte {at} while reading tensor data up to byte "
             f"{wanted}; was the source changed or truncated during the run?"
         )

@@ -9,7 +9,7 @@ stage must have tensors, and every tensor's bytes are hashed (in bounded chunks,
 source checkpoint, the plan is rebuilt from the settings each stage's manifest records, and
 every tensor's placement and bytes are compared with the source.
 
-Files the split shared with the source (``clone``: a source shard's exact bytes; ``aligned``)
+Files the split shared with the source (layouts: docs/format.md, "Data file layouts")
 record no sha256 for the tensors whose blocks were shared: without the source, verify checks
 their structure, a clone's whole-file sha256 where the manifest records one (the source's
 Hugging Face blob name), and reports the bytes it could compare with nothing
@@ -28,7 +28,7 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from ..errors import ReshardError, param
+from ..errors import BadInput, param
 from ..format.names import STAGE_MANIFEST
 from ..source.hub.cache import HubSettings
 from ..source.open import open_model
@@ -85,7 +85,7 @@ def verify(
     display = os.fspath(path)
     root = Path(display)
     if not root.is_dir():
-        raise ReshardError(f"{display}: not a directory; pass OUT or one of its stage directories (OUT/pp0)")
+        raise BadInput(f"{display}: not a directory; pass OUT or one of its stage directories (OUT/pp0)")
     ckpt, repo = (None, None)
     if source is not None:
         ckpt, repo = open_model(os.fspath(source), hub_settings or HubSettings())
@@ -93,14 +93,14 @@ def verify(
     if is_run_dir(root):
         stages = check_run_dir(root, display, report, ranks, os.environ if env is None else env, nnodes)
     elif ranks is not None:
-        raise ReshardError(
+        raise BadInput(
             f"{param('ranks')} picks stages of a run directory; {display} is a stage directory: pass "
             f"{display} alone, or its run directory with {param('ranks')}"
         )
     elif is_stage_dir(root):
         stages = [new_stage(root, display, report, parent_record(root, report))]
     else:
-        raise ReshardError(
+        raise BadInput(
             f"{display}: holds no stage directories (pp0, pp1, ...) and no {STAGE_MANIFEST}; pass the "
             "OUT of a qwen35-reshard run or one of its stage directories"
         )

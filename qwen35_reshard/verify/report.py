@@ -12,6 +12,7 @@ from ..format.identity import RunIdentity
 from ..format.names import RUN_MANIFEST, RUN_MARKER, STAGE_MANIFEST, stage_dir_rank
 from ..stage.findings import CORRUPT, DIFFERENT, EXTRA, KINDS, MISSING, REPAIR, Finding
 from ..stage.manifest import StageManifest
+from ..stage.reader import RunRecord
 
 # How verify reports a damaged non-weight file, by what stage.manifest.damaged_side_files says of it.
 SIDE_KIND = collections.defaultdict(lambda: CORRUPT, {"missing": MISSING, "changed": DIFFERENT})
@@ -109,7 +110,7 @@ class CheckedStage:
     path: Path
     display: str  # path as shown in messages
     summary: StageSummary
-    run: tuple[str, RunIdentity] | None  # (record name, identity) the run directory records, if any
+    run: RunRecord | None  # what the run directory records, if anything
     manifest: StageManifest | None = None
     digests: dict[str, str] = field(default_factory=dict)  # sha256 computed from the files
 

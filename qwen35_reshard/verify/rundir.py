@@ -26,7 +26,7 @@ from ..format.names import (
 from ..format.paths import checked_file
 from ..stage.findings import CORRUPT, DIFFERENT, EXTRA, INCOMPLETE, REPAIR, RERUN, Finding
 from ..stage.manifest import damaged_side_files, parse_side_files
-from ..stage.reader import read_run_record, stage_dirs
+from ..stage.reader import RunRecord, read_run_record, stage_dirs
 from .report import SIDE_KIND, CheckedStage, StageSummary, VerifyReport, adder, side_file_message
 from .selection import asked_ranks, report_missing, stages_identity
 
@@ -143,7 +143,7 @@ def check_run_dir(
                 )
             )
             continue
-        run_record = (record_name, identity) if identity is not None else None
+        run_record = RunRecord(record_name, identity) if identity is not None else None
         stages.append(new_stage(path, f"{display}/{path.name}", report, run_record))
     if pp is not None and asked is not None:
         report.not_built = [r for r in range(pp) if r not in asked]
@@ -178,7 +178,7 @@ def _recorded_complete(run: dict | None) -> set[int]:
     }
 
 
-def parent_record(root: Path, report: VerifyReport) -> tuple[str, RunIdentity] | None:
+def parent_record(root: Path, report: VerifyReport) -> RunRecord | None:
     """What the run directory beside a stage directory ppN records, if anything."""
     if stage_dir_rank(root) is None:
         return None
@@ -190,7 +190,7 @@ def parent_record(root: Path, report: VerifyReport) -> tuple[str, RunIdentity] |
 
 
 def new_stage(
-    path: Path, display: str, report: VerifyReport, run: tuple[str, RunIdentity] | None
+    path: Path, display: str, report: VerifyReport, run: RunRecord | None
 ) -> CheckedStage:
     summary = StageSummary(stage=path.name, path=display)
     report.stages.append(summary)

@@ -8,7 +8,7 @@ import shlex
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from ..errors import ReshardError, param
+from ..errors import BadInput, param
 from ..format.identity import RunIdentity
 from ..format.names import RUN_MANIFEST, stage_dirname
 from ..plan.nodes import node_from_env
@@ -39,17 +39,17 @@ def asked_ranks(
     if ranks is None:
         return None
     if pp is None:
-        raise ReshardError(
+        raise BadInput(
             f"{display} records no split (no readable {RUN_MANIFEST} or stage manifest): "
             f"{param('ranks')} cannot pick its stages; verify it without {param('ranks')}"
         )
     if isinstance(ranks, str):
         if ranks != "auto":
-            raise ReshardError(f"{param('ranks', ranks)} must be stage numbers or 'auto'")
+            raise BadInput(f"{param('ranks', ranks)} must be stage numbers or 'auto'")
         return set(node_from_env(env, pp, nnodes).stages)
     for r in ranks:
         if not 0 <= r < pp:
-            raise ReshardError(f"{param('ranks', r)} is not a stage of this pp={pp} split (0 to {pp - 1})")
+            raise BadInput(f"{param('ranks', r)} is not a stage of this pp={pp} split (0 to {pp - 1})")
     return set(ranks)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from ..errors import ReshardError
 from ..format.names import CLONE, LOCAL_SOURCE
 from ..plan.planner import Plan, recorded_plan
-from ..source.checkpoint import Checkpoint, source_identity, source_name
+from ..source.checkpoint import Checkpoint, source_fingerprint, source_name
 from ..source.hub.cache import HubRepo
 from ..source.hub.fetch import HubFetcher
 from ..source.hub.headers import header_bytes
@@ -27,7 +27,7 @@ def check_against_source(
     """
     if repo is not None:
         _prepare_hub(repo, ckpt, stages)
-    fingerprint = source_identity(ckpt)["fingerprint"]
+    fingerprint = source_fingerprint(ckpt)
     plans: dict[tuple, Plan | None] = {}
     to_compare: list[tuple[CheckedStage, str]] = []
     for stage in stages:

@@ -104,18 +104,18 @@ def _check_data_file(
     path = stage.path / file
     where = f"{stage.display}/{file}"
     layout = m.layouts[file]
-    problem = _strict_extras(path, header, where) if layout["layout"] != CLONE else None
+    problem = _strict_extras(path, header, where) if layout.layout != CLONE else None
     if problem is not None:
         add(CORRUPT, problem, file=file)
         return
-    if layout["sha256"] is not None:
-        _check_file_digest(path, layout["sha256"], where, add, file)
+    if layout.sha256 is not None:
+        _check_file_digest(path, layout.sha256, where, add, file)
     recorded = {n: t.sha256 for n, t in m.tensors.items() if t.file == file}
     segments = []
     for t in header.tensors:
         if for_source or recorded.get(t.name) is not None:
             segments.append(Segment(t.name, header.data_start + t.begin, t.nbytes))
-        elif t.name in recorded and layout["sha256"] is None:
+        elif t.name in recorded and layout.sha256 is None:
             stage.summary.bytes_unrecorded += t.nbytes
     digests = copy_segments(str(path), segments, chunk_bytes=chunk_bytes)
     stage.summary.bytes_hashed += sum(s.nbytes for s in segments)

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import JSON_ERRORS, ReshardError, param
+from ..errors import JSON_ERRORS, BadInput, param
 from ..format.identity import RunIdentity, describe_differences
 from ..format.names import GONE_SUFFIX, LOCK, RUN_MANIFEST, RUN_MARKER, STAGE_DIR, partial_base
 from ..plan.planner import Plan
@@ -65,7 +65,7 @@ def check_out_dir(model_dir: Path, out_dir: Path) -> None:
     """
     model, out = model_dir.resolve(), out_dir.resolve()
     if out == model or out.is_relative_to(model):
-        raise ReshardError(
+        raise BadInput(
             f"{param('out_dir')} {out_dir} is inside {param('model_dir')} {model_dir}; choose an output "
             "directory outside the checkpoint"
         )
@@ -109,11 +109,11 @@ def _assess_out(plan: Plan, out: Path, overwrite: bool) -> OutState:
     identity = run_identity(plan)
     record = read_run_record(out, str(out))
     if isinstance(record, Finding):
-        raise ReshardError(record.message)
-    recorded = record[1] if record is not None else _stages_identity(out)
+        raise BadInput(record.message)
+    recorded = record.identity if record is not None else _stages_identity(out)
     if recorded != identity:
         return _other_split(plan, out, entries, recorded, identity, overwrite)
-    name = record[0] if record is not None else None
+    name = record.name if record is not None else None
     record_bytes = _read_if_any(out / name) if name is not None else None
     changed = changed_files(plan, _recorded_stamps(record_bytes))
     complete = tuple(s.rank for s in plan.stages if stage_is_complete(out / s.dirname, identity))
@@ -181,11 +181,11 @@ def _run_record_intact(out: Path) -> bool:
 def _check_creatable(out: Path) -> None:
     """Refuse an OUT that is a file, or cannot be made because a parent is one."""
     if out.exists() and not out.is_dir():
-        raise ReshardError(f"{param('out_dir')} {out} exists and is not a directory")
+        raise BadInput(f"{param('out_dir')} {out} exists and is not a directory")
     if not out.exists():
         parent = next(p for p in out.absolute().parents if p.exists())
         if not parent.is_dir():
-            raise ReshardError(
+            raise BadInput(
                 f"{param('out_dir')} {out} cannot be created: {parent} is not a directory; choose "
                 "another path"
             )
@@ -208,13 +208,13 @@ def _other_split(
     ]
     if foreign or recorded is None:
         name = foreign[0] if foreign else entries[0].name
-        raise ReshardError(
+        raise BadInput(
             f"{param('out_dir')} {out} holds {name!r}, which qwen35-reshard did not write; it is "
             "never deleted for you: choose an empty or new directory"
         )
     differences = describe_differences(recorded, identity)
     if not overwrite:
-        raise ReshardError(
+        raise BadInput(
             f"{param('out_dir')} {out} holds a split made with other settings ({differences}); "
             f"choose another directory, or pass {param('overwrite', True)} to replace that split"
         )
@@ -226,7 +226,7 @@ def _source_changed(plan: Plan, out: Path, tensor: str, overwrite: bool) -> OutS
     ones it holds: another split, "replace"d where allowed."""
     file = plan.checkpoint.tensors[tensor].file
     if not overwrite:
-        raise ReshardError(
+        raise BadInput(
             f"{param('out_dir')} {out} holds a split of other bytes than {plan.checkpoint.display}: "
             f"tensor {tensor!r} of {file} differs from the one it holds (another checkpoint of the "
             f"same layout, or a file rewritten since); pass {param('overwrite', True)} to replace "

@@ -286,13 +286,25 @@ def release(path: Path) -> None:
         _remove(path)
 
 
-def holder_of(path: Path, now_ns: int) -> Owner | None | bool:
-    """The live holder of ``path`` other than this process (None: unreadable record); False
-    when nobody else holds it (absent, ours, or its holder gone)."""
+@dataclass(frozen=True)
+class Holding:
+    """Who holds a lock or claim file besides this process: nobody (``held`` false: absent,
+    ours, or its holder gone), or a live run, ``owner`` (None: its record is unreadable)."""
+
+    held: bool
+    owner: Owner | None = None
+
+    def describe(self) -> str:
+        """How a message names the holder."""
+        return describe(self.owner)
+
+
+def holder_of(path: Path, now_ns: int) -> Holding:
+    """Who holds ``path`` besides this process, as of ``now_ns``."""
     holder, raw, mtime = _holder(path)
     if raw is None or raw == me().to_bytes() or gone(holder, mtime, now_ns):
-        return False
-    return holder
+        return Holding(False)
+    return Holding(True, holder)
 
 
 def gone_file(path: Path, now_ns: int) -> bool:

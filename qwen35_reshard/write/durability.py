@@ -14,7 +14,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ..errors import ReshardError, param
+from ..errors import OutError, ReshardError, param
 from ..format.names import partial_base
 from ..plan.planner import StagePlan
 from ..units import format_bytes
@@ -164,11 +164,11 @@ def remove_partials(out: Path, stages: list[StagePlan], *, own: bool = True) -> 
 def write_error(e: OSError, out: Path, needed: int) -> ReshardError:
     """One line for a failed write: a full disk names OUT and the space the run needs."""
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return ReshardError(
+        return OutError(
             f"{param('out_dir')} {out}: no space left on device ({e.strerror}); this run writes "
             f"{format_bytes(needed)}: free space and run the same command again to resume"
         )
-    return ReshardError(
+    return OutError(
         f"{e.filename or out}: {e.strerror or e}; cannot write the split there: choose another directory "
         "or fix its permissions"
     )

@@ -18,14 +18,14 @@ from ..format.manifest import RUN_FORMAT, STAGE_FORMAT, TENSOR_FIELDS
 from ..format.names import CLONE, TOOL
 from ..plan.layout import OutputFile, PlacedTensor
 from ..plan.planner import Plan, StagePlan
-from ..source.checkpoint import SourceTensor, source_identity, source_name
+from ..source.checkpoint import SourceTensor, source_fingerprint, source_identity, source_name
 from .sources import source_stamps
 
 
 def run_identity(plan: Plan) -> RunIdentity:
     """The identity of the split ``plan`` makes."""
     return RunIdentity(
-        source_fingerprint=source_identity(plan.checkpoint)["fingerprint"],
+        source_fingerprint=source_fingerprint(plan.checkpoint),
         source=source_name(plan.checkpoint),
         pp=plan.pp,
         runtime=plan.runtime,

@@ -8,7 +8,7 @@ import shutil
 import stat
 from pathlib import Path
 
-from ..errors import ReshardError, param
+from ..errors import BadInput, OutError, param
 from ..format.jsonio import dumps
 from ..format.names import (
     ALIGNED,
@@ -27,7 +27,7 @@ from ..format.names import (
 )
 from ..plan.layout import OutputFile
 from ..plan.planner import Plan, StagePlan
-from ..stage.reader import read_run_record, stage_dirs
+from ..stage.reader import RunRecord, read_run_record, stage_dirs
 from ..transfer import reflink as reflinks
 from ..units import format_bytes
 from . import claims
@@ -93,7 +93,7 @@ def can_share(plan: Plan, out: Path, to_write: list[tuple[StagePlan, OutputFile]
     src = plan.checkpoint.path(shareable[0] if shareable else plan.checkpoint.files[0])
     ok = reflinks.probe(src, partial_path(out / reflinks.PROBE_NAME))
     if not ok and reflink == "always":
-        raise ReshardError(
+        raise BadInput(
             f"{param('out_dir')} {out} cannot share blocks with {src} (another filesystem, or one "
             f"without reflinks such as ext4 or tmpfs) and {param('reflink', 'always')} forbids "
             f"copying; use {param('reflink', 'auto')} to copy where sharing is impossible, or an "
@@ -112,7 +112,7 @@ def check_free_space(out: Path, needed: int, *, freed: int = 0) -> None:
     """Refuse a run that needs more than OUT's free space (plus ``freed``: what it deletes first)."""
     free = shutil.disk_usage(out).free + freed
     if needed > free:
-        raise ReshardError(
+        raise OutError(
             f"{param('out_dir')} {out} has {format_bytes(free)} free but this run writes "
             f"{format_bytes(needed)}; free {format_bytes(needed - free)} or choose another directory"
         )
@@ -137,8 +137,8 @@ def clear_split(out: Path) -> None:
     # marker then replaces it): a run killed while deleting leaves what the next run still sees
     # as a split with other settings, not files "qwen35-reshard did not write".
     record = read_run_record(out, str(out))
-    if isinstance(record, tuple) and record[0] == RUN_MANIFEST:
-        write_atomic(out / RUN_MARKER, dumps({"identity": record[1].to_json()}))
+    if isinstance(record, RunRecord) and not record.in_progress:
+        write_atomic(out / RUN_MARKER, dumps({"identity": record.identity.to_json()}))
     # What makes a directory look complete goes first, so that a run killed while deleting
     # leaves no run manifest and no stage index beside half-deleted data.
     remove(out / RUN_MANIFEST)
@@ -185,7 +185,7 @@ def clear_stage_temporaries(out: Path, stages: list[StagePlan], now: int) -> Non
     ``stages`` that no live run claims. Only a stage's claim holder writes temporaries there,
     and no claim is taken while this run holds the lock, so what is left is a killed run's
     (``now``: see :func:`~.claims.gone`)."""
-    free = [s for s in stages if claims.holder_of(out / s.dirname / CLAIM, now) is False]
+    free = [s for s in stages if not claims.holder_of(out / s.dirname / CLAIM, now).held]
     remove_partials(out, free, own=False)
     for stage in free:
         if claims.gone_file(out / stage.dirname / CLAIM, now):

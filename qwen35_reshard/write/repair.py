@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..errors import ReshardError
+from ..errors import BadInput, OutBusy, ReshardError
 from ..format.identity import RunIdentity
 from ..format.jsonio import dumps
 from ..format.names import (
@@ -40,7 +40,7 @@ from ..plan.layout import OutputFile
 from ..plan.planner import Plan, StagePlan
 from ..stage.findings import EXTRA, INCOMPLETE, Finding
 from ..stage.manifest import file_sha256, stage_is_complete
-from ..stage.reader import read_manifest, read_run_record, stage_dirs
+from ..stage.reader import RunRecord, read_manifest, read_run_record, stage_dirs
 from ..transfer.copier import copy_segments
 from ..transfer.segments import Segment
 from ..write.manifest import run_identity, run_manifest
@@ -58,15 +58,15 @@ from .sources import SourceAccess
 def recorded_identity(out: Path, stage_dir: Path | None) -> RunIdentity:
     """The split's settings: from the run record beside the stages, else from a stage manifest."""
     record = read_run_record(out, str(out)) if stage_dir is None else None
-    if isinstance(record, tuple):
-        return record[1]
+    if isinstance(record, RunRecord):
+        return record.identity
     candidates = [stage_dir] if stage_dir is not None else sorted(out.iterdir())
     candidates = [p for p in candidates if stage_dir_rank(p) is not None]
     for path in candidates:
         m = read_manifest(path, str(path))
         if not isinstance(m, Finding) and m.identity is not None:
             return m.identity
-    raise ReshardError(
+    raise BadInput(
         f"{out}: no readable {RUN_MANIFEST} or stage manifest records the split's settings; it "
         "cannot be repaired: split again"
     )
@@ -91,9 +91,9 @@ def repair_lock(out: Path, single: bool, on_wait: Callable[[str], None]) -> Iter
         with claims.locked(out, on_wait) as now:
             for stage_dir in stage_dirs(out).values():
                 holder = claims.holder_of(stage_dir / CLAIM, now)
-                if holder is not False:
-                    raise ReshardError(
-                        f"{stage_dir} is being built by a qwen35-reshard run ({claims.describe(holder)}): "
+                if holder.held:
+                    raise OutBusy(
+                        f"{stage_dir} is being built by a qwen35-reshard run ({holder.describe()}): "
                         "run the repair again once it has finished"
                     )
             yield now

@@ -22,7 +22,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..errors import ReshardError, param
+from ..errors import BadInput, param
 from ..plan.planner import Plan
 from ..source.checkpoint import Checkpoint
 from ..source.header import file_stamp
@@ -93,7 +93,7 @@ def check_unchanged(plan: Plan, files: list[str] | tuple[str, ...]) -> None:
                 continue
             what = ", ".join(f for f, a, b in zip(_STAMP_FIELDS, planned, now, strict=True) if a != b)
             what = f"its {what} changed: it was replaced or rewritten"
-        raise ReshardError(
+        raise BadInput(
             f"{path}: the source changed during the run ({what}); no stage was finished from it: once "
             f"{param('model_dir')} is stable, run the same command again with {param('overwrite', True)}"
         )
@@ -129,7 +129,7 @@ class BlobCheck:
         """Raise ReshardError unless the bytes read are the Hub's (those the blob is named by)."""
         got = self.digest.hexdigest()
         if got != self.want:
-            raise ReshardError(
+            raise BadInput(
                 f"{self.where}: the bytes read (sha256 {got[:12]}...) are not the Hub's (LFS sha256 "
                 f"{self.want[:12]}..., the cached blob's name): the cached copy {self.path} is damaged or "
                 f"was replaced; delete it and {self.fix}"

@@ -8,11 +8,9 @@ so running the same command again keeps them and redoes only the rest.
 Block sharing (``reflink``: "auto", "always" or "never", as ``cp --reflink``): when OUT can
 share blocks with the source (probed once per run by sharing one block), a CLONE file is
 made with ``FICLONE`` and the aligned middle of each ALIGNED run with ``FICLONERANGE``:
-nothing is read or written for those bytes. The split then does not read them at all, so the
-manifest records no sha256 for the tensors of CLONE and ALIGNED files (``null``; a CLONE of a
-Hugging Face cache blob records the blob's sha256 as the file's); ``verify --source`` proves
-their bytes against the source. Where OUT cannot share, everything is copied and hashed as
-usual, the same bytes land in the same files, and every tensor has its digest.
+nothing is read or written for those bytes, so their tensors have no digest (docs/format.md,
+"Data file layouts"). Where OUT cannot share, everything is copied and hashed as usual, the
+same bytes land in the same files, and every tensor has its digest.
 
 Durability (see :class:`~.durability.Durability`): a run that copies fsyncs each file it
 finished; a run that shares blocks writes mostly metadata and makes a whole batch durable with
@@ -39,14 +37,14 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import ReshardError, param
+from ..errors import BadInput, OutBusy, ReshardError, param
 from ..format.identity import describe_differences
 from ..format.jsonio import dumps
 from ..format.names import CLAIM, RUN_MANIFEST, RUN_MARKER
 from ..plan.layout import OutputFile
 from ..plan.planner import Plan, StagePlan
 from ..stage.manifest import damaged_side_files, file_sha256, stage_is_complete
-from ..stage.reader import read_run_record, stage_dirs
+from ..stage.reader import RunRecord, read_run_record, stage_dirs
 from ..write.manifest import run_identity, run_manifest
 from . import claims
 from .assemble import CopyJob, Reporter, copy_files
@@ -148,7 +146,7 @@ def write_plan(
         ([0, 1], True)
     """
     if options.reflink not in REFLINK_MODES:
-        raise ReshardError(f"reflink must be one of {', '.join(REFLINK_MODES)}, not {options.reflink!r}")
+        raise BadInput(f"reflink must be one of {', '.join(REFLINK_MODES)}, not {options.reflink!r}")
     access = SourceAccess.on_disk(plan.checkpoint) if source is None else source
     return _Run(plan, Path(out_dir), options, access, reporter or Reporter()).execute()
 
@@ -295,21 +293,21 @@ class _Run:
         plan, out, overwrite = self.plan, self.out, self.options.overwrite
         record = read_run_record(out, str(out))
         identity = run_identity(plan)
-        other = isinstance(record, tuple) and record[1] != identity
+        other = isinstance(record, RunRecord) and record.identity != identity
         state = None if other else assess_out(plan, out, overwrite=overwrite)
         if other or state.action == "replace":
             for stage_dir in stage_dirs(out).values():
                 holder = claims.holder_of(stage_dir / CLAIM, now)
-                if holder is False:
+                if not holder.held:
                     continue
                 why = (
-                    f"with other settings ({describe_differences(record[1], identity)})"
+                    f"with other settings ({describe_differences(record.identity, identity)})"
                     if other
                     else ("from a source that changed since")
                 )
-                raise ReshardError(
+                raise OutBusy(
                     f"{param('out_dir')} {out} is being written by another qwen35-reshard run "
-                    f"({claims.describe(holder)}) {why}; wait for it to finish, or choose another directory"
+                    f"({holder.describe()}) {why}; wait for it to finish, or choose another directory"
                 )
         return state or assess_out(plan, out, overwrite=overwrite)
 
@@ -452,7 +450,7 @@ class _Run:
         record = dumps(run_manifest(plan, complete, side_sha256))
         # The marker stays while another live run writes OUT, or while a stage a killed run left
         # unfinished holds files: its source stamps are what a resume proves those files against.
-        others = any(claims.holder_of(d / CLAIM, now) is not False for d in stage_dirs(out).values())
+        others = any(claims.holder_of(d / CLAIM, now).held for d in stage_dirs(out).values())
         marker = (out / RUN_MARKER).exists() and not others and not unfinished(out, plan, complete)
         side_files = bool(self.result.built) or bool(damaged_side_files(out, side_sha256))
         try:

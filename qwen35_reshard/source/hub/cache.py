@@ -9,7 +9,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ...errors import ReshardError, param
+from ...errors import BadInput, param
 from ...format.names import TOOL_NAME, partial_name, process_token
 from ...format.paths import is_plain_name
 
@@ -80,7 +80,7 @@ class HubRepo:
         except (OSError, ValueError):  # a name no filesystem holds (too long, a NUL): not cached
             return None
         if not inside(path, self.storage):
-            raise ReshardError(
+            raise BadInput(
                 f"{path}: a symlink out of the cache repo folder {self.storage}; refusing to follow it"
             )
         return path
@@ -136,21 +136,21 @@ def read_ref(repo_folder: Path, revision: str) -> str | None:
     """
     parts = Path(revision).parts
     if Path(revision).is_absolute() or not parts or ".." in parts or not is_plain_name(parts[-1]):
-        raise ReshardError(f"{param('revision', revision)} is not a branch, tag or commit of {repo_folder}")
+        raise BadInput(f"{param('revision', revision)} is not a branch, tag or commit of {repo_folder}")
     ref = repo_folder / "refs" / revision
     try:
         if not ref.is_file():
             return None
         if not inside(ref, repo_folder):
-            raise ReshardError(
+            raise BadInput(
                 f"{ref}: a symlink out of the cache repo folder {repo_folder}; refusing to follow it"
             )
         with open(ref, "rb") as f:
             raw = f.read(_REF_READ)
     except OSError as e:
-        raise ReshardError(f"{ref}: cannot read ({e.strerror})") from e
+        raise BadInput(f"{ref}: cannot read ({e.strerror})") from e
     if not _REF.fullmatch(raw):
-        raise ReshardError(
+        raise BadInput(
             f"{ref}: not one 40-hex commit id, as a Hugging Face cache ref holds; the cache folder is "
             f"damaged: delete that file and download again, or pass a snapshot directory "
             f"{repo_folder / 'snapshots'}/<commit>"

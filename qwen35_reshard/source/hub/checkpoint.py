@@ -7,7 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ...errors import ReshardError
+from ...errors import HubError
 from ...format.names import CONFIG_NAME, INDEX_NAME, PICKLE_SUFFIXES, SINGLE_FILE_NAME
 from ...format.paths import is_plain_name
 from ..header import Header
@@ -37,7 +37,7 @@ def read_hub_checkpoint(repo: HubRepo, *, traffic: Traffic | None = None) -> Che
     if INDEX_NAME in listing:
         index_bytes = _small_file(repo, INDEX_NAME, listing, traffic)
     elif SINGLE_FILE_NAME not in listing:
-        raise ReshardError(
+        raise HubError(
             f"{repo.describe()}: no {INDEX_NAME} and no {SINGLE_FILE_NAME} in the repo; not a "
             "safetensors checkpoint"
         )
@@ -47,13 +47,13 @@ def read_hub_checkpoint(repo: HubRepo, *, traffic: Traffic | None = None) -> Che
         # its name, which must not lead out of (or below) the repo's top level.
         for f in files:
             if not is_plain_name(f):
-                raise ReshardError(
+                raise HubError(
                     f"{repo.describe()}/{INDEX_NAME}: shard file name {f!r} is not a plain file name "
                     "at the top of the repo; refusing to follow it"
                 )
         absent = [f for f in files if f not in listing]
         if absent:
-            raise ReshardError(
+            raise HubError(
                 f"{repo.describe()}: {absent[0]} is named by {INDEX_NAME} but missing from the repo"
                 + (f" ({len(absent)} such files)" if len(absent) > 1 else "")
                 + "; the repo is incomplete"
@@ -88,7 +88,7 @@ def _small_file(repo: HubRepo, name: str, listing: dict[str, int], traffic: Traf
 def _check_model_type(config: dict, repo: HubRepo) -> None:
     found = config.get("model_type")
     if found not in MODEL_TYPES:
-        raise ReshardError(
+        raise HubError(
             f"{repo.describe()}: config.json has model_type {found!r}, not a Qwen3.5 MoE checkpoint "
             f"({' or '.join(MODEL_TYPES)}); this tool splits only those"
         )

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ...errors import ReshardError
+from ...errors import HubError
 from ...units import plural
 from ..ranged import RangeReader
 from .cache import HubRepo
@@ -69,7 +69,7 @@ class HubFetcher:
         missing = [f.file for f in self.fetches.values() if f.how != FETCH_CACHE]
         missing += [n for n in self.ckpt.extra_files if self.repo.cached(n) is None]
         if self.repo.offline and missing:
-            raise ReshardError(
+            raise HubError(
                 f"{self.repo.describe()}: offline, and the Hugging Face cache ({self.repo.storage}) lacks "
                 f"{plural(len(missing), 'file')} this run needs: {', '.join(missing)}; run with network "
                 f"access, or download {'it' if len(missing) == 1 else 'them'} first (`hf download`)"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import struct
 from concurrent.futures import ThreadPoolExecutor
 
-from ...errors import ReshardError
+from ...errors import HubError, ReshardError
 from ...units import plural
 from ..header import Header, parse_header
 from .cache import HEADER_SUFFIX, HubRepo, write_kept
@@ -27,7 +27,7 @@ def parsed_headers(
         if not (repo.assets / (f + HEADER_SUFFIX)).is_file() and repo.cached(f) is None
     ]
     if missing and repo.offline:
-        raise ReshardError(
+        raise HubError(
             f"{repo.describe()}: offline, and neither kept headers nor cached files exist for "
             f"{plural(len(missing), 'shard')} ({', '.join(missing[:3])}{', ...' * (len(missing) > 3)}); plan "
             "it once with network access"
@@ -62,7 +62,7 @@ def _header_bytes(repo: HubRepo, f: str, size: int, traffic: Traffic) -> bytes:
     try:
         raw = r.read(0, min(size, HEADER_PROBE_BYTES))
         if len(raw) < 8:
-            raise ReshardError(f"{repo.describe()}: {f}: not a safetensors file (shorter than 8 bytes)")
+            raise HubError(f"{repo.describe()}: {f}: not a safetensors file (shorter than 8 bytes)")
         (n,) = struct.unpack("<Q", raw[:8])
         _check_header_length(n, size, repo, f)
         if 8 + n > len(raw):
@@ -87,7 +87,7 @@ def header_bytes(repo: HubRepo, file: str) -> bytes:
     """
     listing = repo_listing(repo)
     if file not in listing:
-        raise ReshardError(f"{repo.describe()}: {file} is missing from the repo; the repo is incomplete")
+        raise HubError(f"{repo.describe()}: {file} is missing from the repo; the repo is incomplete")
     return _header_bytes(repo, file, listing[file], Traffic())
 
 
@@ -96,12 +96,12 @@ def _check_header_length(n: int, size: int, repo: HubRepo, f: str) -> None:
 
     limit = hf.SAFETENSORS_MAX_HEADER_LENGTH
     if n > limit:
-        raise ReshardError(
+        raise HubError(
             f"{repo.describe()}: {f}: header length {n} exceeds the {limit}-byte limit of remote "
             "headers; the file is corrupt or not safetensors"
         )
     if 8 + n > size:
-        raise ReshardError(
+        raise HubError(
             f"{repo.describe()}: {f}: header length {n} runs past the end of the {size}-byte file; "
             "the file is truncated or not safetensors"
         )

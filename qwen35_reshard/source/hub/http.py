@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from ..._version import __version__
-from ...errors import ReshardError
+from ...errors import HubError, ReshardError
 from ...format.names import COMMIT, TOOL_NAME
 from ..ranged import RETRY_STATUS, RangeReader, backoff, describe, log_retry, redact
 from .cache import HubRepo, HubSettings, read_ref
@@ -149,7 +149,7 @@ def resolve(repo_id: str, settings: HubSettings) -> HubRepo:
     except Exception as e:
         raise hub_error(e, probe, what=f"revision {revision!r}") from e
     if not COMMIT.fullmatch(resolved.resolved):  # a ref changed since read_ref read it (never shown)
-        raise ReshardError(
+        raise HubError(
             f"{probe.storage}: refs/{revision} is not one 40-hex commit id; the cache folder is damaged: "
             "delete that file and run again with network access"
         )
@@ -164,41 +164,41 @@ def hub_error(e: BaseException, repo: HubRepo, *, what: str) -> ReshardError:
         return e
     endpoint = redact(repo.endpoint)  # HF_ENDPOINT may carry credentials (https://user:pass@mirror)
     if isinstance(e, hf.GatedRepoError):
-        return ReshardError(
+        return HubError(
             f"{repo.repo_id} is a gated repo and this token has no access: accept its license at "
             f"{endpoint}/{repo.repo_id} and log in (`hf auth login`, HF_TOKEN or a token)"
         )
     if isinstance(e, hf.RepositoryNotFoundError):
-        return ReshardError(
+        return HubError(
             f"{repo.repo_id}: no such model repo on {endpoint} (and no local directory of that "
             "name), or it is private and this token has no access (log in with `hf auth login`, set "
             "HF_TOKEN or pass a token)"
         )
     if isinstance(e, hf.RevisionNotFoundError):
-        return ReshardError(
+        return HubError(
             f"{repo.repo_id}: no revision {repo.revision!r} (branch, tag or commit) in the repo"
         )
     if isinstance(e, hf.RemoteEntryNotFoundError):
-        return ReshardError(f"{repo.describe()}: {what} is missing from the repo; the repo is incomplete")
+        return HubError(f"{repo.describe()}: {what} is missing from the repo; the repo is incomplete")
     if repo.offline:
-        return ReshardError(
+        return HubError(
             f"{repo.repo_id}: offline, and the Hugging Face cache lacks {what}; run once with network "
             "access, or on a node whose cache has it"
         )
     status = _retry_status(e)
     if status is not None:
-        return ReshardError(
+        return HubError(
             f"{repo.repo_id}: {what}: the Hub still answered {status} after {RETRIES} retries; try again "
             "later (a split resumes where it stopped)"
         )
     cause = _transport_cause(e)
     if cause is not None:
-        return ReshardError(
+        return HubError(
             f"{endpoint} is unreachable ({cause}) while fetching {what} of {repo.repo_id}; the "
             "Hugging Face cache could not have served it either (it lacks it): check the network or "
             "HF_ENDPOINT"
         )
-    return ReshardError(f"{repo.repo_id}: {what}: {type(e).__name__}: {describe(e)}")
+    return HubError(f"{repo.repo_id}: {what}: {type(e).__name__}: {describe(e)}")
 
 
 def _transport_cause(e: BaseException) -> str | None:
@@ -230,7 +230,7 @@ def hf_download(
     if cached is not None:
         return str(cached)
     if repo.offline:
-        raise ReshardError(
+        raise HubError(
             f"{repo.describe()}: offline and the Hugging Face cache lacks {name}; run once with network "
             "access, or on a node whose cache has it"
         )

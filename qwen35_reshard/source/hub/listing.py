@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from ..._version import __version__
-from ...errors import JSON_ERRORS, ReshardError
+from ...errors import JSON_ERRORS, HubError
 from ...format.jsonio import is_sha256
 from ...format.names import TOOL_NAME
 from .cache import LFS_NAME, LISTING_NAME, HubRepo, write_kept
@@ -27,7 +27,7 @@ def repo_listing(repo: HubRepo) -> dict[str, int]:
         local = _snapshot_listing(repo)
         if local is not None:
             return local
-        raise ReshardError(
+        raise HubError(
             f"{repo.describe()}: offline, and neither the kept file list ({kept}) nor a cached snapshot "
             "is there; plan it once with network access"
         )
