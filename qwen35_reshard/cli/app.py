@@ -54,6 +54,7 @@ from .flags import (
     RuntimeOpt,
     Token,
     Tp,
+    VerifyNnodes,
     VerifyRank,
     Version,
     ranks_of,
@@ -360,12 +361,12 @@ def verify(
         bool,
         typer.Option(
             "--repair",
-            help="rewrite from --source exactly the files found damaged, missing or truncated, "
-            "then verify again",
+            help="rewrite from --source exactly the files found damaged, missing or truncated "
+            "(never an intact one; refused if --source's bytes are not the split's), then verify again",
         ),
     ] = False,
     rank: VerifyRank = None,
-    nnodes: Nnodes = None,
+    nnodes: VerifyNnodes = None,
     revision: Revision = None,
     token: Token = None,
     offline: Offline = False,

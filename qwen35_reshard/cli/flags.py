@@ -153,6 +153,12 @@ VerifyRank = Annotated[
         "the stages of the node this runs on, as split takes it  [default: every stage]",
     ),
 ]
+VerifyNnodes = Annotated[
+    int | None,
+    typer.Option(
+        "--nnodes", metavar="N", help="with --rank auto: the node count, where the environment gives none"
+    ),
+]
 Nnodes = Annotated[
     int | None,
     typer.Option("--nnodes", metavar="N", help="nodes the servers run on (with --node-rank or --rank auto)"),
