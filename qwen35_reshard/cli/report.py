@@ -499,6 +499,7 @@ def verify_lines(report: VerifyReport, *, per_stage: int = 20, problems_only: bo
             lines.append(f"  ... and {len(found) - per_stage} more (see --json)")
     for found in by_stage.values():  # stages recorded but absent
         lines += [f"  {f.kind}: {f.message}" for f in found]
+    lines += [f"warning: {w}" for w in report.unchecked]
     if report.not_built and not problems_only:
         others = ", ".join(map(stage_dirname, report.not_built))
         lines.append(f"not checked (not asked for with --rank): {others}")

@@ -8,9 +8,11 @@ import os
 from pathlib import Path
 
 from ..format.dtypes import DTYPE_SIZES
+from ..format.holder import left_by_gone_run
 from ..format.names import CLAIM, CLONE, CONFIG_NAME, INDEX_NAME, JOURNAL, PARTIAL_SUFFIX, STAGE_MANIFEST
 from ..format.paths import checked_file
 from ..model.names import LAYER, classify
+from ..model.quant import unchecked_message
 from ..source.checkpoint import Checkpoint
 from ..source.header import Header
 from ..stage.findings import CORRUPT, DIFFERENT, EXTRA, INCOMPLETE, MISSING, RERUN
@@ -30,7 +32,10 @@ def check_stage(stage: CheckedStage, report: VerifyReport, ckpt: Checkpoint | No
     for name in entries:
         if name.endswith(PARTIAL_SUFFIX) or name == JOURNAL:
             add(INCOMPLETE, f"{stage.display}/{name} is left from an unfinished run; {RERUN}", file=name)
-        elif name == CLAIM:
+        elif name == CLAIM and not left_by_gone_run(stage.path / name):
+            # A killed run's claim is no finding: a run rebuilding a stage removes its index
+            # first, and the checks below find anything it left half done. A live run's is: it
+            # may yet replace the stage.
             add(
                 INCOMPLETE,
                 f"{stage.display}/{name} is present: a qwen35-reshard run is building this stage, or "
@@ -41,6 +46,8 @@ def check_stage(stage: CheckedStage, report: VerifyReport, ckpt: Checkpoint | No
     found = read_stage(stage.path, stage.display, stage.run)
     for p in found.problems:
         add(p.kind, p.message, file=p.file, tensor=p.tensor)
+    if found.unchecked:
+        report.unchecked.append(unchecked_message(stage.display, found.unchecked))
     m = stage.manifest = found.manifest
     if m is None:
         return

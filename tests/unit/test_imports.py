@@ -27,8 +27,9 @@ PACKAGE = ROOT / "qwen35_reshard"
 LAYERS = [
     (0, "base", ["_version", "errors", "units", "bulk"]),
     (1, "format", ["format", "format.names", "format.dtypes", "format.jsonio", "format.paths",
-                   "format.manifest", "format.identity"]),
-    (2, "model", ["model", "model.names", "model.schema", "model.runtimes"]),
+                   "format.manifest", "format.identity", "format.holder"]),
+    (2, "model", ["model", "model.names", "model.modules", "model.quant", "model.quant.schemes",
+                  "model.quant.config", "model.completeness", "model.schema", "model.runtimes"]),
     (3, "source", ["source", "source.header", "source.checkpoint", "source.ranged", "source.hub",
                    "source.hub.cache", "source.hub.http", "source.hub.listing", "source.hub.headers",
                    "source.hub.checkpoint", "source.hub.fetch", "source.open"]),
