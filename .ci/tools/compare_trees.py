@@ -62,6 +62,9 @@ SCENARIOS: dict[str, list] = {
     "nodes": [
         "split --pp 4 --nnodes 2 --node-rank 0 --workers 1 --reflink never {MODEL} {OUT}",
         "split --json --pp 4 --nnodes 2 --node-rank 1 --workers 3 {MODEL} {OUT}",
+        "split --pp 4 --nnodes 4 --node-rank 2 {MODEL} {OUT}",
+        "split --pp 2 --nnodes 2 --node-rank 1 --runtime vllm {MODEL} {OUT}/v",
+        "split --pp 2 --nnodes 2 --node-rank 0 --runtime vllm {MODEL} {OUT}/v",
     ],
     "repair": [
         "split --pp 2 {MODEL} {OUT}",

@@ -20,6 +20,7 @@ from rich.text import Text
 from ..api import ReshardProgress, ReshardResult
 from ..format.names import RUN_MANIFEST, stage_dirname
 from ..model import names
+from ..model.runtimes import runtime_of
 from ..plan.balance import Choice, StageLoad
 from ..plan.nodes import Node
 from ..plan.planner import Plan, StagePlan
@@ -185,47 +186,15 @@ def dry_run_lines(result: ReshardResult) -> list[tuple[str, bool | None]]:
 def launch_lines(plan: Plan, out: str) -> list[str]:
     """The commands that start the server on the split, one stage per node: shell words, the
     stage directory quoted (OUT may hold spaces, ``$``, quotes) around the node's ``$R``."""
-    env, pp = plan.launch_env, plan.pp
     stage = f"{shlex.quote(f'{out}/pp')}$R"
-    if plan.runtime == "sglang":
-        cmd = (
-            f"{env} python -m sglang.launch_server --model-path {stage} --pp-size {pp} "
-            f"--nnodes {pp} --node-rank $R --dist-init-addr HEAD_IP:PORT"
-        )
-    else:
-        cmd = (
-            f"{env} vllm serve {stage} --pipeline-parallel-size {pp}"
-            "   # each node must see its own stage at the model path: README, 'Deploying the stages'"
-        )
-    return [cmd]
+    return [runtime_of(plan.runtime).launch(plan.launch_env, plan.pp, stage)]
 
 
 def node_launch_lines(plan: Plan, out: str, node: Node) -> list[str]:
     """The command that starts the server on ``node``: its stage directory, its ``--node-rank``;
     for a node of several stages under SGLang, how to serve them instead."""
-    env, pp, stages = plan.launch_env, plan.pp, list(node.stages)
-    nodes = f"--nnodes {node.nnodes} --node-rank {node.rank}"
-    if plan.runtime == "vllm":
-        # vLLM's multiprocessing executor across nodes: node 0 serves, the others run headless;
-        # qwen35-stages opens OUT/pp{rank} for each of the node's pipeline ranks.
-        headless = " --headless" if node.rank else ""
-        return [
-            f"{env} vllm serve {shlex.quote(out)} --load-format qwen35-stages --pipeline-parallel-size {pp} "
-            f"--distributed-executor-backend mp {nodes} --master-addr HEAD_IP{headless}"
-        ]
-    if len(stages) == 1:
-        stage = shlex.quote(f"{out}/{stage_dirname(stages[0])}")
-        return [
-            f"{env} python -m sglang.launch_server --model-path {stage} --pp-size {pp} {nodes} "
-            "--dist-init-addr HEAD_IP:PORT"
-        ]
-    held = ", ".join(stage_dirname(r) for r in stages)
-    return [
-        f"this node runs {held} in one sglang.launch_server, whose stock loader takes one --model-path "
-        "for all of them: serve the unsplit checkpoint there, load each stage through the shim "
-        "(README, recipe 4), or split with --runtime vllm and serve OUT with vLLM's --load-format "
-        "qwen35-stages"
-    ]
+    launch = runtime_of(plan.runtime).node_launch
+    return [launch(plan.launch_env, plan.pp, out, node.rank, node.nnodes, list(node.stages))]
 
 
 def shares_line(plan: Plan) -> str:
