@@ -459,7 +459,7 @@ def _verify(args: VerifyArgs, output: Output) -> int:
                 print(f"repaired: {path}", file=out)
         report = result.after
     else:
-        report = verify(args.out, args.source, hub_settings=args.hub)
+        report = verify(args.out, args.source, hub=args.hub)
     for line in verify_lines(report, problems_only=output.quiet):
         print(line, file=out)
     if output.json:

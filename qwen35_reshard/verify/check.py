@@ -43,7 +43,7 @@ def verify(
     source: str | os.PathLike[str] | None = None,
     *,
     chunk_bytes: int = CHUNK_BYTES,
-    hub_settings: HubSettings | None = None,
+    hub: HubSettings | None = None,
 ) -> VerifyReport:
     """Check the run directory or single stage directory ``path``; compare with ``source`` if given.
 
@@ -52,7 +52,8 @@ def verify(
         source: the checkpoint the split was made from (a directory, cache folder or Hub repo
             id): then every tensor must be where the plan puts it, with identical bytes.
         chunk_bytes: read size for hashing.
-        hub_settings: revision, token and offline mode for a Hub repo id ``source``.
+        hub: revision, token and offline mode for a Hub repo id ``source`` (the group
+            :func:`~qwen35_reshard.reshard` takes).
 
     Returns:
         A :class:`VerifyReport`: ``ok``, the findings (missing, extra, different, corrupt,
@@ -75,7 +76,7 @@ def verify(
         raise BadInput(f"{display}: not a directory; pass OUT or one of its stage directories (OUT/pp0)")
     ckpt, repo = (None, None)
     if source is not None:
-        ckpt, repo = open_model(os.fspath(source), hub_settings or HubSettings())
+        ckpt, repo = open_model(os.fspath(source), hub or HubSettings())
     report = VerifyReport(target=display, source=os.fspath(source) if source is not None else None)
     if is_run_dir(root):
         stages = check_run_dir(root, display, report)
