@@ -1,7 +1,7 @@
 """Sizes and counts in words: the one byte formatter and size parser, and plurals.
 
 Every size the tool shows is decimal (1 GB = 10^9 bytes, as disks and the Hub count); sizes
-given to it may be decimal or binary (``5GB``, ``4GiB``), as the README states.
+given to it may be decimal or binary (``5GB``, ``4GiB``), as docs/usage.md states.
 """
 
 from __future__ import annotations

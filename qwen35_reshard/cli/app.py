@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +63,7 @@ if TYPE_CHECKING:
 
     from ..api import ReshardResult
     from ..write.assemble import Reporter
+    from .report import LogReporter, RichReporter
 
 # typer (0.26 to 0.28) runs on its own copy of click, typer._click (private; click itself is no
 # dependency of typer, and click.exceptions' classes are others that catch none of these), and
@@ -151,8 +154,8 @@ def _run_guarded(
         with process.interrupts_raised():
             code = command()
     except ReshardError as e:
-        if output.debug:
-            raise
+        if output.debug:  # the traceback, then the same line and exit code as without --debug
+            traceback.print_exc()
         process.fail(output.json, f"error: {e.render(flags)}")
         code = e.exit_code
     except KeyboardInterrupt:
@@ -388,10 +391,19 @@ def verify(
 
 def _consoles(output: Output) -> tuple[Console, Console]:
     """(results, progress): results on stdout, or on stderr beside ``--json``; progress on stderr."""
-    from rich.console import Console
+    from .report import console
 
-    progress = Console(stderr=True)
-    return (progress if output.json else Console(soft_wrap=False)), progress
+    progress = console("stderr")
+    return (progress if output.json else console("stdout")), progress
+
+
+def _progress_bar(console: Console) -> RichReporter | LogReporter:
+    """The rich bar in a terminal; in a log, plain lines at a steady interval."""
+    from .report import LOG_INTERVAL, LOG_INTERVAL_ENV, LogReporter, RichReporter
+
+    if console.is_terminal:
+        return RichReporter(console)
+    return LogReporter(sys.stderr, float(os.environ.get(LOG_INTERVAL_ENV) or LOG_INTERVAL))
 
 
 def _reshard(run: Callable[[Reporter], ReshardResult], out: Path | None, output: Output) -> int:
@@ -401,7 +413,7 @@ def _reshard(run: Callable[[Reporter], ReshardResult], out: Path | None, output:
 
     results, progress = _consoles(output)
     view = process.collector_off_until_planned(
-        QuietView(FLAGS) if output.quiet else SplitView(results, progress, FLAGS)
+        QuietView(FLAGS) if output.quiet else SplitView(results, _progress_bar(progress), FLAGS)
     )
     try:
         result = run(view)

@@ -6,10 +6,14 @@ verify alike); counts through :func:`units.plural`. Tables fit an 80-column term
 
 from __future__ import annotations
 
+import re
 import shlex
 import sys
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TextIO
 
 from rich import box
 from rich.console import Console
@@ -30,6 +34,38 @@ from ..verify import VerifyReport
 from ..write.writer import OutState, WriteResult
 
 
+class _Unpadded:
+    """``sys.stdout`` or ``sys.stderr`` (looked up at each write: the command swaps stdout for
+    its guard) without the spaces rich pads a table's lines with: a file is read and grepped."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def write(self, text: str) -> int:
+        return getattr(sys, self.name).write(_TRAILING.sub("", text))
+
+    def flush(self) -> None:
+        getattr(sys, self.name).flush()
+
+    def isatty(self) -> bool:
+        return False
+
+    def __getattr__(self, attr: str) -> object:  # encoding, fileno, ... as the stream's
+        return getattr(getattr(sys, self.name), attr)
+
+
+_TRAILING = re.compile(r" +(?=\n)")
+
+
+def console(name: str) -> Console:
+    """A console on ``sys.stdout`` or ``sys.stderr`` (``name``): in a terminal as rich draws it;
+    elsewhere (a file, a pipe, a CI log) no line wrapped mid-sentence nor padded with spaces."""
+    stream = getattr(sys, name)
+    if stream is not None and stream.isatty():
+        return Console(stderr=name == "stderr", soft_wrap=False)
+    return Console(file=_Unpadded(name), soft_wrap=True)
+
+
 def _table(title: str) -> Table:
     """The tables' one style: a rule under the heads, no outer border, one space between
     columns (every column counts at 80 characters)."""
@@ -43,9 +79,10 @@ def _table(title: str) -> Table:
     )
 
 
-def plan_table(plan: Plan) -> Table:
+def plan_table(plan: Plan, node: Node | None = None) -> Table:
     """One row per stage: layers, tensors, size, output files, source shards read, extra roles
-    and whether this run builds it; within 80 columns up to pp=16 (numbers never wrap)."""
+    and whether this run builds it (for ``node``, when the stages are a node's); within 80
+    columns up to pp=16 (numbers never wrap)."""
     ckpt = plan.checkpoint
     table = _table(
         f"{ckpt.display}: {plural(ckpt.num_layers, 'layer')}, {plural(len(ckpt.tensors), 'tensor')}, "
@@ -69,7 +106,8 @@ def plan_table(plan: Plan) -> Table:
             "yes" if s.rank in plan.ranks else "no",
         )
     if skipped:
-        table.caption = "build no: not selected by --rank"
+        why = "--rank" if node is None else f"this node (rank {node.rank} of {node.nnodes}) does not run it"
+        table.caption = f"build no: not selected by {why}" if node is None else f"build no: {why}"
         table.caption_justify = "left"
     return table
 
@@ -91,7 +129,7 @@ class _RateColumn(ProgressColumn):
 
 
 class RichReporter(ReshardProgress):
-    """A byte progress bar (rate, ETA) over all source bytes copied by this run."""
+    """A byte progress bar (rate, ETA) over all source bytes copied by this run, for a terminal."""
 
     def __init__(self, console: Console) -> None:
         self.console = console
@@ -126,14 +164,105 @@ class RichReporter(ReshardProgress):
         if self.download_task is not None:
             self.progress.advance(self.download_task, nbytes)
 
+    def stage_copied(self, stage: StagePlan) -> None:
+        """The bar shows it; the stage's line comes when it is complete."""
+
     def stage_done(self, stage: StagePlan) -> None:
         self.close()  # copying is over once stages finish; the bar stays as the last record
-        tensors = plural(len(stage.tensors), "tensor")
-        self.console.print(f"[green]done[/] {stage.dirname}: {tensors}, {format_bytes(stage.size)}")
+        self.console.print(f"[green]done[/] {_stage_line(stage)}")
 
     def close(self) -> None:
         if self.progress.live.is_started:
             self.progress.stop()
+
+
+# Seconds between two progress lines in a log (stderr not a terminal); tests set it shorter.
+LOG_INTERVAL_ENV = "QWEN35_RESHARD_PROGRESS_SECONDS"
+LOG_INTERVAL = 10.0
+
+
+class LogReporter(ReshardProgress):
+    """Progress for a log (a CI job's, ``2> file``): plain lines, each written whole and flushed
+    as it happens: a line every ``interval`` seconds (bytes, rate, time left), each stage's data
+    copied, each stage done. No bar, no padding, no wrapping: a log is read, and grepped, later.
+    """
+
+    def __init__(self, stream: TextIO, interval: float = LOG_INTERVAL) -> None:
+        self.stream = stream
+        self.interval = interval
+        self.lock = threading.Lock()  # one line at a time, from the ticker and the run's threads
+        self.total = self.done = self.downloads = self.downloaded = 0
+        self.started = 0.0
+        self.stop = threading.Event()
+        self.ticker: threading.Thread | None = None
+
+    def say(self, line: str) -> None:
+        with self.lock:
+            print(line, file=self.stream, flush=True)
+
+    def expect_downloads(self, total_bytes: int) -> None:
+        self.downloads = total_bytes
+
+    def start(self, total_bytes: int) -> None:
+        self.total, self.started = total_bytes, time.monotonic()
+        self.say(f"copying {format_bytes(total_bytes)} of source bytes")
+        self.ticker = threading.Thread(target=self._tick, name="progress-log", daemon=True)
+        self.ticker.start()
+
+    def advance(self, nbytes: int) -> None:
+        with self.lock:
+            self.done += nbytes
+
+    def fetched(self, nbytes: int) -> None:
+        with self.lock:
+            self.downloaded += nbytes
+
+    def stage_copied(self, stage: StagePlan) -> None:
+        files = plural(len(stage.files), "data file")
+        self.say(f"copied {stage.dirname}: {files}, {format_bytes(stage.size)}")
+
+    def stage_done(self, stage: StagePlan) -> None:
+        self.close()
+        self.say(f"done {_stage_line(stage)}")
+
+    def close(self) -> None:
+        """Stop the ticker and say where the copy ended, once."""
+        if self.ticker is None:
+            return
+        self.stop.set()
+        self.ticker.join()
+        self.ticker = None
+        self.say(self.line())
+
+    def _tick(self) -> None:
+        while not self.stop.wait(self.interval):
+            self.say(self.line())
+
+    def line(self) -> str:
+        """``progress: DONE of TOTAL (P%), RATE/s, T left`` (and the download, while there is one)."""
+        with self.lock:
+            done, downloaded = self.done, self.downloaded
+        elapsed = max(time.monotonic() - self.started, 1e-9)
+        rate = done / elapsed
+        left = f"{_clock((self.total - done) / rate)} left" if rate > 0 else "time left unknown"
+        pct = 100 * done / max(self.total, 1)
+        line = (
+            f"progress: {format_bytes(done)} of {format_bytes(self.total)} ({pct:.0f}%), "
+            f"{format_bytes(rate)}/s, {left}, {_clock(elapsed)} elapsed"
+        )
+        if self.downloads:
+            line += f"; downloaded {format_bytes(downloaded)} of {format_bytes(self.downloads)}"
+        return line
+
+
+def _clock(seconds: float) -> str:
+    """``H:MM:SS``, as the bar shows time."""
+    s = int(seconds + 0.5)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def _stage_line(stage: StagePlan) -> str:
+    return f"{stage.dirname}: {plural(len(stage.tensors), 'tensor')}, {format_bytes(stage.size)}"
 
 
 class QuietView(ReshardProgress):
@@ -153,17 +282,47 @@ class QuietView(ReshardProgress):
         print(message, file=sys.stderr)
 
 
-class SplitView(QuietView, RichReporter):
+class SplitView(QuietView):
     """What ``split`` and ``plan`` show as a run goes: warnings and the node, the plan (and the
-    balanced choice) on ``results`` once made, then the progress bar on ``progress``."""
+    balanced choice) on ``results`` once made, then the copy's progress through ``bar`` (a
+    :class:`RichReporter` in a terminal, a :class:`LogReporter` in a log)."""
 
-    def __init__(self, results: Console, progress: Console, flags: Mapping[str, str]) -> None:
-        QuietView.__init__(self, flags)
-        RichReporter.__init__(self, progress)
+    def __init__(
+        self, results: Console, bar: RichReporter | LogReporter, flags: Mapping[str, str]
+    ) -> None:
+        super().__init__(flags)
         self.results = results
+        self.bar = bar
+        self.node: Node | None = None
+
+    def located(self, node: Node) -> None:
+        super().located(node)
+        self.node = node
+
+    # The copy's callbacks go to the bar.
+    def expect_downloads(self, total_bytes: int) -> None:
+        self.bar.expect_downloads(total_bytes)
+
+    def start(self, total_bytes: int) -> None:
+        self.bar.start(total_bytes)
+
+    def advance(self, nbytes: int) -> None:
+        self.bar.advance(nbytes)
+
+    def fetched(self, nbytes: int) -> None:
+        self.bar.fetched(nbytes)
+
+    def stage_copied(self, stage: StagePlan) -> None:
+        self.bar.stage_copied(stage)
+
+    def stage_done(self, stage: StagePlan) -> None:
+        self.bar.stage_done(stage)
+
+    def close(self) -> None:
+        self.bar.close()
 
     def planned(self, plan: Plan, choice: Choice | None) -> None:
-        self.results.print(plan_table(plan))
+        self.results.print(plan_table(plan, self.node))
         if choice is not None:
             self.results.print(balance_table(choice, plan.runtime))
             for line in balance_verdict(choice):
@@ -174,7 +333,7 @@ def dry_run_lines(result: ReshardResult) -> list[tuple[str, bool | None]]:
     """What a dry run says after its plan, each line with its ``soft_wrap``: the shareable
     bytes, what a split would fetch from the Hub, what it would do in OUT, the launch line."""
     plan = result.plan
-    lines: list[tuple[str, bool | None]] = [(shares_line(plan), None)]
+    lines: list[tuple[str, bool | None]] = [(space_line(plan), True)]
     if result.fetch is not None:
         lines.append((fetch_line(result.fetch, planned=True), None))
     if result.out_state is not None:
@@ -192,20 +351,20 @@ def launch_lines(plan: Plan, out: str) -> list[str]:
 
 def node_launch_lines(plan: Plan, out: str, node: Node) -> list[str]:
     """The command that starts the server on ``node``: its stage directory, its ``--node-rank``;
-    for a node of several stages under SGLang, how to serve them instead."""
+    for a node of several stages, the command that loads each from OUT."""
     launch = runtime_of(plan.runtime).node_launch
-    return [launch(plan.launch_env, plan.pp, out, node.rank, node.nnodes, list(node.stages))]
+    return launch(plan.launch_env, plan.pp, out, node.rank, node.nnodes, list(node.stages))
 
 
-def shares_line(plan: Plan) -> str:
-    """How much of the selected stages' files a filesystem that shares blocks (XFS, Btrfs,
-    ...) shares with the source, in one line that fits 80 columns."""
+def space_line(plan: Plan) -> str:
+    """The free space OUT needs for the selected stages: all of their bytes where the
+    filesystem copies them; where it can share blocks with the source (XFS, Btrfs, ... on the
+    source's own filesystem: ``--reflink``), only the bytes that cannot be shared. One line
+    within 80 columns."""
     size = sum(s.size for s in plan.selected)
     share = sum(s.shareable_bytes for s in plan.selected)
-    return (
-        f"reflink: {format_bytes(share)} of {format_bytes(size)} shareable "
-        f"({100 * share / max(size, 1):.2f}%), {format_bytes(size - share)} to copy"
-    )
+    needed, unshared = format_bytes(size), format_bytes(size - share)
+    return f"space: OUT needs {needed} free; {unshared} if it can share the source's blocks"
 
 
 def out_line(plan: Plan, out: Path, state: OutState) -> str:
@@ -223,7 +382,8 @@ def out_line(plan: Plan, out: Path, state: OutState) -> str:
     done = [s.dirname for s in plan.selected if s.rank in state.complete]
     kept = [f"the complete {', '.join(done)}"] if done else []
     if state.files_kept:
-        kept.append(f"{plural(state.files_kept, 'finished data file')} of {', '.join(todo)}")
+        held = ", ".join(stage_dirname(r) for r in sorted(state.kept) if state.kept[r])
+        kept.append(f"{plural(state.files_kept, 'finished data file')} of {held}")
     keeping = f"keeping {' and '.join(kept)}, " if kept else ""
     writes = f"writes {', '.join(todo)}" if todo else "writes the run manifest"
     return f"{out} holds an unfinished run of this split: a real run resumes it, {keeping}and {writes}"

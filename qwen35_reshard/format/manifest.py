@@ -2,11 +2,9 @@
 
 A stage manifest (``names.STAGE_MANIFEST``) lists every tensor with its file, dtype, shape,
 size, source file and sha256, and every data file with its size, tensor count and layout
-(``clone``: the exact bytes of source shard ``source``; ``aligned``: one run of ``source``
-kept at its offsets modulo ``names.SHARE_ALIGN``; ``gathered``). A tensor's sha256 is ``null``
-when the split shared its blocks with the source instead of reading it (only in ``clone`` and
-``aligned`` files); a ``clone`` then records the source file's sha256 as ``sha256`` when it is
-known without reading (the blob name in a Hugging Face cache).
+(``names.LAYOUTS``, with the shard ``source`` a ``clone`` or ``aligned`` file takes its bytes
+from). The layouts, and when a sha256 is ``null`` (blocks shared, not read): docs/format.md,
+"Data file layouts".
 
 It is written after the stage's data is durable and just before the stage's index, so a stage
 counts as complete only when both exist and the manifest names the index's digest. The run

@@ -53,12 +53,7 @@ DOTFILES = (RUN_MARKER, JOURNAL, LOCK, CLAIM)
 TEMP_TOKEN = re.compile(r"\.[A-Za-z0-9-]+\.[0-9]+\.[0-9a-f]{8}$")
 _TOKEN_CHARS = re.compile(r"[^A-Za-z0-9-]")
 
-# How a stage's data file is laid out:
-# - CLONE: exactly the bytes of one source shard the stage needs whole, header included;
-# - ALIGNED: one run of a shard needed in part, its bytes at their source offsets modulo
-#   SHARE_ALIGN (the header's space padding makes up the difference), so that a filesystem
-#   can share the run's blocks with the source;
-# - GATHERED: short runs collected into an ordinary file.
+# How a stage's data file is laid out (what each is and why: docs/format.md, "Data file layouts").
 CLONE, ALIGNED, GATHERED = "clone", "aligned", "gathered"
 LAYOUTS = (CLONE, ALIGNED, GATHERED)
 # A multiple of every block size a filesystem shares by (4 KiB pages, ZFS records up to 1 MiB).

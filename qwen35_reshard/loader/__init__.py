@@ -167,7 +167,7 @@ class Stage:
         except ModuleNotFoundError as e:
             raise StageError(
                 f"iter_weights needs {e.name}, which is not installed: pip install {e.name} (torch from "
-                "https://download.pytorch.org/whl/cpu for the CPU build; see the README's Install)"
+                "https://download.pytorch.org/whl/cpu for the CPU build; see docs/install.md)"
             ) from e
 
         if sys.byteorder != "little":

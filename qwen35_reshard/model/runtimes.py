@@ -40,8 +40,8 @@ class Runtime:
             start (vLLM: see :func:`servable`).
         launch: ``(env, pp, stage)``: the command that serves the quoted ``stage`` directory
             (holding ``$R``) on node ``$R`` of one stage per node.
-        node_launch: ``(env, pp, out, rank, nnodes, stages)``: the command of node ``rank``
-            of ``nnodes`` that runs ``stages`` (or what to do instead).
+        node_launch: ``(env, pp, out, rank, nnodes, stages)``: the lines that start node
+            ``rank`` of ``nnodes``, which runs ``stages``.
     """
 
     name: str
@@ -52,7 +52,7 @@ class Runtime:
     embed_on_every_rank: bool
     full_attention_per_stage: bool
     launch: Callable[[str, int, str], str]
-    node_launch: Callable[[str, int, str, int, int, Sequence[int]], str]
+    node_launch: Callable[[str, int, str, int, int, Sequence[int]], list[str]]
 
 
 def _sglang_launch(env: str, pp: int, stage: str) -> str:
@@ -62,38 +62,43 @@ def _sglang_launch(env: str, pp: int, stage: str) -> str:
     )
 
 
-def _sglang_node_launch(env: str, pp: int, out: str, rank: int, nnodes: int, stages: Sequence[int]) -> str:
+def _sglang_node_launch(
+    env: str, pp: int, out: str, rank: int, nnodes: int, stages: Sequence[int]
+) -> list[str]:
+    nodes = f"--nnodes {nnodes} --node-rank {rank}"
     if len(stages) == 1:
         stage = shlex.quote(f"{out}/{stage_dirname(stages[0])}")
-        return (
-            f"{env} python -m sglang.launch_server --model-path {stage} --pp-size {pp} "
-            f"--nnodes {nnodes} --node-rank {rank} --dist-init-addr HEAD_IP:PORT"
-        )
-    held = ", ".join(stage_dirname(r) for r in stages)
-    return (
-        f"this node runs {held} in one sglang.launch_server, whose stock loader takes one --model-path "
-        "for all of them: serve the unsplit checkpoint there, load each stage through the shim "
-        "(README, recipe 4), or split with --runtime vllm and serve OUT with vLLM's --load-format "
-        "qwen35-stages"
-    )
+        return [
+            f"{env} python -m sglang.launch_server --model-path {stage} --pp-size {pp} {nodes} "
+            "--dist-init-addr HEAD_IP:PORT"
+        ]
+    # Several stages in one sglang.launch_server: the plugin gives each pipeline rank its own.
+    return [
+        f"{env} python -m sglang.launch_server --model-path {shlex.quote(out)} --pp-size {pp} {nodes} "
+        "--dist-init-addr HEAD_IP:PORT",
+        f"(this node runs {', '.join(stage_dirname(r) for r in stages)}: with qwen35-reshard installed in "
+        "SGLang's environment its plugin loads each pipeline rank's stage from OUT; docs/deploy.md)",
+    ]
 
 
 def _vllm_launch(env: str, pp: int, stage: str) -> str:
     return (
         f"{env} vllm serve {stage} --pipeline-parallel-size {pp}"
-        "   # each node must see its own stage at the model path: README, 'Deploying the stages'"
+        "   # each node must see its own stage at the model path: docs/deploy.md"
     )
 
 
-def _vllm_node_launch(env: str, pp: int, out: str, rank: int, nnodes: int, stages: Sequence[int]) -> str:
+def _vllm_node_launch(
+    env: str, pp: int, out: str, rank: int, nnodes: int, stages: Sequence[int]
+) -> list[str]:
     # vLLM's multiprocessing executor across nodes: node 0 serves, the others run headless;
     # qwen35-stages opens OUT/pp{rank} for each of the node's pipeline ranks.
     headless = " --headless" if rank else ""
-    return (
+    return [
         f"{env} vllm serve {shlex.quote(out)} --load-format qwen35-stages --pipeline-parallel-size {pp} "
         f"--distributed-executor-backend mp --nnodes {nnodes} --node-rank {rank} --master-addr "
         f"HEAD_IP{headless}"
-    )
+    ]
 
 
 SGLANG = Runtime(

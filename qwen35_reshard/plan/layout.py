@@ -1,17 +1,8 @@
 """How a stage's tensors are laid out in files. Pure, no I/O.
 
-A stage's files are laid out so that a filesystem that shares blocks (XFS, Btrfs, ...) can
-share them with the source, and the layout is the same on every filesystem:
-
-- CLONE: a source shard the stage needs whole becomes a file with exactly the source file's
-  bytes, its header included (cloned whole where the filesystem allows, copied elsewhere);
-- ALIGNED: each run of at least ``MIN_SHARED_RUN`` source-adjacent bytes of a shard needed
-  in part becomes a file of its own, whose header is padded with spaces so that every byte
-  keeps its source offset modulo ``SHARE_ALIGN`` (1 MiB: a multiple of 4 KiB blocks and of
-  ZFS records). The header padding is the one free offset of a safetensors file, hence one
-  run per file. The block-aligned middle of the run can then be shared;
-- GATHERED: the remaining short runs, in (alignment, source file, source offset) order as
-  the reference writer groups them, so that adjacent source ranges stay one copy.
+A stage's files are laid out as CLONE, ALIGNED (runs of at least ``MIN_SHARED_RUN`` bytes)
+and GATHERED files, the same on every filesystem, so that one that shares blocks can share
+them with the source: docs/format.md, "Data file layouts", says what each is and why.
 
 The file-size limit holds for every file: a shard needed whole but larger than the limit
 is laid out as ALIGNED runs and GATHERED files instead of a CLONE (its blocks still shared

@@ -9,7 +9,7 @@ stage must have tensors, and every tensor's bytes are hashed (in bounded chunks,
 source checkpoint, the plan is rebuilt from the settings each stage's manifest records, and
 every tensor's placement and bytes are compared with the source.
 
-Files the split shared with the source (``clone``: a source shard's exact bytes; ``aligned``)
+Files the split shared with the source (layouts: docs/format.md, "Data file layouts")
 record no sha256 for the tensors whose blocks were shared: without the source, verify checks
 their structure, a clone's whole-file sha256 where the manifest records one (the source's
 Hugging Face blob name), and reports the bytes it could compare with nothing

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from ..errors import JSON_ERRORS
+from ..format.holder import left_by_gone_run
 from ..format.identity import RunIdentity, describe_differences
 from ..format.jsonio import is_uint
 from ..format.names import (
@@ -59,7 +60,9 @@ def check_run_dir(root: Path, display: str, report: VerifyReport) -> list[Checke
                     INCOMPLETE, f"{display}/{p.name} is left from an unfinished run; {RERUN}", file=p.name
                 )
             )
-    if (root / LOCK).exists():
+    # A killed run's lock is no finding: what it left half done, the checks here find (its run
+    # marker, temporaries, stages against their manifests). A live run's is: it may be changing OUT.
+    if (root / LOCK).exists() and not left_by_gone_run(root / LOCK):
         report.findings.append(
             Finding(
                 INCOMPLETE,

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from ..format.dtypes import DTYPE_SIZES
+from ..format.holder import left_by_gone_run
 from ..format.names import CLAIM, CLONE, CONFIG_NAME, INDEX_NAME, JOURNAL, PARTIAL_SUFFIX, STAGE_MANIFEST
 from ..format.paths import checked_file
 from ..model.names import LAYER, classify
@@ -30,7 +31,10 @@ def check_stage(stage: CheckedStage, report: VerifyReport, ckpt: Checkpoint | No
     for name in entries:
         if name.endswith(PARTIAL_SUFFIX) or name == JOURNAL:
             add(INCOMPLETE, f"{stage.display}/{name} is left from an unfinished run; {RERUN}", file=name)
-        elif name == CLAIM:
+        elif name == CLAIM and not left_by_gone_run(stage.path / name):
+            # A killed run's claim is no finding: a run rebuilding a stage removes its index
+            # first, and the checks below find anything it left half done. A live run's is: it
+            # may yet replace the stage.
             add(
                 INCOMPLETE,
                 f"{stage.display}/{name} is present: a qwen35-reshard run is building this stage, or "

@@ -40,6 +40,10 @@ class Reporter:
     def advance(self, nbytes: int) -> None:
         """Called as ``nbytes`` more bytes are copied or shared."""
 
+    def stage_copied(self, stage: StagePlan) -> None:
+        """Called once every data file of ``stage`` this run writes is copied, as it happens;
+        the stage is made complete later, behind the run's shared barriers (``stage_done``)."""
+
     def stage_done(self, stage: StagePlan) -> None:
         """Called when ``stage`` is complete in OUT."""
 
@@ -57,6 +61,7 @@ class _Copy:
     share_fds: dict[str, set[int]] = field(default_factory=dict)  # source file -> files sharing its blocks
     shared: int = 0  # bytes sharing the source's blocks
     lock: threading.Lock = field(default_factory=threading.Lock)
+    copied_stages: set[int] = field(default_factory=set)  # stages reported to stage_copied
 
     def on_shared(self, n: int) -> None:
         with self.lock:
@@ -96,6 +101,26 @@ class _Copy:
                     completed.append(o)
                     _write_back_now(o.fd)
         return completed
+
+    def copy_order(self) -> list[str]:
+        """The source shards in the order they are copied: every shard the first stage needs
+        (the vision tower's too, which every SGLang stage holds), then those the next one needs,
+        ...; by name within a stage (layer order). The first stages' data is then complete early,
+        not all of it with the last shard."""
+        first: dict[str, int] = {}  # shard -> the lowest stage whose files still need it
+        for o in self.opened:
+            for file in o.pending_sources:
+                first[file] = min(first.get(file, o.stage.rank), o.stage.rank)
+        return sorted(self.segments, key=lambda file: (first.get(file, -1), file))
+
+    def report_copied(self, reporter: Reporter) -> None:
+        """Tell ``reporter`` of each stage whose files are all copied now, once."""
+        pending = {o.stage.rank for o in self.opened if o.pending_sources}
+        for o in self.opened:
+            rank = o.stage.rank
+            if rank not in pending and rank not in self.copied_stages:
+                self.copied_stages.add(rank)
+                reporter.stage_copied(o.stage)
 
     def close(self) -> None:
         """Close and delete the files not finished (a run stopped by an error or a signal)."""
@@ -147,6 +172,7 @@ def copy_files(job: CopyJob, meanwhile: Callable[[], T], *, defer_last: bool = F
         for stage, f in job.files:
             digests[stage.rank].update(copy.open(job, stage, f))
         job.reporter.start(sum(seg.nbytes for segs in copy.segments.values() for seg in segs.values()))
+        copy.report_copied(job.reporter)  # stages of clones alone
         # Clones are finished with the next files that are: redoing one costs nothing, so it
         # is not worth a barrier of its own. Synced file by file, they are finished now.
         ready = [o for o in copy.opened if not o.pending_sources]  # not yet durable
@@ -199,13 +225,14 @@ def _copy_sources(
         return found
 
     with ThreadPoolExecutor(max_workers=max(1, job.workers)) as pool:
-        futures: dict[Future[Digests], str] = {pool.submit(run, file): file for file in sorted(copy.segments)}
+        futures: dict[Future[Digests], str] = {pool.submit(run, file): file for file in copy.copy_order()}
         try:
             meanwhile_result = meanwhile()
             while futures:
                 done, _ = wait(futures, return_when=FIRST_COMPLETED)
                 for fut in done:
                     ready += copy.source_done(futures.pop(fut), fut.result(), digests)
+                copy.report_copied(job.reporter)
                 if futures and _batch_due(ready, durable):
                     finish_files(ready, digests, durable)
                     ready = []

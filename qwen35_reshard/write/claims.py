@@ -1,4 +1,4 @@
-"""Runs sharing one OUT: its lock, stage claims, and proving a run gone.
+"""Runs sharing one OUT: its lock and stage claims.
 
 Several runs may write one OUT at once: one per node building its own stage into storage the
 nodes share, several stages built side by side on one machine, or the same command twice.
@@ -14,111 +14,32 @@ storage, and a lock that silently does not exclude is worse than none.
   stage N; a run that wants the same stage waits, then finds it complete. A stage directory's
   temporary files are written only by its claimant.
 
-Both record their holder (:class:`Owner`). A holder is gone when that is proven: on this host
-(same hostname, boot and pid namespace), when its pid no longer runs the process that started
-at the recorded time; on another host, when the file's modification time, which its holder
-refreshes every :data:`HEARTBEAT_SECONDS`, is :data:`LEASE_SECONDS` older than a file this run
-has just touched. Both times are set by the file server's clock, so no two hosts' clocks are
-compared. A run stopped for longer than the lease on another host is taken as gone: the price
-of not needing a lock manager.
+Both record their holder (:class:`~..format.holder.Owner`). A holder is gone when that is
+proven (:func:`~..format.holder.gone`): on this host, when its process no longer runs; on
+another host, when the file's modification time, which its holder refreshes every
+:data:`HEARTBEAT_SECONDS`, is :data:`LEASE_SECONDS` older than a file this run has just
+touched. Both times are set by the file server's clock, so no two hosts' clocks are compared.
+A run stopped for longer than the lease on another host is taken as gone: the price of not
+needing a lock manager.
 """
 
 from __future__ import annotations
 
 import errno
-import json
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 
-from ..errors import JSON_ERRORS
-from ..format.names import GONE_SUFFIX, LOCK, PARTIAL_SUFFIX, partial_name, process_token
+from ..format.holder import LEASE_SECONDS, Owner, gone, me, read_holder
+from ..format.names import GONE_SUFFIX, LOCK, PARTIAL_SUFFIX, partial_name
 
-HEARTBEAT_SECONDS = 5.0  # a holder refreshes its files' modification time this often
-# A holder on another host is gone once its files went this long unrefreshed: many heartbeats,
-# so that a busy file server or a slow client does not make a live run look gone.
-LEASE_SECONDS = 60.0
+HEARTBEAT_SECONDS = 5.0  # a holder refreshes its files' modification time this often (< LEASE_SECONDS)
 POLL_SECONDS = (0.01, 0.5)  # waiting for a holder: first and longest pause between looks
 _NO_LINKS = (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP)  # link() refused by the filesystem
-
-
-@dataclass(frozen=True)
-class Owner:
-    """A run (one process on one host), as its lock and claims record it."""
-
-    host: str  # hostname, for people
-    machine: str  # hostname, boot id and pid namespace: where ``pid`` means this process
-    pid: int
-    start: str  # the process's start time on its machine (``/proc/PID/stat``), against pid reuse
-    token: str  # unique to this process: in every temporary name it writes
-
-    def describe(self) -> str:
-        """``host NAME, pid N``: how messages name the run."""
-        return f"host {self.host}, pid {self.pid}"
-
-    def to_bytes(self) -> bytes:
-        """The record written into a lock or claim."""
-        return (json.dumps(self.__dict__, sort_keys=True) + "\n").encode()
-
-    @classmethod
-    def from_bytes(cls, raw: bytes) -> Owner | None:
-        """The owner recorded as ``raw``; None when it is not a well-formed record."""
-        try:
-            obj = json.loads(raw)
-            return cls(**obj) if isinstance(obj, dict) else None
-        except (*JSON_ERRORS, TypeError):
-            return None
-
-
-def _read(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
-def _start_time(pid: int) -> str | None:
-    """Process ``pid``'s start time (clock ticks since boot), or None when it is not running.
-    Without /proc (not Linux), "" for any running process: pid reuse goes unseen there."""
-    if not os.path.exists("/proc/self/stat"):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return None
-        except PermissionError:
-            pass  # runs, as another user
-        return ""
-    stat = _read(f"/proc/{pid}/stat")
-    if not stat:
-        return None
-    fields = stat.rsplit(")", 1)[-1].split()  # after "(comm)", which may hold spaces
-    return None if fields[0] in ("Z", "X") else fields[19]  # a zombie has ended
-
-
-@cache
-def _me(pid: int) -> Owner:
-    host = socket.gethostname()
-    machine = f"{host}/{_read('/proc/sys/kernel/random/boot_id')}/{_ns()}"
-    return Owner(host, machine, pid, _start_time(pid) or "", process_token())
-
-
-def _ns() -> str:
-    try:
-        return os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return ""
-
-
-def me() -> Owner:
-    """This process as an :class:`Owner` (a forked child is another)."""
-    return _me(os.getpid())
 
 
 def temp_name(name: str) -> str:
@@ -130,14 +51,6 @@ def temp_name(name: str) -> str:
 def is_mine(name: str) -> bool:
     """Whether the temporary file ``name`` was written by this process."""
     return name.endswith(f".{me().token}{PARTIAL_SUFFIX}")
-
-
-def gone(holder: Owner | None, mtime_ns: int, now_ns: int) -> bool:
-    """Whether the holder of a file last refreshed at ``mtime_ns`` is proven gone; ``now_ns``:
-    the modification time of a file this run just touched (the same server clock)."""
-    if holder is not None and holder.machine == me().machine:
-        return holder.start != _start_time(holder.pid)
-    return now_ns - mtime_ns > LEASE_SECONDS * 1e9  # another host (or a record torn by a crash)
 
 
 # --------------------------------------------------------------------------- holding files
@@ -212,7 +125,7 @@ def try_take(path: Path) -> Held | None:
                     raise
                 _hold(path)
                 return None
-            holder, raw, mtime = _holder(path)
+            holder, raw, mtime = read_holder(path)
             if raw is None:
                 continue  # released meanwhile
             if not gone(holder, mtime, now):
@@ -229,7 +142,7 @@ def _take_exclusive(path: Path, mine: bytes, now_ns: int) -> Held | None:
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except FileExistsError:
-        holder, raw, mtime = _holder(path)
+        holder, raw, mtime = read_holder(path)
         if raw is not None and gone(holder, mtime, now_ns):
             _break(path, raw)
         return Held(holder)
@@ -237,20 +150,6 @@ def _take_exclusive(path: Path, mine: bytes, now_ns: int) -> Held | None:
         f.write(mine)
     _hold(path)
     return None
-
-
-def _holder(path: Path) -> tuple[Owner | None, bytes | None, int]:
-    """Who holds ``path`` (its record and modification time); raw None when it is not there.
-
-    Opened, then read: on NFS, opening revalidates the attributes and data cached (close-to-open
-    consistency), so the record and time are the server's, not a stale copy."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-            mtime = os.fstat(f.fileno()).st_mtime_ns
-    except FileNotFoundError:
-        return None, None, 0
-    return Owner.from_bytes(raw), raw, mtime
 
 
 def _break(path: Path, raw: bytes) -> None:
@@ -281,7 +180,7 @@ def release(path: Path) -> None:
     """Give up ``path`` if this process still holds it."""
     with _held_lock:
         _held.discard(path)
-    _, raw, _ = _holder(path)
+    _, raw, _ = read_holder(path)
     if raw == me().to_bytes():
         _remove(path)
 
@@ -301,7 +200,7 @@ class Holding:
 
 def holder_of(path: Path, now_ns: int) -> Holding:
     """Who holds ``path`` besides this process, as of ``now_ns``."""
-    holder, raw, mtime = _holder(path)
+    holder, raw, mtime = read_holder(path)
     if raw is None or raw == me().to_bytes() or gone(holder, mtime, now_ns):
         return Holding(False)
     return Holding(True, holder)
@@ -309,7 +208,7 @@ def holder_of(path: Path, now_ns: int) -> Holding:
 
 def gone_file(path: Path, now_ns: int) -> bool:
     """Whether the run whose record ``path`` is (a lock or claim, or one being taken) is gone."""
-    holder, raw, mtime = _holder(path)
+    holder, raw, mtime = read_holder(path)
     return raw is not None and gone(holder, mtime, now_ns)
 
 
@@ -347,10 +246,10 @@ def wait_for_change(paths: list[Path]) -> None:
     Looks only at the files themselves: a waiting run does not take OUT's lock (or read a
     stage's manifest) every moment, for the hours another node may take to build its stage.
     """
-    seen = [_holder(p)[1] for p in paths]
+    seen = [read_holder(p)[1] for p in paths]
     deadline = time.monotonic() + LEASE_SECONDS / 2
     waited = 0
-    while time.monotonic() < deadline and [_holder(p)[1] for p in paths] == seen:
+    while time.monotonic() < deadline and [read_holder(p)[1] for p in paths] == seen:
         time.sleep(pause(waited))
         waited += 1
 

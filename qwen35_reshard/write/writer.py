@@ -8,11 +8,9 @@ so running the same command again keeps them and redoes only the rest.
 Block sharing (``reflink``: "auto", "always" or "never", as ``cp --reflink``): when OUT can
 share blocks with the source (probed once per run by sharing one block), a CLONE file is
 made with ``FICLONE`` and the aligned middle of each ALIGNED run with ``FICLONERANGE``:
-nothing is read or written for those bytes. The split then does not read them at all, so the
-manifest records no sha256 for the tensors of CLONE and ALIGNED files (``null``; a CLONE of a
-Hugging Face cache blob records the blob's sha256 as the file's); ``verify --source`` proves
-their bytes against the source. Where OUT cannot share, everything is copied and hashed as
-usual, the same bytes land in the same files, and every tensor has its digest.
+nothing is read or written for those bytes, so their tensors have no digest (docs/format.md,
+"Data file layouts"). Where OUT cannot share, everything is copied and hashed as usual, the
+same bytes land in the same files, and every tensor has its digest.
 
 Durability (see :class:`~.durability.Durability`): a run that copies fsyncs each file it
 finished; a run that shares blocks writes mostly metadata and makes a whole batch durable with

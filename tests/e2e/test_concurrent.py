@@ -307,18 +307,36 @@ def test_a_run_killed_as_it_breaks_a_gone_runs_lock(model, clean, tmp_path):
 def test_what_a_run_killed_after_finishing_holds_is_removed_by_the_same_command(
     model, clean, tmp_path, where
 ):
-    """A run killed with every stage finished, as it gives up its claims (before recording the
-    run), or OUT's lock (after): the same command again removes the claims and the lock of the
-    gone run, as verify says it does (it used to leave them, a finished split looking
-    unfinished to verify for good)."""
+    """A run stopped with every stage finished, as it gives up its claims (before recording the
+    run), or OUT's lock (after). While it lives, verify fails on what it holds (a live holder
+    may yet replace what is there). Once it is killed, what it held is a gone run's leftover:
+    every stage with an index verifies OK (the CI flake of test_sigkill_at_many_moments: a kill
+    in this window left a finished stage failing), OUT too once the run is recorded; the same
+    command again removes the claims and the lock (it used to leave them)."""
     out = tmp_path / "out"
     a = Run(split_args(model, out), tmp_path / "a", stop_at=where)
     a.wait_stopped()
+    held = [*out.glob("pp*/.reshard-claim"), *out.glob(".reshard-lock")]
+    assert held
+    for path in held:
+        report = verify(path.parent)
+        assert ("incomplete", path.name) in {(f.kind, f.file) for f in report.findings}, path
     a.proc.kill()
     a.finish()
-    left = [*out.glob("pp*/.reshard-claim"), *out.glob(".reshard-lock")]
-    assert left
-    assert_the_same_command_finishes(out, model, clean)
+    assert all(path.exists() for path in held)
+    for stage in sorted(out.glob("pp*")):
+        report = verify(stage)
+        assert report.ok, report.findings
+    recorded = not (out / ".reshard-run.json").exists()
+    assert recorded == (where == "/.reshard-lock$#2")
+    if recorded:
+        assert verify(out).ok, verify(out).findings
+        again = cli(*split_args(model, out))
+        assert again.returncode == 0, again.stderr
+        assert_sequential(out, model, clean)  # the lock is gone: clean has none
+    else:
+        assert {f.file for f in verify(out).findings} == {".reshard-run.json"}
+        assert_the_same_command_finishes(out, model, clean)
 
 
 def test_a_journal_left_in_a_finished_stage_is_removed_by_the_same_command(model, clean, tmp_path):

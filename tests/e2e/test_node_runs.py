@@ -68,17 +68,19 @@ def test_rank_auto_builds_this_nodes_stage_and_prints_its_launch_line(model, tmp
 
 
 def test_nnodes_and_node_rank_build_that_nodes_stages(model, tmp_path):
-    """Two nodes for four stages (SGLang's mapping): node 1 runs pp2 and pp3, and is told that
-    SGLang's stock loader cannot serve two stage directories from one server."""
+    """Two nodes for four stages (SGLang's mapping): node 1 runs pp2 and pp3, and is told to
+    serve OUT through the SGLang plugin (not the unsplit checkpoint); the plan table says the
+    other stages are not this node's, not that --rank (not given) left them out."""
     out = tmp_path / "out"
     p = cli("--pp", "4", "--nnodes", "2", "--node-rank", "1", str(model), str(out))
     assert p.returncode == 0, p.stderr
     assert "rank 1 of 2 from --nnodes, --node-rank: stages 2, 3" in p.stderr.splitlines()
     assert stages_in(out) == ["pp2", "pp3"]
-    assert (
-        "this node runs pp2, pp3 in one sglang.launch_server, whose stock loader takes one --model-path"
-        in (p.stdout.replace("\n", " "))
-    )
+    assert f"--model-path {out} --pp-size 4 --nnodes 2 --node-rank 1 " in p.stdout
+    plugin = "this node runs pp2, pp3: with qwen35-reshard installed in SGLang's environment its plugin"
+    assert plugin in p.stdout
+    assert "unsplit" not in p.stdout and "--rank" not in p.stdout
+    assert "build no: this node (rank 1 of 2) does not run it" in p.stdout
 
 
 def test_two_nodes_per_stage(model, tmp_path):

@@ -11,6 +11,12 @@ range reader) talk to it. It serves what the Hub serves for model repos, as the 
   ``X-Repo-Commit``. The CDN serves the blob with ``Range`` (206 + ``Content-Range``).
 - errors as the Hub sends them: 401/404 with ``X-Error-Code`` (``RepoNotFound``,
   ``RevisionNotFound``, ``EntryNotFound``, ``GatedRepo``) and ``X-Error-Message``.
+- uploads as ``hf upload`` makes them (the CI recipe's publish step, docs/ci.md): ``POST
+  /api/repos/create``, ``POST /api/models/{repo}/preupload/{rev}`` (``*.safetensors`` by LFS,
+  the rest inline), the LFS batch API with "basic" transfers (``POST
+  /{repo}.git/info/lfs/objects/batch``, then ``PUT`` of each object, its sha256 checked) and
+  ``POST /api/models/{repo}/commit/{rev}`` (NDJSON): a new commit on ``rev`` holding the
+  parent's files and the ones added, folders included (``pp2/model.safetensors.index.json``).
 
 No Xet headers are ever sent. Every request is logged (origin, method, path, Range, status,
 body bytes sent, whether an Authorization header came) so that tests can assert exactly what
@@ -21,9 +27,12 @@ altogether.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import re
+import shutil
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -122,6 +131,7 @@ class HubServer:
         self.hash_lfs = hash_lfs
         self.state = _State()
         self._meta: dict[Path, dict] = {}
+        self.uploads = Path(tempfile.mkdtemp(prefix="fake-hub-uploads-"))  # what clients pushed
         self.hub = _serve(self, "hub")
         self.cdn = _serve(self, "cdn")
         self.url = f"http://127.0.0.1:{self.hub.server_address[1]}"
@@ -212,6 +222,7 @@ class HubServer:
         for server in (self.hub, self.cdn):
             server.shutdown()
             server.server_close()
+        shutil.rmtree(self.uploads, ignore_errors=True)
 
     def __enter__(self) -> HubServer:
         return self
@@ -248,6 +259,12 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         self._dispatch(head=False)
 
+    def do_POST(self) -> None:
+        self._dispatch(head=False)
+
+    def do_PUT(self) -> None:
+        self._dispatch(head=False)
+
     # ------------------------------------------------------------------ routing
 
     def _dispatch(self, *, head: bool) -> None:
@@ -260,6 +277,8 @@ class _Handler(BaseHTTPRequestHandler):
             fault = self._path_fault(unquote(urlsplit(self.path).path))
             if fault is not None:
                 self._error(fault.status, None, "injected fault")
+            elif self.command in ("POST", "PUT"):
+                self._upload(unquote(urlsplit(self.path).path))
             elif self.origin == "cdn":
                 self._cdn(head)
             else:
@@ -386,6 +405,87 @@ class _Handler(BaseHTTPRequestHandler):
         if path is None or "X-Amz-Signature" not in query:
             return self._error(403, None, "AccessDenied")
         self._file(path, head, {"ETag": f'"{parts[2]}"'})
+
+    # ------------------------------------------------------------------ uploads
+
+    def _body(self) -> bytes:
+        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            chunks = []
+            while size := int(self.rfile.readline().split(b";")[0].strip() or b"0", 16):
+                chunks.append(self.rfile.read(size))
+                self.rfile.readline()
+            self.rfile.readline()
+            return b"".join(chunks)
+        return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+
+    def _upload(self, path: str) -> None:
+        body = self._body()
+        state, owner = self.owner.state, self.owner
+        if path == "/api/repos/create":
+            req = json.loads(body)
+            repo_id = f"{req['organization']}/{req['name']}" if req.get("organization") else req["name"]
+            with state.lock:
+                if repo_id not in state.repos:
+                    state.repos[repo_id] = Repo({"0" * 40: {}}, {"main": "0" * 40})
+            return self._json({"url": f"{owner.url}/{repo_id}", "name": repo_id})
+        if (m := re.fullmatch(r"/api/models/([^/]+/[^/]+)/preupload/(.+)", path)) is not None:
+            repo = self._repo(m.group(1))
+            if repo is None or (commit := self._commit(repo, m.group(2))) is None:
+                return
+            files = [
+                {"path": f["path"], "uploadMode": "lfs" if f["path"].endswith(LFS_SUFFIXES) else "regular",
+                 "shouldIgnore": False, "oid": None}
+                for f in json.loads(body)["files"]
+            ]  # fmt: skip
+            return self._json({"files": files, "commitOid": commit})
+        if (m := re.fullmatch(r"/([^/]+/[^/]+)\.git/info/lfs/objects/batch", path)) is not None:
+            objects = []
+            for o in json.loads(body)["objects"]:
+                entry = {"oid": o["oid"], "size": o["size"], "authenticated": True}
+                if not (owner.uploads / "lfs" / o["oid"]).exists():
+                    entry["actions"] = {"upload": {"href": f"{owner.url}/lfs-upload/{o['oid']}"}}
+                objects.append(entry)
+            return self._json({"transfer": "basic", "objects": objects})
+        if (m := re.fullmatch(r"/lfs-upload/([0-9a-f]{64})", path)) is not None:
+            if hashlib.sha256(body).hexdigest() != m.group(1):
+                return self._error(400, None, "sha256 does not match")
+            (owner.uploads / "lfs").mkdir(exist_ok=True)
+            (owner.uploads / "lfs" / m.group(1)).write_bytes(body)
+            return self._json({})
+        if (m := re.fullmatch(r"/api/models/([^/]+/[^/]+)/commit/(.+)", path)) is not None:
+            return self._commit_upload(m.group(1), m.group(2), body)
+        self._error(404, None, "Not Found")
+
+    def _commit_upload(self, repo_id: str, rev: str, body: bytes) -> None:
+        repo = self._repo(repo_id)
+        if repo is None or (parent := self._commit(repo, rev)) is None:
+            return
+        lines = [json.loads(line) for line in body.splitlines() if line.strip()]
+        commit = hashlib.sha1(parent.encode() + body).hexdigest()
+        root = self.owner.uploads / commit
+        files = dict(repo.files[parent])
+        for line in lines:
+            value = line["value"]
+            if line["key"] not in ("file", "lfsFile"):
+                continue
+            name = value["path"]
+            target = root / name
+            if ".." in Path(name).parts or name.startswith("/"):
+                return self._error(400, None, f"bad path {name}")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if line["key"] == "file":
+                target.write_bytes(base64.b64decode(value["content"]))
+            else:
+                blob = self.owner.uploads / "lfs" / value["oid"]
+                if not blob.exists():
+                    return self._error(400, None, f"LFS object {value['oid']} was not uploaded")
+                shutil.copyfile(blob, target)
+            files[name] = target
+        with self.owner.state.lock:
+            repo.files[commit] = files
+            repo.refs[rev] = commit
+        self._json({"commitUrl": f"{self.owner.url}/{repo_id}/commit/{commit}", "commitOid": commit,
+                    "pullRequestUrl": None})  # fmt: skip
 
     # ------------------------------------------------------------------ responses
 

@@ -27,7 +27,7 @@ PACKAGE = ROOT / "qwen35_reshard"
 LAYERS = [
     (0, "base", ["_version", "errors", "units", "bulk"]),
     (1, "format", ["format", "format.names", "format.dtypes", "format.jsonio", "format.paths",
-                   "format.manifest", "format.identity"]),
+                   "format.manifest", "format.identity", "format.holder"]),
     (2, "model", ["model", "model.names", "model.schema", "model.runtimes"]),
     (3, "source", ["source", "source.header", "source.checkpoint", "source.ranged", "source.hub",
                    "source.hub.cache", "source.hub.http", "source.hub.listing", "source.hub.headers",

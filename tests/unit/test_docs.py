@@ -1,0 +1,95 @@
+"""The docs say what the tool does: the command reference and the API page are the commands'
+own --help and the docstrings, the README stays a front page whose links lead somewhere."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import pytest
+
+from support.helpers import ROOT
+
+sys.path.insert(0, str(ROOT / "docs" / "tools"))
+
+import gen_api  # noqa: E402
+import gen_cli  # noqa: E402
+
+
+@pytest.mark.parametrize("gen", [gen_cli, gen_api], ids=["cli", "api"])
+def test_generated_page_is_current(gen):
+    assert gen.PAGE.read_text() == gen.page(), f"run: python docs/tools/{gen.__name__}.py"
+
+
+def test_readme_is_a_front_page_with_working_links():
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 250
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+    assert targets
+    for target in targets:
+        if not target.startswith("http"):
+            assert (ROOT / target).exists(), target
+    # Exactly two quick-start commands.
+    quick = text.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    assert quick.count("```\n") == 4
+
+
+def test_every_page_is_in_the_nav():
+    nav = (ROOT / "mkdocs.yml").read_text()
+    for page in (ROOT / "docs").glob("*.md"):
+        assert f": {page.name}" in nav, page.name
+
+
+def test_vllm_note_of_the_quick_start(tiny, tmp_path):
+    """The README says the example cannot be split for vLLM at --pp 4, and gives --pp 2: both true."""
+    from qwen35_reshard import ReshardError, reshard
+
+    text = (ROOT / "README.md").read_text()
+    assert "--pp 2 --runtime vllm $D/model" in text and "`--pp 4 --runtime vllm`" in text
+    model = tiny.build_checkpoint(tmp_path / "model")
+    with pytest.raises(ReshardError, match="full-attention"):
+        reshard(model, None, pp=4, runtime="vllm", dry_run=True)
+    assert reshard(model, tmp_path / "vllm", pp=2, runtime="vllm").written.built == [0, 1]
+
+
+def _documented(section: str) -> set[str]:
+    """The fields docs/json.md's table under ``section`` names (first column, backticked)."""
+    text = (ROOT / "docs" / "json.md").read_text().split(f"## {section}", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1] for line in text.splitlines() if line.startswith("| `")]
+    return {name for row in rows for name in re.findall(r"`(\w+)`", row)}
+
+
+def test_json_page_names_the_fields_the_documents_have(tiny, tmp_path):
+    """Every field the --json documents have is on docs/json.md, and every field there is in some
+    document (``fetch``: a Hub source only, run by tests/test_hub.py)."""
+    import json
+    import subprocess
+
+    model = tiny.build_checkpoint(tmp_path / "model")
+
+    def doc(*args):
+        p = subprocess.run([sys.executable, "-m", "qwen35_reshard", *map(str, args), "--json"],
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+        return json.loads(p.stdout)
+
+    split = [
+        doc("--pp", 2, model, tmp_path / "out"),
+        doc("plan", "--pp", 2, "--partition", "balanced", model),
+        doc("plan", "--pp", 2, "--nnodes", 2, "--node-rank", 1, model),
+        doc("plan", "--pp", 99, model),
+    ]
+    seen = set().union(*split)
+    assert split[-1]["status"] == "error" and "node" in split[2] and "balanced" in split[1]
+    assert seen <= _documented("`split` and `plan`")
+    assert _documented("`split` and `plan`") - seen == {"fetch"}
+    report = doc("verify", tmp_path / "out")
+    assert set(report) == _documented("`verify`")
+
+
+def test_paths_the_docs_name_exist():
+    """Every file of this repository the pages name (tests, scripts, examples) is there."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    path = re.compile(r"((?:tests|examples|benchmarks|\.ci)/[\w./-]+\.(?:py|sh))")
+    named = {p for page in pages for p in path.findall(page.read_text())}
+    assert named
+    assert [p for p in sorted(named) if not (ROOT / p).exists()] == []
