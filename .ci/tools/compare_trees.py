@@ -122,6 +122,7 @@ _MASKS = [
     (re.compile(r"\d+(\.\d+)? ?[KMGT]?i?B/s"), "<rate>"),
     (re.compile(r'"seconds": [0-9.e-]+'), '"seconds": <time>'),
     (re.compile(r"\bpid \d+"), "pid <pid>"),
+    (re.compile(r"\d+:\d\d:\d\d (left|elapsed)"), r"<clock> \1"),
 ]
 
 
