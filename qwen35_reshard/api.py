@@ -19,6 +19,7 @@ from pathlib import Path
 
 from .errors import BadInput, param
 from .format.names import RUN_MANIFEST, stage_dir_rank
+from .model.quant import unchecked_message
 from .model.runtimes import parse_partition
 from .plan.balance import Choice, choose
 from .plan.capacity import Capacity
@@ -144,6 +145,11 @@ class ReshardResult:
         if self.node is not None:
             doc["node"] = self.node.to_dict()
         doc.update(run_manifest(self.plan, complete=self.complete))
+        if self.plan.unchecked:
+            doc["unchecked_quantization"] = {
+                "method": self.plan.unchecked,
+                "warning": unchecked_message(self.plan.checkpoint.display, self.plan.unchecked),
+            }
         if self.choice is not None:
             doc["balanced"] = self.choice.to_dict()
         if self.written is not None:
@@ -252,6 +258,8 @@ def reshard(
             keep_mtp=write.keep_mtp,
             max_file_bytes=write.max_file_bytes,
         )
+    if plan.unchecked:
+        events.warning(unchecked_message(ckpt.display, plan.unchecked))
     events.planned(plan, choice)
     planned = ReshardResult(plan, out, choice, tuple(ckpt.unlisted), node=node)
     if dry_run:

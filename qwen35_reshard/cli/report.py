@@ -468,6 +468,7 @@ def verify_lines(report: VerifyReport, *, per_stage: int = 20, problems_only: bo
             lines.append(f"  ... and {len(found) - per_stage} more (see --json)")
     for found in by_stage.values():  # stages recorded but absent
         lines += [f"  {f.kind}: {f.message}" for f in found]
+    lines += [f"warning: {w}" for w in report.unchecked]
     if report.not_built and not problems_only:
         lines.append(f"not built here (--rank): {', '.join(f'pp{r}' for r in report.not_built)}")
     against = f" against {report.source}" if report.source else ""

@@ -46,6 +46,8 @@ class VerifyReport:
     source_bytes_hashed: int = 0
     recorded_source: str | None = None  # the checkpoint path the stage manifests record
     recorded_split: bool = False  # a run record or a stage manifest says which split this is
+    # A quantization method the schema does not know: warnings, one per stage, not findings.
+    unchecked: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -75,6 +77,7 @@ class VerifyReport:
             "not_built": self.not_built,
             "source_bytes_hashed": self.source_bytes_hashed,
             "recorded_source": self.recorded_source,
+            "unchecked_quantization": self.unchecked,
             "findings": [asdict(f) for f in self.findings],
         }
 
