@@ -481,7 +481,7 @@ def _verify(args: VerifyArgs, output: Output) -> int:
                 print(f"repaired: {path}", file=out)
         report = result.after
     else:
-        report = verify(args.out, args.source, ranks=args.ranks, nnodes=args.nnodes, hub_settings=args.hub)
+        report = verify(args.out, args.source, ranks=args.ranks, nnodes=args.nnodes, hub=args.hub)
     for line in verify_lines(report, problems_only=output.quiet):
         print(line, file=out)
     if output.json:

@@ -47,7 +47,7 @@ def verify(
     env: Mapping[str, str] | None = None,
     nnodes: int | None = None,
     chunk_bytes: int = CHUNK_BYTES,
-    hub_settings: HubSettings | None = None,
+    hub: HubSettings | None = None,
 ) -> VerifyReport:
     """Check the run directory or single stage directory ``path``; compare with ``source`` if given.
 
@@ -65,7 +65,8 @@ def verify(
         env: the environment ``ranks="auto"`` reads (default: ``os.environ``).
         nnodes: with ``ranks="auto"``: the node count, where the environment gives none.
         chunk_bytes: read size for hashing.
-        hub_settings: revision, token and offline mode for a Hub repo id ``source``.
+        hub: revision, token and offline mode for a Hub repo id ``source`` (the group
+            :func:`~qwen35_reshard.reshard` takes).
 
     Returns:
         A :class:`VerifyReport`: ``ok``, the findings (missing, extra, different, corrupt,
@@ -88,7 +89,7 @@ def verify(
         raise BadInput(f"{display}: not a directory; pass OUT or one of its stage directories (OUT/pp0)")
     ckpt, repo = (None, None)
     if source is not None:
-        ckpt, repo = open_model(os.fspath(source), hub_settings or HubSettings())
+        ckpt, repo = open_model(os.fspath(source), hub or HubSettings())
     report = VerifyReport(target=display, source=os.fspath(source) if source is not None else None)
     if is_run_dir(root):
         stages = check_run_dir(root, display, report, ranks, os.environ if env is None else env, nnodes)
