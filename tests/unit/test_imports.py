@@ -39,10 +39,11 @@ LAYERS = [
                      "transfer.copier"]),
     (6, "stage", ["stage", "stage.findings", "stage.manifest", "stage.reader"]),
     (7, "verify", ["verify", "verify.report", "verify.rundir", "verify.stagedir", "verify.source",
-                   "verify.check"]),
+                   "verify.selection", "verify.check"]),
     (7, "loader", ["loader", "loader.vllm", "loader.sglang"]),
     (7, "write", ["write", "write.claims", "write.durability", "write.journal", "write.datafile",
-                  "write.assemble", "write.assess", "write.sources", "write.outdir", "write.finish",
+                  "write.assemble", "write.assess", "write.sources", "write.provenance", "write.outdir",
+                  "write.finish",
                   "write.manifest", "write.options",
                   "write.writer", "write.repair"]),
     (8, "api", ["", "api"]),  # "": the package itself, whose names load on first use
