@@ -41,7 +41,7 @@ from .api import reshard
 from .errors import ReshardError
 from .format.names import CACHE_REPO_PREFIX, STAGE_MANIFEST, stage_dirname
 from .loader import Stage, StageError, open_stage
-from .model.runtimes import PARTITION_ENV
+from .model.runtimes import runtime_of
 from .plan.planner import make_plan
 from .source.checkpoint import Checkpoint, source_identity
 from .source.header import read_header
@@ -290,7 +290,7 @@ def for_server(
     Raises:
         StageError: as :func:`server_stage`; its line is logged first.
     """
-    var = PARTITION_ENV[runtime]
+    var = runtime_of(runtime).partition_env
     given = os.environ.get(var)
     start, end = _layers(partition, rank)
     root = stage_cache_root()
