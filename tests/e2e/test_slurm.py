@@ -221,13 +221,13 @@ echo "$SLURMD_NODENAME $*" > "$RECORD/$SLURM_NODEID"
 """
 
 
-def test_the_readme_sbatch_script_as_written(slurm, model, tmp_path):
-    """The README's Slurm script, run by sbatch with only MODEL and OUT changed and the server's
+def test_the_docs_sbatch_script_as_written(slurm, model, tmp_path):
+    """docs/clusters.md's Slurm script, run by sbatch with only MODEL and OUT changed and the server's
     `python3` replaced by one that records its arguments: step 1 builds every node's stage,
     step 2 starts on each node the server on that node's own stage with its own --node-rank
     (expanded in each task, not once in the batch shell)."""
-    readme = (REPO / "README.md").read_text()
-    (script,) = [b for b in re.findall(r"```\n(.*?)```", readme, re.S) if "#SBATCH --nodes=4" in b]
+    page = (REPO / "docs" / "clusters.md").read_text()
+    (script,) = [b for b in re.findall(r"```\n(.*?)```", page, re.S) if "#SBATCH --nodes=4" in b]
     out = tmp_path / "out"
     script = re.sub(r"(?m)^MODEL=\S+", f"MODEL={model}", script)
     script = re.sub(r"(?m)^OUT=\S+", f"OUT={out}", script)
