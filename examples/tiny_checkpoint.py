@@ -37,9 +37,9 @@ from typing import Any, NamedTuple
 LAYOUTS = ("fused", "per_expert_fp8", "per_expert")
 PRESETS = ("tiny", "qwen3.5-35b-a3b-scaled", "qwen3.5-397b-a17b-fp8-headers")
 
-# Item size of each dtype we emit; the reference writer lays tensors out by
-# dtype descending (F32, BF16, F8_E4M3 for these three) and then by name.
-DTYPE_SIZE = {"F32": 4, "BF16": 2, "F8_E4M3": 1}
+# Item size of each dtype we emit (the quantized ones for quantized_checkpoint.py); the
+# reference writer lays tensors out by dtype size descending and then by name.
+DTYPE_SIZE = {"I64": 8, "F32": 4, "I32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "U8": 1}
 FP8_BLOCK = 128
 
 # The default tiny checkpoint is ~1.3 MB: this cuts it into 4 shards with layer

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from .errors import BadInput, param
 from .format.names import RUN_MANIFEST, stage_dir_rank
+from .model.quant import unchecked_message
 from .model.runtimes import parse_partition
 from .plan.balance import Choice, choose
 from .plan.capacity import Capacity
@@ -40,6 +41,7 @@ from .write.repair import (
     remove_leftovers,
     repair_files,
     repair_lock,
+    source_mismatch,
     without_lock,
 )
 from .write.sources import SourceAccess
@@ -144,6 +146,11 @@ class ReshardResult:
         if self.node is not None:
             doc["node"] = self.node.to_dict()
         doc.update(run_manifest(self.plan, complete=self.complete))
+        if self.plan.unchecked:
+            doc["unchecked_quantization"] = {
+                "method": self.plan.unchecked,
+                "warning": unchecked_message(self.plan.checkpoint.display, self.plan.unchecked),
+            }
         if self.choice is not None:
             doc["balanced"] = self.choice.to_dict()
         if self.written is not None:
@@ -252,6 +259,8 @@ def reshard(
             keep_mtp=write.keep_mtp,
             max_file_bytes=write.max_file_bytes,
         )
+    if plan.unchecked:
+        events.warning(unchecked_message(ckpt.display, plan.unchecked))
     events.planned(plan, choice)
     planned = ReshardResult(plan, out, choice, tuple(ckpt.unlisted), node=node)
     if dry_run:
@@ -356,6 +365,14 @@ def _partition(
 # --------------------------------------------------------------------------- repair
 
 
+def _refuse_other_bytes(target: Path, source: str | os.PathLike[str], tensor: str, where: str) -> None:
+    raise BadInput(
+        f"{param('source')} {source} is not the checkpoint {target} was split from: the bytes of "
+        f"tensor {tensor!r} ({where}) differ from the ones the split records; nothing was written: "
+        f"pass the checkpoint the split was made from as {param('source')}"
+    )
+
+
 @dataclass(frozen=True)
 class RepairResult:
     """What a repair did: the first report, the paths of the files rewritten, the last report."""
@@ -375,8 +392,11 @@ def repair(
     """Verify the split in ``out_dir`` against ``source``, rewrite what is damaged, verify again.
 
     The plan is rebuilt from the settings the split records (as ``verify`` with a source does);
-    only the files verify finds damaged, missing or truncated are rewritten, a stage's index and
-    manifest only when among them; stray data files and temporaries verify names are deleted.
+    only the files that fail their own manifest (damaged, missing or truncated) are rewritten, a
+    stage's index and manifest only when among them; stray data files and temporaries verify
+    names are deleted. Before anything is written, the source's bytes of the files to rewrite
+    must hash to the digests their manifest records, and no intact file may hold other bytes
+    than the source's: else the source is not the split's, and nothing is written.
     What a rewrite cannot mend (an unfinished run) is left for the second verify to report. In
     a run directory all of it holds OUT's lock: a split of the same OUT started meanwhile
     waits, and a split another live run is writing is refused, not mended under its feet.
@@ -393,7 +413,7 @@ def repair(
 
     Raises:
         BadInput: ``source`` is not a directory, the split records no readable settings, or it
-            was made from another checkpoint.
+            was made from another checkpoint (another layout, or other bytes: one tensor named).
         OutBusy: another live run is writing it.
         OutError: a rewrite the OS refused.
 
@@ -434,6 +454,9 @@ def _repair(
     before = _verify_locked(target, source)
     if before.ok:
         return RepairResult(before, [], before)
+    if before.not_from_source and before.not_from_source[0].tensor is not None:
+        f = before.not_from_source[0]
+        _refuse_other_bytes(target, source, f.tensor, f"{f.stage}/{f.file}")
     ckpt = read_checkpoint(source)
     identity = recorded_identity(out, target if single else None)
     if identity.source_fingerprint != source_fingerprint(ckpt):
@@ -451,6 +474,9 @@ def _repair(
         max_header_bytes=identity.max_header_bytes,
     )
     files, redo_run_manifest, out_side = damaged_files(before.findings, Path(before.target), plan)
+    mismatch = source_mismatch(plan, out, files, before.source_digests)
+    if mismatch is not None:
+        _refuse_other_bytes(target, source, *mismatch)
     remove_leftovers(before.findings, plan, out, now)
     done = repair_files(
         plan, out, files, rewrite_run_manifest=redo_run_manifest, side_files_of_out=out_side, workers=workers

@@ -62,6 +62,9 @@ SCENARIOS: dict[str, list] = {
     "nodes": [
         "split --pp 4 --nnodes 2 --node-rank 0 --workers 1 --reflink never {MODEL} {OUT}",
         "split --json --pp 4 --nnodes 2 --node-rank 1 --workers 3 {MODEL} {OUT}",
+        "split --pp 4 --nnodes 4 --node-rank 2 {MODEL} {OUT}",
+        "split --pp 2 --nnodes 2 --node-rank 1 --runtime vllm {MODEL} {OUT}/v",
+        "split --pp 2 --nnodes 2 --node-rank 0 --runtime vllm {MODEL} {OUT}/v",
     ],
     "repair": [
         "split --pp 2 {MODEL} {OUT}",
@@ -119,6 +122,7 @@ _MASKS = [
     (re.compile(r"\d+(\.\d+)? ?[KMGT]?i?B/s"), "<rate>"),
     (re.compile(r'"seconds": [0-9.e-]+'), '"seconds": <time>'),
     (re.compile(r"\bpid \d+"), "pid <pid>"),
+    (re.compile(r"\d+:\d\d:\d\d (left|elapsed)"), r"<clock> \1"),
 ]
 
 

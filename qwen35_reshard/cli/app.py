@@ -54,6 +54,8 @@ from .flags import (
     RuntimeOpt,
     Token,
     Tp,
+    VerifyNnodes,
+    VerifyRank,
     Version,
     ranks_of,
 )
@@ -140,6 +142,8 @@ class VerifyArgs:
     source: str | None
     repair: bool
     hub: HubSettings
+    ranks: list[int] | str | None = None
+    nnodes: int | None = None
 
 
 def _run_guarded(
@@ -189,6 +193,7 @@ _VERIFY_EXAMPLES = f"""Examples:
   {PROG} verify out
   {PROG} verify out --source Qwen3.5-35B-A3B
   {PROG} verify out/pp2 --source Qwen3.5-35B-A3B --repair
+  {PROG} verify out --rank 2 --rank 3
   {PROG} verify out --json > report.json"""
 
 app = typer.Typer(
@@ -356,10 +361,12 @@ def verify(
         bool,
         typer.Option(
             "--repair",
-            help="rewrite from --source exactly the files found damaged, missing or truncated, "
-            "then verify again",
+            help="rewrite from --source exactly the files found damaged, missing or truncated "
+            "(never an intact one; refused if --source's bytes are not the split's), then verify again",
         ),
     ] = False,
+    rank: VerifyRank = None,
+    nnodes: VerifyNnodes = None,
     revision: Revision = None,
     token: Token = None,
     offline: Offline = False,
@@ -374,7 +381,8 @@ def verify(
     and every tensor's bytes. With --source, also that every source tensor is exactly where the
     plan puts it, with identical bytes. Exit 0 when all is well, 1 when something is missing,
     extra, different, corrupt or incomplete, 2 for bad input."""
-    args = VerifyArgs(out, source, repair, HubSettings(revision=revision, token=token, offline=offline))
+    hub = HubSettings(revision=revision, token=token, offline=offline)
+    args = VerifyArgs(out, source, repair, hub, ranks_of(rank), nnodes)
     output = Output(quiet, json_, debug)
     _run_guarded(
         lambda: _verify(args, output),
@@ -463,6 +471,8 @@ def _verify(args: VerifyArgs, output: Output) -> int:
             raise BadInput("--repair rewrites files from the checkpoint: pass --source MODEL")
         from ..api import repair
 
+        if args.ranks is not None:
+            raise ReshardError("--repair mends the stages found damaged: drop --rank")
         result = repair(args.out, args.source, on_wait=lambda message: print(message, file=sys.stderr))
         if not result.before.ok:
             for line in verify_lines(result.before, problems_only=output.quiet)[:-1]:
@@ -471,7 +481,7 @@ def _verify(args: VerifyArgs, output: Output) -> int:
                 print(f"repaired: {path}", file=out)
         report = result.after
     else:
-        report = verify(args.out, args.source, hub_settings=args.hub)
+        report = verify(args.out, args.source, ranks=args.ranks, nnodes=args.nnodes, hub=args.hub)
     for line in verify_lines(report, problems_only=output.quiet):
         print(line, file=out)
     if output.json:

@@ -144,6 +144,21 @@ Rank = Annotated[
         "on, from the scheduler's environment (Slurm, Kubernetes, torchrun)  [default: all]",
     ),
 ]
+VerifyRank = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--rank",
+        metavar="R",
+        help="check only this stage of OUT (others may be absent); repeat for several; 'auto': "
+        "the stages of the node this runs on, as split takes it  [default: every stage]",
+    ),
+]
+VerifyNnodes = Annotated[
+    int | None,
+    typer.Option(
+        "--nnodes", metavar="N", help="with --rank auto: the node count, where the environment gives none"
+    ),
+]
 Nnodes = Annotated[
     int | None,
     typer.Option("--nnodes", metavar="N", help="nodes the servers run on (with --node-rank or --rank auto)"),

@@ -22,11 +22,12 @@ from rich.table import Table
 from rich.text import Text
 
 from ..api import ReshardProgress, ReshardResult
-from ..format.names import RUN_MANIFEST, stage_dirname
+from ..format.names import MTP_DROPPED, RUN_MANIFEST, stage_dirname
 from ..model import names
+from ..model.runtimes import runtime_of
 from ..plan.balance import Choice, StageLoad
 from ..plan.nodes import Node
-from ..plan.planner import Plan, StagePlan
+from ..plan.planner import DEFAULT_MAX_FILE_BYTES, Plan, StagePlan
 from ..stage.findings import Finding
 from ..units import format_bytes, plural
 from ..verify import VerifyReport
@@ -350,47 +351,15 @@ def dry_run_lines(result: ReshardResult) -> list[tuple[str, bool | None]]:
 def launch_lines(plan: Plan, out: str) -> list[str]:
     """The commands that start the server on the split, one stage per node: shell words, the
     stage directory quoted (OUT may hold spaces, ``$``, quotes) around the node's ``$R``."""
-    env, pp = plan.launch_env, plan.pp
     stage = f"{shlex.quote(f'{out}/pp')}$R"
-    if plan.runtime == "sglang":
-        cmd = (
-            f"{env} python -m sglang.launch_server --model-path {stage} --pp-size {pp} "
-            f"--nnodes {pp} --node-rank $R --dist-init-addr HEAD_IP:PORT"
-        )
-    else:
-        cmd = (
-            f"{env} vllm serve {stage} --pipeline-parallel-size {pp}"
-            "   # each node must see its own stage at the model path: docs/deploy.md"
-        )
-    return [cmd]
+    return [runtime_of(plan.runtime).launch(plan.launch_env, plan.pp, stage)]
 
 
 def node_launch_lines(plan: Plan, out: str, node: Node) -> list[str]:
     """The command that starts the server on ``node``: its stage directory, its ``--node-rank``;
-    for a node of several stages under SGLang, how to serve them instead."""
-    env, pp, stages = plan.launch_env, plan.pp, list(node.stages)
-    nodes = f"--nnodes {node.nnodes} --node-rank {node.rank}"
-    if plan.runtime == "vllm":
-        # vLLM's multiprocessing executor across nodes: node 0 serves, the others run headless;
-        # qwen35-stages opens OUT/pp{rank} for each of the node's pipeline ranks.
-        headless = " --headless" if node.rank else ""
-        return [
-            f"{env} vllm serve {shlex.quote(out)} --load-format qwen35-stages --pipeline-parallel-size {pp} "
-            f"--distributed-executor-backend mp {nodes} --master-addr HEAD_IP{headless}"
-        ]
-    if len(stages) == 1:
-        stage = shlex.quote(f"{out}/{stage_dirname(stages[0])}")
-        return [
-            f"{env} python -m sglang.launch_server --model-path {stage} --pp-size {pp} {nodes} "
-            "--dist-init-addr HEAD_IP:PORT"
-        ]
-    # Several stages in one sglang.launch_server: the plugin gives each pipeline rank its own.
-    return [
-        f"{env} python -m sglang.launch_server --model-path {shlex.quote(out)} --pp-size {pp} {nodes} "
-        "--dist-init-addr HEAD_IP:PORT",
-        f"(this node runs {', '.join(stage_dirname(r) for r in stages)}: with qwen35-reshard installed in "
-        "SGLang's environment its plugin loads each pipeline rank's stage from OUT; docs/deploy.md)",
-    ]
+    for a node of several stages, the command that loads each from OUT."""
+    launch = runtime_of(plan.runtime).node_launch
+    return launch(plan.launch_env, plan.pp, out, node.rank, node.nnodes, list(node.stages))
 
 
 def space_line(plan: Plan) -> str:
@@ -505,8 +474,10 @@ def verify_lines(report: VerifyReport, *, per_stage: int = 20, problems_only: bo
             lines.append(f"  ... and {len(found) - per_stage} more (see --json)")
     for found in by_stage.values():  # stages recorded but absent
         lines += [f"  {f.kind}: {f.message}" for f in found]
+    lines += [f"warning: {w}" for w in report.unchecked]
     if report.not_built and not problems_only:
-        lines.append(f"not built here (--rank): {', '.join(f'pp{r}' for r in report.not_built)}")
+        others = ", ".join(map(stage_dirname, report.not_built))
+        lines.append(f"not checked (not asked for with --rank): {others}")
     against = f" against {report.source}" if report.source else ""
     if report.ok:
         if not problems_only:
@@ -518,7 +489,27 @@ def verify_lines(report: VerifyReport, *, per_stage: int = 20, problems_only: bo
         )
         if report.repairable:
             lines.append(f"to rebuild the damaged files from the source: {repair_command(report)}")
+        elif report.not_from_source and report.identity is not None and report.source:
+            lines.append(
+                f"the split holds other bytes than {report.source}: pass the checkpoint it was made from "
+                f"as --source, or replace it with a split of {report.source}: {replace_command(report)}"
+            )
     return lines
+
+
+def replace_command(report: VerifyReport) -> str:
+    """The split command that replaces the split ``report`` checked with one of its source, with
+    the settings the split records (and the stages checked, where only some were asked for)."""
+    identity = report.identity
+    argv = ["qwen35-reshard", "split", report.source, report.target, "--pp", str(identity.pp)]
+    argv += ["--runtime", identity.runtime, "--partition", ",".join(map(str, identity.partition))]
+    if identity.mtp == MTP_DROPPED:
+        argv.append("--no-mtp")
+    if identity.max_file_bytes != DEFAULT_MAX_FILE_BYTES:
+        argv += ["--max-file-size", str(identity.max_file_bytes)]
+    for rank in report.checked if report.not_built else ():
+        argv += ["--rank", str(rank)]
+    return shlex.join([*argv, "--overwrite"])
 
 
 def repair_command(report: VerifyReport) -> str:

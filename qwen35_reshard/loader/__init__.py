@@ -31,7 +31,7 @@ from pathlib import Path
 from ..errors import StageError
 from ..format.dtypes import DTYPES
 from ..format.names import INDEX_NAME, RUN_MANIFEST, STAGE_MANIFEST, stage_dir_rank, stage_dirname
-from ..model.runtimes import launch_env
+from ..model.runtimes import launch_env, runtime_of
 from ..stage.findings import REBUILD, Finding
 from ..stage.manifest import StageManifest, StageTensor
 from ..stage.reader import RunRecord, read_run_record, read_stage
@@ -139,7 +139,7 @@ class Stage:
         if pp_size == self.pp:
             fix = f"launch the server with {self.launch_env}"
         else:
-            flag = "--pp-size" if self.runtime == "sglang" else "--pipeline-parallel-size"
+            flag = runtime_of(self.runtime).pp_flag
             fix = (
                 f"launch the server with {flag} {self.pp} and {self.launch_env}, or re-split "
                 f"with qwen35-reshard --pp {pp_size} --runtime {self.runtime}"

@@ -1,21 +1,136 @@
-"""Which decoder layers each pipeline stage owns, by each server's rules.
+"""The servers the tool splits for, one :class:`Runtime` record each, and which decoder layers
+each pipeline stage owns by their rules.
 
 Both servers keep global layer numbers and derive the split from num_hidden_layers; they
 differ in where the remainder goes. An explicit partition (the servers' *_PP_LAYER_PARTITION
-variables) overrides the default, and the launch line always states it.
+variables) overrides the default, and the launch line always states it. Adding a server is
+adding its record here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import shlex
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from ..errors import BadInput, param
+from ..format.names import stage_dirname
 from ..units import plural
 from . import names
 
-RUNTIMES = ("sglang", "vllm")
-PARTITION_ENV = {"sglang": "SGLANG_PP_LAYER_PARTITION", "vllm": "VLLM_PP_LAYER_PARTITION"}
 FULL_ATTENTION = "full_attention"
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What the tool knows of one server.
+
+    Attributes:
+        name: as ``runtime=`` and ``--runtime`` spell it.
+        partition_env: the variable that sets the layers of each stage.
+        pp_flag: the launch flag of the pipeline size.
+        remainder_last: the default split gives the layers left over to the last ranks
+            (SGLang); else to the ranks before the last (vLLM), whose last rank also holds norm
+            and lm_head.
+        state_dtype: the dtype of linear attention's recurrent state when the config's
+            ``mamba_ssm_dtype`` names none (SGLang float32, vLLM the model's bfloat16).
+        embed_on_every_rank: ``embed_tokens`` and the vision tower's ``pos_embed`` built on every
+            rank (vLLM); else on the first (and the last, for a tied lm_head or MTP: SGLang).
+        full_attention_per_stage: every stage needs a full-attention layer for the engine to
+            start (vLLM: see :func:`servable`).
+        launch: ``(env, pp, stage)``: the command that serves the quoted ``stage`` directory
+            (holding ``$R``) on node ``$R`` of one stage per node.
+        node_launch: ``(env, pp, out, rank, nnodes, stages)``: the lines that start node
+            ``rank`` of ``nnodes``, which runs ``stages``.
+    """
+
+    name: str
+    partition_env: str
+    pp_flag: str
+    remainder_last: bool
+    state_dtype: str
+    embed_on_every_rank: bool
+    full_attention_per_stage: bool
+    launch: Callable[[str, int, str], str]
+    node_launch: Callable[[str, int, str, int, int, Sequence[int]], list[str]]
+
+
+def _sglang_launch(env: str, pp: int, stage: str) -> str:
+    return (
+        f"{env} python -m sglang.launch_server --model-path {stage} --pp-size {pp} "
+        f"--nnodes {pp} --node-rank $R --dist-init-addr HEAD_IP:PORT"
+    )
+
+
+def _sglang_node_launch(
+    env: str, pp: int, out: str, rank: int, nnodes: int, stages: Sequence[int]
+) -> list[str]:
+    nodes = f"--nnodes {nnodes} --node-rank {rank}"
+    if len(stages) == 1:
+        stage = shlex.quote(f"{out}/{stage_dirname(stages[0])}")
+        return [
+            f"{env} python -m sglang.launch_server --model-path {stage} --pp-size {pp} {nodes} "
+            "--dist-init-addr HEAD_IP:PORT"
+        ]
+    # Several stages in one sglang.launch_server: the plugin gives each pipeline rank its own.
+    return [
+        f"{env} python -m sglang.launch_server --model-path {shlex.quote(out)} --pp-size {pp} {nodes} "
+        "--dist-init-addr HEAD_IP:PORT",
+        f"(this node runs {', '.join(stage_dirname(r) for r in stages)}: with qwen35-reshard installed in "
+        "SGLang's environment its plugin loads each pipeline rank's stage from OUT; docs/deploy.md)",
+    ]
+
+
+def _vllm_launch(env: str, pp: int, stage: str) -> str:
+    return (
+        f"{env} vllm serve {stage} --pipeline-parallel-size {pp}"
+        "   # each node must see its own stage at the model path: docs/deploy.md"
+    )
+
+
+def _vllm_node_launch(
+    env: str, pp: int, out: str, rank: int, nnodes: int, stages: Sequence[int]
+) -> list[str]:
+    # vLLM's multiprocessing executor across nodes: node 0 serves, the others run headless;
+    # qwen35-stages opens OUT/pp{rank} for each of the node's pipeline ranks.
+    headless = " --headless" if rank else ""
+    return [
+        f"{env} vllm serve {shlex.quote(out)} --load-format qwen35-stages --pipeline-parallel-size {pp} "
+        f"--distributed-executor-backend mp --nnodes {nnodes} --node-rank {rank} --master-addr "
+        f"HEAD_IP{headless}"
+    ]
+
+
+SGLANG = Runtime(
+    name="sglang",
+    partition_env="SGLANG_PP_LAYER_PARTITION",
+    pp_flag="--pp-size",
+    remainder_last=True,
+    state_dtype="float32",
+    embed_on_every_rank=False,
+    full_attention_per_stage=False,
+    launch=_sglang_launch,
+    node_launch=_sglang_node_launch,
+)
+VLLM = Runtime(
+    name="vllm",
+    partition_env="VLLM_PP_LAYER_PARTITION",
+    pp_flag="--pipeline-parallel-size",
+    remainder_last=False,
+    state_dtype="bfloat16",
+    embed_on_every_rank=True,
+    full_attention_per_stage=True,
+    launch=_vllm_launch,
+    node_launch=_vllm_node_launch,
+)
+_BY_NAME = {r.name: r for r in (SGLANG, VLLM)}
+RUNTIMES = tuple(_BY_NAME)
+
+
+def runtime_of(name: str) -> Runtime:
+    """The record of the server ``name``; refuses one the tool does not know."""
+    check_runtime(name)
+    return _BY_NAME[name]
 
 
 def default_partition(num_layers: int, pp: int, runtime: str) -> list[int]:
@@ -28,7 +143,7 @@ def default_partition(num_layers: int, pp: int, runtime: str) -> list[int]:
     check_runtime(runtime)
     base, rem = divmod(num_layers, pp)
     sizes = [base] * pp
-    extra = range(pp - rem, pp) if runtime == "sglang" else range(pp - 1 - rem, pp - 1)
+    extra = range(pp - rem, pp) if runtime_of(runtime).remainder_last else range(pp - 1 - rem, pp - 1)
     for i in extra:
         sizes[i] += 1
     return sizes
@@ -100,7 +215,7 @@ def servable(runtime: str, layer_types: Sequence[str], partition: Sequence[int])
     here; that is read, not run (its engine does not start on the machines this was checked on).
     ``balance`` asks it about one stage at a time (``layer_types`` of that stage only).
     """
-    if runtime != "vllm":
+    if not runtime_of(runtime).full_attention_per_stage:
         return None
     for rank, (start, end) in enumerate(layer_ranges(list(partition))):
         if FULL_ATTENTION not in layer_types[start:end]:
@@ -147,7 +262,7 @@ def check_servable(
 
 def launch_env(runtime: str, partition: list[int]) -> str:
     """The environment assignment that makes the server use exactly this split."""
-    return f"{PARTITION_ENV[runtime]}={','.join(map(str, partition))}"
+    return f"{runtime_of(runtime).partition_env}={','.join(map(str, partition))}"
 
 
 def placement_rules(pp: int, runtime: str, tied: bool, mtp_kept: bool) -> dict[str, tuple[int, ...]]:
@@ -158,7 +273,7 @@ def placement_rules(pp: int, runtime: str, tied: bool, mtp_kept: bool) -> dict[s
     checked by running it (tests/engine/test_sglang_loading.py).
     """
     first, last, every = (0,), (pp - 1,), tuple(range(pp))
-    if runtime == "vllm":
+    if runtime_of(runtime).embed_on_every_rank:
         embed, pos_embed = every, every
     else:
         # SGLang builds embed_tokens on the last rank too when lm_head is tied to it (the

@@ -17,10 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import BadInput, param
+from ..model.runtimes import runtime_of
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _CACHE_BYTES = 2  # BF16 KV cache and conv state
-_DEFAULT_SSM_DTYPE = {"sglang": "float32", "vllm": "bfloat16"}
 # The share of GPU memory assumed when none is given: vLLM's --gpu-memory-utilization default.
 DEFAULT_MEM_FRACTION = 0.9
 
@@ -111,7 +111,7 @@ def linear_state_bytes(text_config: dict, runtime: str, tp: int) -> int:
     hk, dk = _int(text_config, "linear_num_key_heads"), _int(text_config, "linear_key_head_dim")
     hv, dv = _int(text_config, "linear_num_value_heads"), _int(text_config, "linear_value_head_dim")
     kernel = _int(text_config, "linear_conv_kernel_dim")
-    ssm = text_config.get("mamba_ssm_dtype") or _DEFAULT_SSM_DTYPE[runtime]
+    ssm = text_config.get("mamba_ssm_dtype") or runtime_of(runtime).state_dtype
     if not isinstance(ssm, str) or ssm not in _DTYPE_BYTES:  # a list is no name (nor hashable)
         raise BadInput(f"config.json: mamba_ssm_dtype {ssm!r} is not one of {', '.join(_DTYPE_BYTES)}")
     conv = _ceil(2 * hk * dk + hv * dv, tp) * (kernel - 1) * _CACHE_BYTES

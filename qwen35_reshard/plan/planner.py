@@ -96,6 +96,8 @@ class Plan:
     dropped: tuple[str, ...]  # tensors left out on purpose (--no-mtp)
     max_file_bytes: int
     max_header_bytes: int
+    # A quantization method the schema does not know: its Linear modules went unchecked.
+    unchecked: str | None = None
 
     @property
     def launch_env(self) -> str:
@@ -164,7 +166,7 @@ def make_plan(
     tensor_names, sources = list(ckpt.tensors), list(ckpt.tensors.values())
     keys, roles = names.classify_all(tensor_names)
     check_roles(tensor_names, keys, roles, ckpt.num_layers)
-    required = schema.required_tensors(ckpt.config, ckpt.tensors)
+    required = schema.required_tensors(ckpt.config, ckpt.tensors, quant_side=ckpt.quant_side)
     schema.check_complete(required, ckpt.tensors, str(ckpt.root))
     # After the checks above, so that a config that does not match the weights is told as such.
     check_servable(runtime, schema.layer_types(ckpt.config), sizes, default=partition is None)
@@ -226,6 +228,7 @@ def make_plan(
         tuple(dropped),
         max_file_bytes,
         max_header_bytes,
+        required.unchecked,
     )
 
 

@@ -34,6 +34,7 @@ from ..format.names import (
 )
 from ..format.paths import allowed_roots, is_plain_name
 from ..model import schema
+from ..model.quant import QUANT_SIDE_FILE
 from .header import Header, read_header
 
 
@@ -74,6 +75,8 @@ class Checkpoint:
     headers_sha256: str = ""  # of every shard's header, in file order: their tensors' layout
     # Each shard as its header was read (``file_stamp``): a run checks it still reads those files.
     stamps: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # hf_quant_config.json, parsed: a ModelOpt export's quantization when config.json has none.
+    quant_side: dict | None = None
 
     def path(self, name: str) -> Path:
         return self.root / name
@@ -196,7 +199,8 @@ def read_checkpoint(model_dir: str | os.PathLike[str]) -> Checkpoint:
         other_files=other_files,
     )
     blobs = {f: d for f in ckpt.files if (d := _blob_sha256(root / f)) is not None}
-    return replace(ckpt, blob_sha256=blobs)
+    side = _read_file(root, QUANT_SIDE_FILE, allowed) if (root / QUANT_SIDE_FILE).exists() else None
+    return replace(ckpt, blob_sha256=blobs, quant_side=load_quant_side(side, str(root / QUANT_SIDE_FILE)))
 
 
 def _blob_sha256(path: Path) -> str | None:
@@ -310,6 +314,11 @@ def _source_columns(files: list[str], headers: dict[str, Header]) -> tuple[list[
         )
         sources += make_tuples(SourceTensor, columns)
     return names, sources
+
+
+def load_quant_side(raw: bytes | None, where: str) -> dict | None:
+    """hf_quant_config.json's bytes (None: no such file) as a dict."""
+    return None if raw is None else parse_json_object(raw, where)
 
 
 def load_config(raw: bytes, where: str) -> dict:

@@ -35,6 +35,7 @@ from ..format.names import (
 )
 from ..format.paths import checked_file
 from ..model import names, schema
+from ..model.quant import QUANT_SIDE_FILE
 from ..model.runtimes import placement_rules
 from ..source.header import Header, read_header
 from .findings import CORRUPT, DIFFERENT, EXTRA, INCOMPLETE, MISSING, REBUILD, RERUN, Finding
@@ -48,6 +49,7 @@ class StageDir:
     manifest: StageManifest | None
     headers: dict[str, Header]  # data files with their recorded size and a valid header
     problems: list[Finding]
+    unchecked: str | None = None  # a quantization method whose Linear tensors went unchecked
 
 
 def stage_dirs(run_dir: Path) -> dict[int, Path]:
@@ -98,7 +100,8 @@ def read_stage(root: Path, display: str, run: RunRecord | None = None) -> StageD
         )
     problems += _index_problems(root, display, m)
     problems += _config_problems(root, display, m)
-    problems += _schema_problems(root, display, m)
+    found, unchecked = _schema_problems(root, display, m)
+    problems += found
     headers: dict[str, Header] = {}
     in_order: dict[str, list[StageTensor] | None] = {}
     for file in sorted(m.files):
@@ -106,7 +109,7 @@ def read_stage(root: Path, display: str, run: RunRecord | None = None) -> StageD
         problems += found
         if header is not None:
             headers[file] = header
-    return StageDir(_with_offsets(m, headers, in_order), headers, problems)
+    return StageDir(_with_offsets(m, headers, in_order), headers, problems, unchecked)
 
 
 def read_manifest(root: Path, display: str) -> StageManifest | Finding:
@@ -301,7 +304,7 @@ def _config_problems(root: Path, display: str, m: StageManifest) -> list[Finding
     return [Finding(DIFFERENT, why, CONFIG_NAME)]
 
 
-def _schema_problems(root: Path, display: str, m: StageManifest) -> list[Finding]:
+def _schema_problems(root: Path, display: str, m: StageManifest) -> tuple[list[Finding], str | None]:
     """The stage holds every tensor its layers and its role need, with the config's shapes.
 
     The model's schema (see ``schema``) limited to the stage's layers, and of the other
@@ -312,23 +315,32 @@ def _schema_problems(root: Path, display: str, m: StageManifest) -> list[Finding
     try:
         config = json.loads(checked_file(root, CONFIG_NAME).read_bytes())
     except (OSError, *JSON_ERRORS):
-        return []  # reported by _config_problems: config.json must be the source's
+        return [], None  # reported by _config_problems: config.json must be the source's
     if not isinstance(config, dict):
-        return []
+        return [], None
+    try:
+        side = json.loads(checked_file(root, QUANT_SIDE_FILE).read_bytes())
+    except FileNotFoundError:
+        side = None
+    except (OSError, *JSON_ERRORS):
+        why = f"{display}/{QUANT_SIDE_FILE}: unreadable, yet servers read the quantization from it: {REBUILD}"
+        return [Finding(CORRUPT, why, QUANT_SIDE_FILE)], None
     kept = m.mtp == MTP_KEPT
     try:
         required = schema.required_tensors(
-            config, m.tensors, layers=range(m.start_layer, m.end_layer), mtp=kept
+            config, m.tensors, layers=range(m.start_layer, m.end_layer), mtp=kept, quant_side=side
         )
     except ReshardError as e:
-        return [Finding(DIFFERENT, f"{display}/{e}", CONFIG_NAME)]
+        return [Finding(DIFFERENT, f"{display}/{e}", CONFIG_NAME)], None
     owners = placement_rules(m.pp, m.runtime, schema.tied_embeddings(config), kept)
     held = _held(m, owners, required.names, f"{schema.language_model_prefix(config)}layers.")
     missing, wrong = schema.compare_schema(required, m.tensors, held)
     problems = []
     if missing:
+        method = required.method_of(missing[0], m.tensors)
+        part = f", part of {method}," if method else ""
         why = (
-            f"{display} lacks tensor {missing[0]!r} ({schema.others(len(missing) - 1)} missing), which "
+            f"{display} lacks tensor {missing[0]!r}{part} ({schema.others(len(missing) - 1)} missing), which "
             f"stage {m.rank} needs for its layers [{m.start_layer}, {m.end_layer}) and its role under "
             f"{m.runtime}'s placement; a server would leave it unloaded: {REBUILD}"
         )
@@ -339,7 +351,10 @@ def _schema_problems(root: Path, display: str, m: StageManifest) -> list[Finding
             f"{REBUILD}"
         )
         problems.append(Finding(DIFFERENT, why, STAGE_MANIFEST, name))
-    return problems
+    for name, what in required.problems:
+        why = f"{display}: tensor {name!r} {what}; {REBUILD}"
+        problems.append(Finding(DIFFERENT, why, STAGE_MANIFEST, name))
+    return problems, required.unchecked
 
 
 def _held(

@@ -25,9 +25,10 @@ A stage without its manifest or index is reported as incomplete, never accepted.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from ..errors import BadInput
+from ..errors import BadInput, param
 from ..format.names import STAGE_MANIFEST
 from ..source.hub.cache import HubSettings
 from ..source.open import open_model
@@ -42,17 +43,30 @@ def verify(
     path: str | os.PathLike[str],
     source: str | os.PathLike[str] | None = None,
     *,
+    ranks: Sequence[int] | str | None = None,
+    env: Mapping[str, str] | None = None,
+    nnodes: int | None = None,
     chunk_bytes: int = CHUNK_BYTES,
-    hub_settings: HubSettings | None = None,
+    hub: HubSettings | None = None,
 ) -> VerifyReport:
     """Check the run directory or single stage directory ``path``; compare with ``source`` if given.
+
+    A run directory is checked whole: a stage of its split that is absent is a finding, unless
+    ``ranks`` asks for some stages only (a node's). Stage directories without a run record
+    beside them (stages copied to a node) are each checked on their own manifest, and must be
+    of one split.
 
     Args:
         path: the run directory OUT, or one stage directory OUT/ppN.
         source: the checkpoint the split was made from (a directory, cache folder or Hub repo
             id): then every tensor must be where the plan puts it, with identical bytes.
+        ranks: check only these stages of the run directory ``path``; ``"auto"``: those of the
+            node this runs on, read from the scheduler's variables in ``env`` (as a split's).
+        env: the environment ``ranks="auto"`` reads (default: ``os.environ``).
+        nnodes: with ``ranks="auto"``: the node count, where the environment gives none.
         chunk_bytes: read size for hashing.
-        hub_settings: revision, token and offline mode for a Hub repo id ``source``.
+        hub: revision, token and offline mode for a Hub repo id ``source`` (the group
+            :func:`~qwen35_reshard.reshard` takes).
 
     Returns:
         A :class:`VerifyReport`: ``ok``, the findings (missing, extra, different, corrupt,
@@ -75,10 +89,15 @@ def verify(
         raise BadInput(f"{display}: not a directory; pass OUT or one of its stage directories (OUT/pp0)")
     ckpt, repo = (None, None)
     if source is not None:
-        ckpt, repo = open_model(os.fspath(source), hub_settings or HubSettings())
+        ckpt, repo = open_model(os.fspath(source), hub or HubSettings())
     report = VerifyReport(target=display, source=os.fspath(source) if source is not None else None)
     if is_run_dir(root):
-        stages = check_run_dir(root, display, report)
+        stages = check_run_dir(root, display, report, ranks, os.environ if env is None else env, nnodes)
+    elif ranks is not None:
+        raise BadInput(
+            f"{param('ranks')} picks stages of a run directory; {display} is a stage directory: pass "
+            f"{display} alone, or its run directory with {param('ranks')}"
+        )
     elif is_stage_dir(root):
         stages = [new_stage(root, display, report, parent_record(root, report))]
     else:

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..format.identity import RunIdentity
 from ..format.names import RUN_MANIFEST, RUN_MARKER, STAGE_MANIFEST, stage_dir_rank
 from ..stage.findings import CORRUPT, DIFFERENT, EXTRA, KINDS, MISSING, REPAIR, Finding
 from ..stage.manifest import StageManifest
@@ -16,8 +17,8 @@ from ..stage.reader import RunRecord
 # How verify reports a damaged non-weight file, by what stage.manifest.damaged_side_files says of it.
 SIDE_KIND = collections.defaultdict(lambda: CORRUPT, {"missing": MISSING, "changed": DIFFERENT})
 
-# add(kind, message, file=..., tensor=...): records a finding of one stage.
-Add = Callable[..., None]
+# add(kind, message, file=..., tensor=...): records a finding of one stage, and returns it.
+Add = Callable[..., Finding]
 
 
 @dataclass
@@ -42,10 +43,21 @@ class VerifyReport:
     source: str | None = None
     stages: list[StageSummary] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)
-    not_built: list[int] = field(default_factory=list)  # stages of the split absent on purpose (--rank)
+    not_built: list[int] = field(default_factory=list)  # stages of the split not asked for (``ranks``)
+    missing_stages: list[int] = field(default_factory=list)  # stages asked for (all by default) absent
+    # Of those, the ones no run record says were complete: built by a split, not mended by a repair.
+    unbuilt: list[int] = field(default_factory=list)
+    copied: bool = False  # stage directories without a run record beside them: copied stages
+    identity: RunIdentity | None = None  # the split's settings, as its run record or first stage records
+    # Findings that the stages hold intact bytes that are not the source's (another checkpoint of the
+    # same layout, or one changed since): no repair mends that.
+    not_from_source: list[Finding] = field(default_factory=list)
+    source_digests: dict[str, str] = field(default_factory=dict, repr=False)  # source tensor -> sha256
     source_bytes_hashed: int = 0
     recorded_source: str | None = None  # the checkpoint path the stage manifests record
     recorded_split: bool = False  # a run record or a stage manifest says which split this is
+    # A quantization method the schema does not know: warnings, one per stage, not findings.
+    unchecked: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -55,9 +67,21 @@ class VerifyReport:
     def repairable(self) -> bool:
         """Whether ``verify --source MODEL --repair`` mends everything found: not a run in
         progress or interrupted (the same command finishes it), a stage directory outside the
-        split (deleted by hand), or a directory that records no split at all."""
+        split (deleted by hand), a stage never built here, other bytes than the source's, or a
+        directory that records no split at all."""
         outside = [f for f in self.findings if f.kind == EXTRA and f.stage and not (f.file or f.tensor)]
-        return self.recorded_split and not outside and not any(f.file == RUN_MARKER for f in self.findings)
+        return (
+            self.recorded_split
+            and not outside
+            and not self.not_from_source
+            and not self.unbuilt
+            and not any(f.file == RUN_MARKER for f in self.findings)
+        )
+
+    @property
+    def checked(self) -> list[int]:
+        """The ranks of the stages checked."""
+        return sorted(s.rank for s in self.stages if s.rank is not None)
 
     def findings_for(self, stage: str) -> list[Finding]:
         return [f for f in self.findings if f.stage == stage]
@@ -72,9 +96,12 @@ class VerifyReport:
             "source": self.source,
             "counts": self.counts(),
             "stages": [asdict(s) for s in self.stages],
+            "checked": self.checked,
+            "missing_stages": self.missing_stages,
             "not_built": self.not_built,
             "source_bytes_hashed": self.source_bytes_hashed,
             "recorded_source": self.recorded_source,
+            "unchecked_quantization": self.unchecked,
             "findings": [asdict(f) for f in self.findings],
         }
 
@@ -92,8 +119,10 @@ class CheckedStage:
 
 
 def adder(report: VerifyReport, stage: CheckedStage) -> Add:
-    def add(kind: str, message: str, *, file: str | None = None, tensor: str | None = None) -> None:
-        report.findings.append(Finding(kind, message, file, tensor, stage.summary.stage))
+    def add(kind: str, message: str, *, file: str | None = None, tensor: str | None = None) -> Finding:
+        finding = Finding(kind, message, file, tensor, stage.summary.stage)
+        report.findings.append(finding)
+        return finding
 
     return add
 

@@ -4,7 +4,9 @@ stage directories it should hold, and that they are of one split."""
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import MappingProxyType
 
 from ..errors import JSON_ERRORS
 from ..format.holder import left_by_gone_run
@@ -21,13 +23,13 @@ from ..format.names import (
     STAGE_MANIFEST,
     partial_base,
     stage_dir_rank,
-    stage_dirname,
 )
 from ..format.paths import checked_file
-from ..stage.findings import CORRUPT, DIFFERENT, EXTRA, INCOMPLETE, MISSING, REPAIR, RERUN, Finding
+from ..stage.findings import CORRUPT, DIFFERENT, EXTRA, INCOMPLETE, REPAIR, RERUN, Finding
 from ..stage.manifest import damaged_side_files, parse_side_files
 from ..stage.reader import RunRecord, read_run_record, stage_dirs
 from .report import SIDE_KIND, CheckedStage, StageSummary, VerifyReport, adder, side_file_message
+from .selection import asked_ranks, report_missing, stages_identity
 
 
 def is_run_dir(root: Path) -> bool:
@@ -47,11 +49,20 @@ def is_stage_dir(root: Path) -> bool:
     return any(p.name in names or p.name.endswith(".safetensors") for p in root.iterdir())
 
 
-def check_run_dir(root: Path, display: str, report: VerifyReport) -> list[CheckedStage]:
+def check_run_dir(
+    root: Path,
+    display: str,
+    report: VerifyReport,
+    ranks: Sequence[int] | str | None = None,
+    env: Mapping[str, str] = MappingProxyType({}),
+    nnodes: int | None = None,
+) -> list[CheckedStage]:
     """Run-level checks; returns the stage directories to check.
 
-    A finished run has ``reshard.json`` and no run marker. Stages the run manifest records as
-    complete must be present; stages it never built (``--rank``) are noted, not failed.
+    A finished run has ``reshard.json`` and no run marker. Every stage of the split must be
+    present, or every one of ``ranks`` (see :mod:`.selection`); stages not asked for are noted.
+    Stage directories alone, with no trace of a run beside them (no run record, marker, lock,
+    temporary or OUT's own files), are copied stages: not an unfinished run.
     """
     for p in sorted(root.iterdir()):
         if p.name.endswith(PARTIAL_SUFFIX):
@@ -72,6 +83,10 @@ def check_run_dir(root: Path, display: str, report: VerifyReport) -> list[Checke
                 file=LOCK,
             )
         )
+    # Temporaries, OUT's lock or OUT's own files (config.json, ...): a run was here; else the
+    # stage directories were copied here.
+    only_stages = all(STAGE_DIR.fullmatch(p.name) and p.is_dir() for p in root.iterdir())
+    traces = bool(report.findings) or not only_stages
     marker = _read_json_finding(root / RUN_MARKER, display, report)
     run = _read_json_finding(root / RUN_MANIFEST, display, report)
     if (root / RUN_MARKER).exists():
@@ -83,7 +98,7 @@ def check_run_dir(root: Path, display: str, report: VerifyReport) -> list[Checke
                 file=RUN_MARKER,
             )
         )
-    elif not (root / RUN_MANIFEST).exists():
+    elif not (root / RUN_MANIFEST).exists() and traces:
         report.findings.append(
             Finding(
                 INCOMPLETE,
@@ -110,19 +125,17 @@ def check_run_dir(root: Path, display: str, report: VerifyReport) -> list[Checke
 
     report.recorded_split |= identity is not None
     dirs = stage_dirs(root)
+    report.copied = record is None and not traces
+    if report.copied:  # the split the copied stages record, if one
+        identity = stages_identity(dirs)
+    report.identity = identity
     pp = identity.pp if identity else None
-    complete = _recorded_complete(run)
-    for rank in sorted(complete - set(dirs)):
-        name = stage_dirname(rank)
-        report.findings.append(
-            Finding(
-                MISSING,
-                f"{display}/{name} is missing but {RUN_MANIFEST} records it as complete",
-                stage=name,
-            )
-        )
+    asked = asked_ranks(ranks, env, nnodes, pp, display)
+    report_missing(display, report, pp, set(dirs), asked, _recorded_complete(run))
     stages = []
     for rank, path in dirs.items():
+        if asked is not None and rank not in asked:
+            continue
         if pp is not None and rank >= pp:
             report.findings.append(
                 Finding(
@@ -135,8 +148,8 @@ def check_run_dir(root: Path, display: str, report: VerifyReport) -> list[Checke
             continue
         run_record = RunRecord(record_name, identity) if identity is not None else None
         stages.append(new_stage(path, f"{display}/{path.name}", report, run_record))
-    if pp is not None:
-        report.not_built = [r for r in range(pp) if r not in dirs and r not in complete]
+    if pp is not None and asked is not None:
+        report.not_built = [r for r in range(pp) if r not in asked]
     return stages
 
 

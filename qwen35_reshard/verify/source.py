@@ -39,17 +39,21 @@ def check_against_source(
             if name not in reported:
                 compare_side_file(stage, ckpt, name, add)
         if m.source.get("fingerprint") != fingerprint:
-            add(
-                DIFFERENT,
-                f"{stage.display} was split from another checkpoint than {ckpt.root} (or the "
-                "source changed since): config, index, shard sizes or headers differ",
+            report.not_from_source.append(
+                add(
+                    DIFFERENT,
+                    f"{stage.display} was split from another checkpoint than {ckpt.root} (or the "
+                    "source changed since): config, index, shard sizes or headers differ",
+                )
             )
         elif ckpt.hub and m.identity and m.identity.source not in (LOCAL_SOURCE, source_name(ckpt)):
-            add(
-                DIFFERENT,
-                f"{stage.display} was split from {m.identity.source}, not {source_name(ckpt)}: the "
-                "same layout but other bytes; pass --source with the commit it was split from "
-                "(--revision) to compare it",
+            report.not_from_source.append(
+                add(
+                    DIFFERENT,
+                    f"{stage.display} was split from {m.identity.source}, not {source_name(ckpt)}: the "
+                    "same layout but other bytes; pass --source with the commit it was split from "
+                    "(--revision) to compare it",
+                )
             )
         plan = _plan_for(ckpt, m, plans, add, stage.display)
         if plan is None:
@@ -58,19 +62,23 @@ def check_against_source(
         if _recorded_limits(m) is not None and not report.findings_for(stage.summary.stage):
             _compare_layout(plan, stage, add, repo)
     wanted = sorted({name for _, name in to_compare})
-    source_digests = _hash_source(ckpt, wanted, chunk_bytes, repo)
+    source_digests = report.source_digests = _hash_source(ckpt, wanted, chunk_bytes, repo)
     report.source_bytes_hashed = sum(ckpt.tensors[n].nbytes for n in wanted)
     for stage, name in to_compare:
         mine = stage.digests.get(name)
         if mine is not None and mine != source_digests[name]:
-            file = stage.manifest.tensors[name].file
-            adder(report, stage)(
+            t = stage.manifest.tensors[name]
+            intact = t.sha256 == mine  # the stage holds what it recorded: the source is not its
+            why = ", and are the ones its manifest records: the split is of other bytes" if intact else ""
+            finding = adder(report, stage)(
                 DIFFERENT,
-                f"{stage.display}/{file}: the bytes of tensor {name!r} differ from the source's "
-                f"({ckpt.tensors[name].file})",
-                file=file,
+                f"{stage.display}/{t.file}: the bytes of tensor {name!r} differ from the source's "
+                f"({ckpt.tensors[name].file}){why}",
+                file=t.file,
                 tensor=name,
             )
+            if intact:
+                report.not_from_source.append(finding)
 
 
 def _plan_for(ckpt: Checkpoint, m: StageManifest, plans: dict, add: Add, display: str) -> Plan | None:

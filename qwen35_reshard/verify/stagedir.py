@@ -12,6 +12,7 @@ from ..format.holder import left_by_gone_run
 from ..format.names import CLAIM, CLONE, CONFIG_NAME, INDEX_NAME, JOURNAL, PARTIAL_SUFFIX, STAGE_MANIFEST
 from ..format.paths import checked_file
 from ..model.names import LAYER, classify
+from ..model.quant import unchecked_message
 from ..source.checkpoint import Checkpoint
 from ..source.header import Header
 from ..stage.findings import CORRUPT, DIFFERENT, EXTRA, INCOMPLETE, MISSING, RERUN
@@ -45,6 +46,8 @@ def check_stage(stage: CheckedStage, report: VerifyReport, ckpt: Checkpoint | No
     found = read_stage(stage.path, stage.display, stage.run)
     for p in found.problems:
         add(p.kind, p.message, file=p.file, tensor=p.tensor)
+    if found.unchecked:
+        report.unchecked.append(unchecked_message(stage.display, found.unchecked))
     m = stage.manifest = found.manifest
     if m is None:
         return

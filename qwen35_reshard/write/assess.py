@@ -1,6 +1,7 @@
 """Deciding what a write does with an existing OUT, before anything is written: start anew,
 nothing (complete), resume an unfinished run with the same settings, or replace a split made
-with other settings; or refuse (OUT is a file, holds files this tool did not write, ...).
+with other settings or from other bytes (``write.sources``); or refuse (OUT is a file, holds
+files this tool did not write, ...).
 
 The one decision both a real run and a preview (``plan``, ``--dry-run``) take. Reads only.
 """
@@ -24,7 +25,8 @@ from ..transfer import reflink as reflinks
 from ..write.manifest import run_identity
 from .durability import write_error
 from .journal import Digests, keepable
-from .sources import source_stamps
+from .provenance import changed_files, source_difference
+from .sources import check_unchanged
 
 
 @dataclass(frozen=True)
@@ -33,13 +35,17 @@ class OutState:
 
     ``action`` is "new" (OUT is absent or empty), "complete" (nothing to do), "resume" (an
     unfinished run with the same settings: its finished stages and data files are kept) or
-    "replace" (a split made with other settings, replaced as ``overwrite`` allows).
+    "replace" (a split made with other settings, or from other bytes, replaced as
+    ``overwrite`` allows). ``restamp`` (with "complete"): the bytes of source files whose stamps
+    changed were hashed and found the split's; the run record, as read then (its bytes), is to
+    record their new stamps, so that the next run is cheap again.
     """
 
     action: str
     complete: tuple[int, ...] = ()  # stages of the split (selected or not) already complete
     kept: dict[int, dict[str, Digests]] = field(default_factory=dict)  # rank -> file -> digests
     differences: str = ""  # "replace": the settings that differ, old -> new
+    restamp: bytes | None = None
 
     @property
     def files_kept(self) -> int:
@@ -107,18 +113,47 @@ def _assess_out(plan: Plan, out: Path, overwrite: bool) -> OutState:
     recorded = record.identity if record is not None else _stages_identity(out)
     if recorded != identity:
         return _other_split(plan, out, entries, recorded, identity, overwrite)
-    changed = _changed_source_files(plan, out) if record is not None and record.in_progress else []
-    if changed:
-        return _source_changed(plan, out, changed[0], overwrite)
+    name = record.name if record is not None else None
+    record_bytes = _read_if_any(out / name) if name is not None else None
+    changed = changed_files(plan, _recorded_stamps(record_bytes))
     complete = tuple(s.rank for s in plan.stages if stage_is_complete(out / s.dirname, identity))
-    if all(s.rank in complete for s in plan.selected) and _run_record_intact(out):
-        return OutState("complete", complete)
+    done = all(s.rank in complete for s in plan.selected) and _run_record_intact(out)
+    kept = {} if done else _kept(plan, out, complete)
+    if changed:
+        differs = source_difference(plan, out, complete, kept, changed)
+        if differs is not None:
+            return _source_changed(plan, out, differs, overwrite)
+        check_unchanged(plan, changed)  # the bytes hashed were those of the files planned from
+    if done:
+        restamp = record_bytes if changed and name == RUN_MANIFEST else None
+        return OutState("complete", complete, restamp=restamp)
+    return OutState("resume", complete, kept)
+
+
+def _kept(plan: Plan, out: Path, complete: tuple[int, ...]) -> dict[int, dict[str, Digests]]:
+    """The finished data files of the selected stages not complete, by rank (see ``keepable``)."""
     kept = {
         s.rank: keepable(plan, out / s.dirname, s)
         for s in plan.selected
         if s.rank not in complete and (out / s.dirname).is_dir()
     }
-    return OutState("resume", complete, {rank: files for rank, files in kept.items() if files})
+    return {rank: files for rank, files in kept.items() if files}
+
+
+def _read_if_any(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
+
+
+def _recorded_stamps(record: bytes | None) -> object:
+    """The ``source_files`` a run record (marker or ``reshard.json``) records, if any."""
+    try:
+        obj = json.loads(record) if record is not None else None
+    except JSON_ERRORS:
+        return None
+    return obj.get("source_files") if isinstance(obj, dict) else None
 
 
 def _stages_identity(out: Path) -> RunIdentity | None:
@@ -186,29 +221,18 @@ def _other_split(
     return OutState("replace", differences=differences)
 
 
-def _source_changed(plan: Plan, out: Path, changed: str, overwrite: bool) -> OutState:
-    """An interrupted run whose source file ``changed`` since: "replace" it where allowed."""
+def _source_changed(plan: Plan, out: Path, tensor: str, overwrite: bool) -> OutState:
+    """OUT holds a split of these settings, but ``tensor``'s bytes in the source are not the
+    ones it holds: another split, "replace"d where allowed."""
+    file = plan.checkpoint.tensors[tensor].file
     if not overwrite:
         raise BadInput(
-            f"{param('out_dir')} {out} holds an interrupted split of {plan.checkpoint.display}, and "
-            f"{changed} changed since it started: the files it finished hold the old bytes; "
-            f"pass {param('overwrite', True)} to split again from the start"
+            f"{param('out_dir')} {out} holds a split of other bytes than {plan.checkpoint.display}: "
+            f"tensor {tensor!r} of {file} differs from the one it holds (another checkpoint of the "
+            f"same layout, or a file rewritten since); pass {param('overwrite', True)} to replace "
+            "that split, or choose another directory"
         )
-    return OutState("replace", differences=f"source {changed} changed since the interrupted run started")
-
-
-def _changed_source_files(plan: Plan, out: Path) -> list[str]:
-    """Source files (or the Hub commit) that changed since the interrupted run in ``out`` began;
-    none when its marker records no stamps, or is gone since it was read (its run finished
-    meanwhile: only outside OUT's lock, where the run decides nothing on this)."""
-    try:
-        recorded = json.loads((out / RUN_MARKER).read_bytes()).get("source_files")
-    except FileNotFoundError:
-        return []
-    if not isinstance(recorded, dict):
-        return []
-    now = source_stamps(plan)
-    return [name for name in sorted({*recorded, *now}) if recorded.get(name) != now.get(name)]
+    return OutState("replace", differences=f"tensor {tensor!r} of {file} differs from the one OUT holds")
 
 
 def run_temporary(name: str, side_files: Iterable[str] = ()) -> bool:

@@ -19,6 +19,7 @@ from ..format.names import CLONE, TOOL
 from ..plan.layout import OutputFile, PlacedTensor
 from ..plan.planner import Plan, StagePlan
 from ..source.checkpoint import SourceTensor, source_fingerprint, source_identity, source_name
+from .sources import source_stamps
 
 
 def run_identity(plan: Plan) -> RunIdentity:
@@ -95,7 +96,12 @@ def run_manifest(plan: Plan, complete: list[int], side_files: dict[str, str] | N
         "mtp": plan.mtp,
         "dropped": list(plan.dropped),
         "launch_env": plan.launch_env,
-        **({"side_files": dict(sorted(side_files.items()))} if side_files is not None else {}),
+        # What identifies each source file's bytes, for a later run to tell them unchanged cheaply.
+        **(
+            {"side_files": dict(sorted(side_files.items())), "source_files": source_stamps(plan)}
+            if side_files is not None
+            else {}
+        ),
         "stages": [
             {
                 "stage": s.rank,

@@ -18,7 +18,8 @@ class WriteOptions:
     """How to write a split.
 
     Attributes:
-        overwrite: replace an OUT that holds a split made with other settings.
+        overwrite: replace an OUT that holds a split made with other settings, or from other
+            bytes (a source of the same layout whose tensors differ from the ones OUT holds).
         workers: source shards copied at once, each read by exactly one worker.
         reflink: ``"auto"`` shares the source's blocks where the filesystem can, ``"always"``
             refuses where it cannot, ``"never"`` copies.

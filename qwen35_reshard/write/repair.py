@@ -143,6 +143,25 @@ def damaged_files(
     return {r: n for r, n in files.items() if n}, run_manifest, out_side
 
 
+def source_mismatch(
+    plan: Plan, out: Path, files: dict[int, set[str]], source_digests: dict[str, str]
+) -> tuple[str, str] | None:
+    """``(tensor, stage file)`` of the first tensor of the data ``files`` to rewrite whose
+    source bytes (``source_digests``, as verify hashed them) are not the ones its stage's
+    manifest records; None when all are (or record none: a damaged manifest, shared blocks).
+    Rewriting from a source that fails this would put another checkpoint's bytes in the split."""
+    for rank in sorted(files):
+        stage_dir = out / plan.stages[rank].dirname
+        m = read_manifest(stage_dir, str(stage_dir))
+        if isinstance(m, Finding):
+            continue
+        for name, t in sorted(m.tensors.items()):
+            want = t.sha256
+            if t.file in files[rank] and want is not None and source_digests.get(name, want) != want:
+                return name, f"{plan.stages[rank].dirname}/{t.file}"
+    return None
+
+
 def remove_leftovers(findings: list[Finding], plan: Plan, out: Path, now: int) -> None:
     """Delete what verify found that no split holds: stray data files beside a stage's own (stale
     data a loader globbing ``*.safetensors`` would read), temporaries of an earlier run and the

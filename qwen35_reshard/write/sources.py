@@ -10,6 +10,9 @@ back, changes its ctime), and every shard once more before any stage is declared
 A Hub source is pinned to one commit: every byte fetched is named by it; a shard copied whole
 from a cached blob (of a Hub source, or of a cache folder given as MODEL) is hashed as it
 streams by and compared with the Hub's LFS sha256, the blob's name (:class:`BlobCheck`).
+
+The run marker and ``reshard.json`` record each local shard's stamp (:func:`source_stamps`):
+what a later run over the same OUT compares first (see :mod:`.provenance`).
 """
 
 from __future__ import annotations

@@ -208,8 +208,11 @@ class _Run:
             return False  # decided under the lock, which can name the run writing OUT
         if state.action != "complete" or (out / RUN_MARKER).exists():
             return False
-        if has_leftovers(out, plan.stages) and claims.lock_free(out):
-            return False
+        leftovers = has_leftovers(out, plan.stages)
+        if (leftovers or state.restamp is not None) and claims.lock_free(out):
+            if leftovers:
+                return False
+            self._restamp(state.restamp)
         self.result.complete = list(state.complete)
         self.result.already_complete = [s.rank for s in plan.selected]
         return True
@@ -440,6 +443,19 @@ class _Run:
         result.built += [s.rank for s in batch.stages]
         for stage in rest:
             self.reporter.stage_done(stage)
+
+    def _restamp(self, assessed: bytes) -> None:
+        """A finished split whose source files were stamped anew (a fresh download of the same
+        bytes, a ``touch``), their bytes found the split's: record the new stamps, so that the
+        next run needs no reads again. Only if OUT's run record is still the one ``assessed`` (no
+        other run changed OUT meanwhile)."""
+        with claims.locked(self.out, self.reporter.waiting) as now:
+            try:
+                current = (self.out / RUN_MANIFEST).read_bytes()
+            except FileNotFoundError:
+                return
+            if current == assessed and not (self.out / RUN_MARKER).exists():
+                self._record(now)
 
     def _record(self, now: int) -> list[int]:
         """Under OUT's lock, once this run's stages are complete: record the split as OUT holds it

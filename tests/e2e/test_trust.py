@@ -430,10 +430,15 @@ def test_a_source_shard_replaced_during_the_run_fails_it_and_no_stage_looks_comp
     assert "\n" not in message and str(victim) in message and "changed during the run" in message, message
     assert not any(stage_is_complete(out / s.dirname) for s in plan.stages)
     assert not (out / "reshard.json").exists()
-    # The command again: refused until told to start over, then a split of the new bytes.
-    line = lone_error_line(cli("--pp", 2, model, out))
-    assert "changed since" in line and "--overwrite" in line, line
-    ok(cli("--pp", 2, "--overwrite", model, out))
+    # The command again (issue 29): a file the run finished holds the old bytes: refused naming
+    # a tensor until told to start over; where none does, it resumes from the new bytes.
+    proc = cli("--pp", 2, model, out)
+    if which == "already_read":
+        line = lone_error_line(proc)
+        assert "differs" in line and "--overwrite" in line, line
+        ok(cli("--pp", 2, "--overwrite", model, out))
+    else:
+        ok(proc)
     ok(cli("verify", out, "--source", model))
 
 

@@ -4,8 +4,10 @@ run says, and what a run left behind."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -100,3 +102,31 @@ def digests(root: Path) -> dict[str, str]:
                     h.update(chunk)
             out[str(p.relative_to(root))] = h.hexdigest()
     return out
+
+
+def drop_tensor(model: Path, name: str) -> None:
+    """Rewrite the shard holding ``name`` without it (data re-packed) and unlist it."""
+    index_path = model / "model.safetensors.index.json"
+    index = json.loads(index_path.read_bytes())
+    drop_tensor_file(model / index["weight_map"].pop(name), name)
+    index_path.write_text(json.dumps(index, indent=2))
+
+
+def drop_tensor_file(shard: Path, name: str) -> None:
+    """Rewrite the safetensors file ``shard`` without tensor ``name``, the rest re-packed."""
+    raw = shard.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header, data = json.loads(raw[8 : 8 + n]), raw[8 + n :]
+    del header[name]
+    entries = sorted(
+        ((k, v) for k, v in header.items() if k != "__metadata__"), key=lambda kv: kv[1]["data_offsets"]
+    )
+    body, pos = bytearray(), 0
+    for _, v in entries:
+        begin, end = v["data_offsets"]
+        body += data[begin:end]
+        v["data_offsets"] = [pos, pos + end - begin]
+        pos += end - begin
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % 8)
+    shard.write_bytes(struct.pack("<Q", len(text)) + text + bytes(body))

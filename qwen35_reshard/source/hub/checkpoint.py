@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from ...errors import HubError
 from ...format.names import CONFIG_NAME, INDEX_NAME, PICKLE_SUFFIXES, SINGLE_FILE_NAME
 from ...format.paths import is_plain_name
+from ...model.quant import QUANT_SIDE_FILE
 from ..header import Header
 from .cache import HubRepo
 from .headers import parsed_headers
@@ -26,7 +27,7 @@ MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
 def read_hub_checkpoint(repo: HubRepo, *, traffic: Traffic | None = None) -> Checkpoint:
     """The checkpoint at ``repo`` as plain data: config and index through huggingface_hub,
     each shard's header by ranged reads (or from the kept headers / the cache)."""
-    from ..checkpoint import assemble_checkpoint, load_config
+    from ..checkpoint import assemble_checkpoint, load_config, load_quant_side
 
     traffic = traffic if traffic is not None else Traffic()
     listing = repo_listing(repo)
@@ -76,7 +77,9 @@ def read_hub_checkpoint(repo: HubRepo, *, traffic: Traffic | None = None) -> Che
         other_files=other_files,
         hub=repo.identity(),
     )
-    return replace(ckpt, blob_sha256=repo_lfs_sha256(repo, ckpt.files))
+    side = _small_file(repo, QUANT_SIDE_FILE, listing, traffic) if QUANT_SIDE_FILE in listing else None
+    quant_side = load_quant_side(side, f"{repo.describe()}/{QUANT_SIDE_FILE}")
+    return replace(ckpt, blob_sha256=repo_lfs_sha256(repo, ckpt.files), quant_side=quant_side)
 
 
 def _small_file(repo: HubRepo, name: str, listing: dict[str, int], traffic: Traffic) -> bytes:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +27,7 @@ from qwen35_reshard.model import schema
 from qwen35_reshard.source.header import TensorEntry, read_header
 from qwen35_reshard.verify import verify
 
+from support.helpers import drop_tensor, drop_tensor_file
 from support.tiny_model import DTYPE, IMPL, tiny_config
 
 INDEX = "model.safetensors.index.json"
@@ -49,34 +49,6 @@ def headers(model: Path) -> dict[str, TensorEntry]:
 def derive(model: Path, present: dict[str, TensorEntry]) -> schema.Schema:
     config = json.loads((model / "config.json").read_bytes())
     return schema.required_tensors(config, present)
-
-
-def drop_tensor(model: Path, name: str) -> None:
-    """Rewrite the shard holding ``name`` without it (data re-packed) and unlist it."""
-    index_path = model / INDEX
-    index = json.loads(index_path.read_bytes())
-    drop_tensor_file(model / index["weight_map"].pop(name), name)
-    index_path.write_text(json.dumps(index, indent=2))
-
-
-def drop_tensor_file(shard: Path, name: str) -> None:
-    """Rewrite the safetensors file ``shard`` without tensor ``name``, the rest re-packed."""
-    raw = shard.read_bytes()
-    (n,) = struct.unpack("<Q", raw[:8])
-    header, data = json.loads(raw[8 : 8 + n]), raw[8 + n :]
-    del header[name]
-    entries = sorted(
-        ((k, v) for k, v in header.items() if k != "__metadata__"), key=lambda kv: kv[1]["data_offsets"]
-    )
-    body, pos = bytearray(), 0
-    for _, v in entries:
-        begin, end = v["data_offsets"]
-        body += data[begin:end]
-        v["data_offsets"] = [pos, pos + end - begin]
-        pos += end - begin
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-(8 + len(text)) % 8)
-    shard.write_bytes(struct.pack("<Q", len(text)) + text + bytes(body))
 
 
 def edit_config(model: Path, change) -> None:

@@ -168,10 +168,13 @@ def test_text_only_and_single_file_sources(tiny, tmp_path):
     assert verify(tmp_path / "out", model).ok
 
 
-def test_rank_subset_notes_stages_not_built(model, tmp_path):
+def test_rank_subset_fails_unless_asked_for_and_notes_stages_not_asked(model, tmp_path):
     out = tmp_path / "out"
     assert cli.main(["--pp", "4", "--rank", "1", str(model), str(out)]) == 0
-    report = verify(out, model)
+    report = verify(out, model)  # the whole split (issue 29): three stages missing
+    assert not report.ok and report.missing_stages == [0, 2, 3]
+    assert {f.stage for f in report.findings} == {"pp0", "pp2", "pp3"}
+    report = verify(out, model, ranks=[1])
     assert report.ok, report.findings
     assert [s.stage for s in report.stages] == ["pp1"]
     assert report.not_built == [0, 2, 3]
