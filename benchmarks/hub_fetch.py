@@ -27,10 +27,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "examples")]
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "examples")]  # support.hub_server, tiny_checkpoint
 
 import tiny_checkpoint  # noqa: E402
-from hub_server import HubServer  # noqa: E402
+
+from support.hub_server import HubServer  # noqa: E402
 
 PP = 4
 

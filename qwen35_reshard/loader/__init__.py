@@ -199,8 +199,10 @@ class Stage:
                     f"{where}: {e}, not what it was when the stage was opened; the stage changed "
                     f"while loading: {REBUILD}"
                 ) from None
-            with _Readahead(path) as readahead:
-                for t in by_file[file]:
+            tensors = by_file[file]
+            # A shard read in place (``serve.in_place_stage``) also holds other stages' tensors.
+            with _Readahead(path, tensors[0].offset, tensors[-1].offset + tensors[-1].nbytes) as readahead:
+                for t in tensors:
                     readahead.through(t.offset + t.nbytes)
                     tensor = _tensor_at(torch, storage, t.offset, dtypes[t.dtype], t.shape)
                     recorded = t.sha256 if verify else None  # None: shared, no digest recorded
@@ -261,14 +263,16 @@ class _Readahead:
 
     WINDOW = 64 << 20
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, start: int, stop: int) -> None:
+        """Read ahead within ``[start, stop)``, the bytes of the file's tensors being read."""
         self.fd = os.open(path, os.O_RDONLY) if hasattr(os, "posix_fadvise") else None
-        self.ahead = 0  # bytes of the file already requested
+        self.ahead = start  # bytes of the file already requested
+        self.stop = stop
 
     def through(self, end: int) -> None:
         """Make sure the file is requested up to ``WINDOW`` bytes past ``end``."""
-        if self.fd is not None and self.ahead < end + self.WINDOW:
-            start, self.ahead = self.ahead, end + 2 * self.WINDOW
+        if self.fd is not None and self.ahead < min(end + self.WINDOW, self.stop):
+            start, self.ahead = self.ahead, min(end + 2 * self.WINDOW, self.stop)
             os.posix_fadvise(self.fd, start, self.ahead - start, os.POSIX_FADV_WILLNEED)
 
     def __enter__(self) -> _Readahead:
@@ -319,6 +323,14 @@ def _no_stage_dir(root: Path, given: str, pp_rank: int) -> str:
         f"{given} has no pp{pp_rank}/: run qwen35-reshard --rank {pp_rank} (or without --rank) to "
         f"build stage {pp_rank} there, or pass that stage's directory"
     )
+
+
+def is_split(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a split's run directory or one of its stage directories."""
+    p = Path(path)
+    return any((p / name).is_file() for name in (RUN_MANIFEST, STAGE_MANIFEST)) or (
+        p / stage_dirname(0)
+    ).is_dir()
 
 
 def open_stage(path: str | os.PathLike[str], pp_rank: int | None = None) -> Stage:

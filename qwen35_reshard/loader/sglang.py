@@ -18,6 +18,14 @@ that is a split it returns ``Qwen35StagesLoader``, a ``DefaultModelLoader`` that
   path, on the last rank only) feeds the draft ``mtp.*`` and its embed_tokens copy from the
   stage this process's target model loaded, and refuses a split made ``--no-mtp``.
 
+With ``QWEN35_RESHARD_SGLANG_UNSPLIT=1`` (the opt-in, said in the log when the plugin loads), a
+model path that is not a split but an unsplit Qwen3.5 MoE checkpoint (a Hub repo id or a local
+directory) is loaded the same way, each rank's stage fetched into the stage cache or read in
+place (:mod:`qwen35_reshard.serve`):
+
+    QWEN35_RESHARD_SGLANG_UNSPLIT=1 python -m sglang.launch_server --model-path Qwen/Qwen3.5-35B-A3B \
+        --pp-size 4
+
 Any other model path: SGLang's own loader, untouched (logged once at debug level). sglang is
 imported only inside ``register`` and what it installs: this module, like the rest of the
 package, imports without it.
@@ -31,7 +39,7 @@ import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from . import RUN_MANIFEST, STAGE_MANIFEST, Stage, StageError, open_stage, stage_dirname
+from . import STAGE_MANIFEST, Stage, StageError, is_split, open_stage, stage_dirname
 
 RUNTIME = "sglang"
 # What the plugin wraps (sglang 0.5.23, srt/model_loader/loader.py): every model load of a
@@ -43,6 +51,13 @@ MTP_PREFIX = "mtp."
 DRAFT_EMBED = ("model.language_model.embed_tokens.weight", "model.embed_tokens.weight")
 # The load formats whose weights are the model path's safetensors files, which a stage replaces.
 STAGE_LOAD_FORMATS = ("auto", "safetensors")
+# The opt-in to serving an UNSPLIT Qwen3.5 MoE checkpoint (a Hub repo id or a directory) stage by
+# stage: set to 1, the plugin loads each rank's stage of it (see ``serve``); unset, such a model
+# path is SGLang's own, as any other.
+UNSPLIT_ENV = "QWEN35_RESHARD_SGLANG_UNSPLIT"
+# config.json model_type of a Qwen3.5 MoE checkpoint (source.hub.MODEL_TYPES; not imported: it
+# would import the writer's side into every SGLang process)
+QWEN35_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
 
 log = logging.getLogger(__name__)
 _not_splits: set[str] = set()  # model paths already logged as not a split
@@ -54,14 +69,17 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(TARGET, choose_loader, HookType.AROUND)
+    if unsplit_opted_in():
+        log.info(
+            "qwen35-stages: %s is set: a Qwen3.5 MoE model path that is not a split (a Hub repo id or a "
+            "directory) is loaded stage by stage, each pipeline rank fetching or reading only its own",
+            UNSPLIT_ENV,
+        )
 
 
-def is_split(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` is a split's run directory or one of its stage directories."""
-    p = Path(path)
-    return any((p / name).is_file() for name in (RUN_MANIFEST, STAGE_MANIFEST)) or (
-        p / stage_dirname(0)
-    ).is_dir()
+def unsplit_opted_in() -> bool:
+    """Whether ``UNSPLIT_ENV`` is set to a true value."""
+    return os.environ.get(UNSPLIT_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def choose_loader(original: Callable, load_config: object, model_config: object = None) -> object:
@@ -71,7 +89,7 @@ def choose_loader(original: Callable, load_config: object, model_config: object 
         StageError: a split with a load format that reads the model path's files another way.
     """
     path = getattr(model_config, "model_path", None)
-    if path is None or not is_split(path):
+    if path is None or not (is_split(path) or is_unsplit_asked(model_config)):
         if path not in _not_splits:
             _not_splits.add(path)
             log.debug("qwen35-stages: %s is not a qwen35-reshard split; SGLang loads it itself", path)
@@ -86,18 +104,49 @@ def choose_loader(original: Callable, load_config: object, model_config: object 
     return loader_class()(load_config)
 
 
-def target_stage(model_config: object, pp_rank: int, pp_size: int, start: int, end: int) -> Stage:
-    """The stage pipeline rank ``pp_rank`` of ``pp_size`` must load, checked against the layers
-    ``[start, end)`` SGLang gives it; only headers are read.
+def is_unsplit_asked(model_config: object) -> bool:
+    """Whether ``UNSPLIT_ENV`` asks for this model (a Qwen3.5 MoE, the target model; the MTP
+    draft loads from the stage the target loaded) to be loaded stage by stage: logged once."""
+    if not unsplit_opted_in():
+        return False
+    path = model_config.model_path
+    kind = getattr(getattr(model_config, "hf_config", None), "model_type", None)
+    if kind not in QWEN35_MODEL_TYPES:
+        if path not in _not_splits:
+            log.info("qwen35-stages: %s is a %s model, not Qwen3.5 MoE: SGLang loads it itself", path, kind)
+        return False
+    return True
+
+
+def target_stage(model_config: object, pp_rank: int, partition: list[int]) -> Stage:
+    """The stage pipeline rank ``pp_rank`` must load, checked against the layers SGLang gives it
+    (``partition``: layers per rank, as SGLang computes them); only headers are read. For a
+    model path that is not a split (``UNSPLIT_ENV``), the rank's stage of the unsplit checkpoint.
 
     Raises:
         StageError: the stage is damaged, incomplete, or not the one this rank needs.
     """
     path = model_config.model_path
+    start = sum(partition[:pp_rank])
+    end = start + partition[pp_rank]
+    if not is_split(path):
+        from ..serve import for_server  # the writer's side, only where a stage is built
+
+        stage = for_server(
+            path,
+            runtime=RUNTIME,
+            partition=partition,
+            rank=pp_rank,
+            revision=getattr(model_config, "revision", None),
+            token=None,
+            log=log.info,
+        )
+        _stages[path] = stage
+        return stage
     # A stage directory is opened as itself, so that a wrong rank is told which directory is its own.
     given = None if (Path(path) / STAGE_MANIFEST).is_file() else pp_rank
     stage = open_stage(path, pp_rank=given)
-    stage.check(pp_size=pp_size, start_layer=start, end_layer=end, pp_rank=pp_rank, runtime=RUNTIME)
+    stage.check(pp_size=len(partition), start_layer=start, end_layer=end, pp_rank=pp_rank, runtime=RUNTIME)
     _stages[path] = stage
     return stage
 
@@ -175,8 +224,8 @@ def loader_class() -> type:
                 parallel = get_parallel()
                 rank, size = parallel.pp_rank, parallel.pp_size
                 layers = model_config.hf_text_config.num_hidden_layers
-                start, end = get_pp_indices(layers, rank, size)
-                self._stage = target_stage(model_config, rank, size, start, end)
+                ranges = [get_pp_indices(layers, r, size) for r in range(size)]
+                self._stage = target_stage(model_config, rank, [end - start for start, end in ranges])
                 check_layer_names(self._stage, get_layer_id)
                 self._takes = lambda name: not name.startswith(MTP_PREFIX)  # those are the draft's
             return super().load_model(model_config=model_config, device_config=device_config)

@@ -11,6 +11,18 @@ model's own ``load_weights`` exactly the stage's tensors, with no skip logic: a 
 layer the rank does not build is an error, and so is a parameter of the rank that no tensor
 reached.
 
+OUT may also be the unsplit checkpoint, a Hub repo id (``--revision`` and ``--hf-token`` as vLLM
+takes them) or a local directory:
+
+    vllm serve Qwen/Qwen3.5-397B-A17B --load-format qwen35-stages --pipeline-parallel-size 4
+
+Then each rank builds its own stage, fetching only its byte ranges, into the stage cache
+(``QWEN35_RESHARD_STAGE_CACHE``, default ``$HF_HOME/qwen35-stages``; the next start fetches
+nothing), or reads it in place from a local directory (``QWEN35_RESHARD_STAGE_COPY=1``: built in
+the cache first), and loads it as a split's stage (:mod:`qwen35_reshard.serve`). Every rank first
+checks that all ranks compute the same layers per rank (``VLLM_PP_LAYER_PARTITION`` is read on
+each node).
+
 vLLM loads the entry point (group ``vllm.general_plugins``, see pyproject.toml) in every
 process that may load weights. vllm is imported only inside ``register``: this module, like
 the rest of the package, imports without it.
@@ -18,8 +30,14 @@ the rest of the package, imports without it.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
+
+from . import StageError
+
 LOAD_FORMAT = "qwen35-stages"
 RUNTIME = "vllm"
+PARTITION_VAR = "VLLM_PP_LAYER_PARTITION"  # read by vLLM's get_pp_indices on each node
 
 
 def register() -> None:
@@ -46,8 +64,21 @@ def _loader_class() -> type:
         """This rank's stage, checked against the rank's view of the split, or StageError."""
         group = get_pp_group()
         rank, size = group.rank_in_group, group.world_size
-        start, end = get_pp_indices(model_config.hf_text_config.num_hidden_layers, rank, size)
-        stage = loader.open_stage(model_config.model, pp_rank=rank)
+        partition = agreed_partition(group, model_config.hf_text_config.num_hidden_layers, get_pp_indices)
+        start = sum(partition[:rank])
+        end = start + partition[rank]
+        path = model_config.model
+        if loader.is_split(path):
+            stage = loader.open_stage(path, pp_rank=rank)
+        else:
+            from ..serve import for_server  # the writer's side, only where a stage is built
+
+            token = getattr(model_config, "hf_token", None)
+            stage = for_server(
+                path, runtime=RUNTIME, partition=partition, rank=rank,
+                revision=getattr(model_config, "revision", None),
+                token=token if isinstance(token, str) else None, log=log.info,
+            )
         stage.check(pp_size=size, start_layer=start, end_layer=end, pp_rank=rank, runtime=RUNTIME)
         return stage
 
@@ -112,3 +143,43 @@ def _loader_class() -> type:
                 )
 
     return Qwen35StagesLoader
+
+
+def agreed_partition(
+    group: object, layers: int, pp_indices: Callable[[int, int, int], tuple[int, int]]
+) -> list[int]:
+    """The layers per rank as this rank computes them (``pp_indices``: vLLM's ``get_pp_indices``,
+    which reads VLLM_PP_LAYER_PARTITION), once every rank of the pipeline computed the same.
+
+    Why: each node reads its own environment, and ranks that differ would build a pipeline with
+    layers missing or twice (each rank loading what its own view says). Exchanged over the
+    pipeline group (``group``: ``world_size``, ``cpu_group``) before anything can fail on one
+    rank alone, which the others would wait for.
+
+    Raises:
+        StageError: on every rank, naming each rank's partition and variable.
+    """
+    import torch.distributed as dist
+
+    var = os.environ.get(PARTITION_VAR)
+    try:
+        ranges = [pp_indices(layers, r, group.world_size) for r in range(group.world_size)]
+        mine: tuple[object, str | None] = ([end - start for start, end in ranges], var)
+    except Exception as e:  # a bad variable on this node: said by every rank below
+        mine = (f"{type(e).__name__}: {e}", var)
+    views: list[tuple[object, str | None]] = [mine] * group.world_size
+    if group.world_size > 1:
+        dist.all_gather_object(views, mine, group=group.cpu_group)
+    if any(v != mine for v in views) or not isinstance(mine[0], list):
+        seen = "; ".join(f"rank {r}: {_partition_view(p, v)}" for r, (p, v) in enumerate(views))
+        raise StageError(
+            f"the pipeline ranks' layers per rank ({seen}) are not one valid partition: launch every "
+            f"node with the same valid {PARTITION_VAR} (or none)"
+        )
+    return mine[0]
+
+
+def _partition_view(partition: object, var: str | None) -> str:
+    """One rank's view for a message: ``4,4 (VLLM_PP_LAYER_PARTITION unset)``."""
+    shown = ",".join(map(str, partition)) if isinstance(partition, list) else partition
+    return f"{shown} ({PARTITION_VAR}={var})" if var is not None else f"{shown} ({PARTITION_VAR} unset)"

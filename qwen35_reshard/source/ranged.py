@@ -234,7 +234,9 @@ class RangeReader:
         url = self._location or self.url
         for _ in range(5):  # redirects and one refresh of an expired CDN address
             same_origin = _origin(url) == _origin(self.url)
-            headers = {**(self._headers if same_origin else {}), "Range": f"bytes={begin}-{end - 1}"}
+            # Another origin (the CDN a redirect names) gets no credentials: only who is asking.
+            sent = self._headers if same_origin else _agent_only(self._headers)
+            headers = {**sent, "Range": f"bytes={begin}-{end - 1}"}
             headers["Accept-Encoding"] = "identity"
             request = self._session.build_request("GET", url, headers=headers)
             response = self._session.send(request, stream=True, follow_redirects=False)
@@ -328,3 +330,8 @@ def _transient(e: Exception) -> bool:
     # importing it here: ProxyError is a misconfiguration, not worth retrying.
     names = {c.__name__ for c in type(e).__mro__}
     return "TransportError" in names and "ProxyError" not in names
+
+
+def _agent_only(headers: dict[str, str]) -> dict[str, str]:
+    """The User-Agent of ``headers``, which may also hold the token."""
+    return {k: v for k, v in headers.items() if k.lower() == "user-agent"}

@@ -157,11 +157,14 @@ def results(splits):
     return found
 
 
-def run_worker(python: Path, worker: Path, root: Path, jobs: list[dict], timeout: int = 1200) -> dict:
-    """Run ``worker`` on ``jobs`` (two ranks at a time) in the SGLang environment; the results
-    by (case, layout, rank)."""
+def run_worker(
+    python: Path, worker: Path, root: Path, jobs: list[dict], timeout: int = 1200, env: dict | None = None
+) -> dict:
+    """Run ``worker`` on ``jobs`` (two ranks at a time) in the SGLang environment (``env``
+    added to it); the results by (case, layout, rank)."""
     (root / "jobs.json").write_text(json.dumps({"parallel": 2, "jobs": jobs}))
-    env = {k: v for k, v in os.environ.items() if k != "SGLANG_PP_LAYER_PARTITION"}
+    extra, env = env or {}, {k: v for k, v in os.environ.items() if k != "SGLANG_PP_LAYER_PARTITION"}
+    env.update(extra)
     env["PYTHONPATH"] = str(REPO)  # this checkout's qwen35_reshard (an entry point is the installed one)
     t = time.perf_counter()
     proc = subprocess.run([str(python), str(worker), str(root / "jobs.json")], env=env,

@@ -294,3 +294,83 @@ def test_a_wrong_stage_is_refused_before_any_weight_is_read(results, cid):
     assert r["error"] is not None, "the stage was loaded"
     assert message in r["error"] and "\n" not in r["error"]
     assert r["built"] == 0 and r["fed"] == 0  # no model built, no weight fed
+
+
+# ---------------------------------------------------------------------------- unsplit (issue 33)
+
+UNSPLIT_REPO = "Qwen/TinySGLang"
+UNSPLIT_SOURCE = "fused_mtp"  # an MTP head: the last rank's draft loads from the same stage
+
+
+@pytest.fixture(scope="module")
+def unsplit(tmp_path_factory, tiny):
+    """pp=2, each rank in SGLang's own loading path, opted in: the unsplit checkpoint as a repo
+    id on the tests' Hub server and as a local directory; the results, the split's stage names
+    for comparison, and the safetensors bytes each rank's requests fetched."""
+    from support.hub_server import HubServer
+
+    python = require_sglang_python()
+    root = tmp_path_factory.mktemp("sglang-unsplit")
+    torch.manual_seed(0)
+    source = root / "src" / UNSPLIT_SOURCE
+    save_checkpoint(source, *CHECKPOINTS[UNSPLIT_SOURCE])
+    read = qwen35_reshard.read_checkpoint(source)
+    out = split(read, root / "out", 2, None, no_mtp=False)
+    plan = qwen35_reshard.make_plan(read, pp=2, runtime="sglang")
+    base = {"kind": "load", "unsplit": True, "source": str(source), "mtp_source": True, "mtp_kept": True}
+    fp8 = root / "src" / "fp8_mtp"  # quantized: weights and their scales placed together, in place
+    save_fp8_checkpoint(tiny, fp8)
+    cases = [{**base, "id": "repo", "split": UNSPLIT_REPO}, {**base, "id": "local", "split": str(source)},
+             {**base, "id": "local-fp8", "source": str(fp8), "split": str(fp8)}]
+    jobs = [{"pp": 2, "rank": rank, "partition": None, "layout": "pp2", "cases": cases,
+             "result": str(root / f"result-unsplit-{rank}.json")} for rank in (0, 1)]
+    fp8_out = split(qwen35_reshard.read_checkpoint(fp8), root / "out-fp8", 2, None, no_mtp=False)
+    with HubServer() as hub:
+        hub.add_repo(UNSPLIT_REPO, source)
+        env = {"HF_ENDPOINT": hub.url, "HF_HOME": str(root / "hf-home"), "HF_HUB_DISABLE_XET": "1",
+               "HF_HUB_DISABLE_TELEMETRY": "1", "QWEN35_RESHARD_STAGE_CACHE": str(root / "stages"),
+               "QWEN35_RESHARD_SGLANG_UNSPLIT": "1"}
+        found = run_worker(python, WORKER, root, jobs, env=env)
+        sent = {rank: sum(e.sent for e in hub.log if e.file.endswith(".safetensors") and e.method == "GET"
+                          and f"qwen35-stages/pp{rank}" in e.agent) for rank in (0, 1)}
+        others = sum(e.sent for e in hub.log if e.file.endswith(".safetensors") and e.method == "GET"
+                     and "qwen35-stages/pp" not in e.agent)
+    headers = sum(8 + int.from_bytes(f.read_bytes()[:8], "little") for f in source.glob("*.safetensors"))
+    split_names = {(cid, rank): qwen35_reshard.open_stage(o, pp_rank=rank).names for rank in (0, 1)
+                   for cid, o in (("repo", out), ("local", out), ("local-fp8", fp8_out))}
+    return {"found": found, "sent": sent, "others": others, "headers": headers, "plan": plan,
+            "split_names": split_names, "root": root}
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("cid", ["repo", "local", "local-fp8"])
+def test_unsplit_checkpoint_each_rank_loads_exactly_its_stage(unsplit, cid, rank):
+    r = unsplit["found"][cid, "pp2", rank]
+    assert r["loader"] == "Qwen35StagesLoader" and r["ref_loader"] == "DefaultModelLoader"
+    assert sorted(r["stage_names"]) == sorted(unsplit["split_names"][cid, rank])  # the split's stage
+    assert r["fed"] == [n for n in r["stage_names"] if not n.startswith("mtp.")]
+    draft = r["draft"]
+    used = set(r["taken"]) | set(draft["taken"] if draft else ())
+    assert sorted(set(r["stage_names"]) - used) == []
+    assert r["nan"] == [] and r["differs_from_whole"] == []
+    if rank == 1:  # the MTP draft, from the stage this rank loaded
+        assert draft["loader"] == "Qwen35StagesLoader" and draft["differs_from_whole"] == []
+        assert draft["fed"] == [n for n in r["stage_names"] if n.startswith("mtp.") or n in EMBED_NAMES]
+    else:
+        assert draft is None
+    log = unsplit["found"]["debug", "pp2", rank]
+    assert any("QWEN35_RESHARD_SGLANG_UNSPLIT is set" in m for m in log), log  # the opt-in, said at start
+    how = {"repo": "fetched in", "local": "in place", "local-fp8": "in place"}[cid]
+    assert any(m.startswith("qwen35-stages: ") and f"stage {rank} {how}" in m for m in log), log
+
+
+def test_unsplit_repo_each_rank_fetched_only_its_stage(unsplit):
+    plan, headers = unsplit["plan"], unsplit["headers"]
+    for rank in (0, 1):
+        # Headers twice at most: every shard's when planning, again in a shard fetched whole.
+        # Less where the other rank fetched a shard both need whole into the shared cache first.
+        assert unsplit["sent"][rank] <= plan.stages[rank].data_bytes + 2 * headers
+    union = {t.name: t.source.nbytes for stage in plan.stages for t in stage.tensors}
+    assert sum(unsplit["sent"].values()) >= sum(union.values())  # every tensor came, at least once
+    assert unsplit["others"] == 0  # nothing else read a weight file
+    assert not (unsplit["root"] / "stages" / "local").exists()  # the local directory was read in place

@@ -16,12 +16,17 @@ engine per process in its own virtualenv:
 The vLLM virtualenv's python comes from ``QWEN35_RESHARD_VLLM_PYTHON`` (``.ci/vllm/build-venv.sh``
 builds it, ``.ci/run`` exports it). Without it the test fails under CI and is skipped elsewhere.
 Each engine start takes one to three minutes on a 2-core machine.
+
+And (issue 33) the unsplit checkpoint as a repo id on the tests' Hub server (tests/support/hub_server.py),
+served at pp=2 through the same load format: each worker fetches only its stage, the tokens are
+the same, a second start fetches no weight byte; the stock loader's fetch measured beside it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -114,10 +119,14 @@ def world(tmp_path_factory):
     return {"python": python, "sources": sources, "splits": splits, "root": root}
 
 
-def run_engine(world, model: Path, pp: int, load_format: str, partition: str | None = None) -> dict:
+def run_engine(
+    world, model: Path | str, pp: int, load_format: str, partition: str | None = None, env: dict | None = None
+) -> dict:
     """One engine start and greedy generation in its own process; wall time and peak memory
-    (summed over the process and every engine process it starts, sampled every 0.2 s)."""
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_PP_LAYER_PARTITION"}
+    (summed over the process and every engine process it starts, sampled every 0.2 s).
+    ``env``: variables added to the engine's environment."""
+    extra, env = env or {}, {k: v for k, v in os.environ.items() if k != "VLLM_PP_LAYER_PARTITION"}
+    env.update(extra)
     if partition:
         env["VLLM_PP_LAYER_PARTITION"] = partition
     spec = {"model": str(model), "pp": pp, "load_format": load_format, "prompts": PROMPTS,
@@ -146,7 +155,7 @@ def run_engine(world, model: Path, pp: int, load_format: str, partition: str | N
     lines = [ln for ln in text.splitlines() if ln.startswith("RESULT ")]
     if lines:
         result["tokens"] = json.loads(lines[-1][len("RESULT "):])["tokens"]
-    print(f"{model.name} pp={pp} {load_format} {partition or ''}: exit {proc.returncode}, "
+    print(f"{Path(model).name} pp={pp} {load_format} {partition or ''}: exit {proc.returncode}, "
           f"{result['seconds']:.0f} s, peak {result['peak_gb']:.2f} GB, tokens {result.get('tokens')}")
     return result
 
@@ -197,3 +206,118 @@ def test_plugin_refuses_other_splits_before_loading(world, split, partition, mes
     assert "qwen35_reshard.loader.StageError: " in got["log"] and message in got["log"], tail(got)
     assert PLUGIN_LOADS not in got["log"]  # refused before any rank fed a weight
     assert "Loading weights took" not in got["log"]
+
+
+# ---------------------------------------------------------------------------- unsplit (issue 33)
+
+REPO = "Qwen/TinyEngine"
+# The stock loader's fetch for a repo id: vLLM's own DefaultModelLoader.download_model, as every
+# node runs it before loading (every *.safetensors of the repo), without an engine around it.
+STOCK_FETCH = """
+import sys
+from vllm.config.load import LoadConfig
+from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+DefaultModelLoader(LoadConfig(load_format="auto"))._prepare_weights(sys.argv[1], None, None, True, None)
+"""
+
+
+def safetensors_sent(hub, agent: str | None = None, *, exclude: str | None = None) -> int:
+    """Body bytes of *.safetensors GETs, to requests whose User-Agent has ``agent`` (and not ``exclude``)."""
+    return sum(
+        e.sent for e in hub.log
+        if e.file.endswith(".safetensors") and e.method == "GET"
+        and (agent is None or agent in e.agent) and (exclude is None or exclude not in e.agent)
+    )
+
+
+def test_pp2_from_a_repo_id_fetches_each_stage_once(world, reference, tmp_path):
+    """The unsplit checkpoint as a repo id on the tests' Hub: each worker fetches only its own
+    stage (told apart by its User-Agent), the tokens are PP=1's, and the second start of the
+    same engine fetches no safetensors byte. The stock loader's fetch of the same repo beside it."""
+    from support.hub_server import HubServer
+
+    source = world["sources"]["per_expert"]
+    plan = qwen35_reshard.make_plan(qwen35_reshard.read_checkpoint(source), pp=2, runtime="vllm")
+    headers = 0
+    for f in source.glob("*.safetensors"):
+        with open(f, "rb") as fh:
+            headers += 8 + int.from_bytes(fh.read(8), "little")
+    whole = sum(f.stat().st_size for f in source.glob("*.safetensors"))
+    env = {"HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_DISABLE_XET": "1", "HF_HUB_DISABLE_TELEMETRY": "1",
+           "QWEN35_RESHARD_STAGE_CACHE": str(tmp_path / "stages")}
+    with HubServer() as hub:
+        hub.add_repo(REPO, source)
+        env["HF_ENDPOINT"] = hub.url
+        first = run_engine(world, REPO, 2, LOAD_FORMAT, env=env)
+        assert first["returncode"] == 0 and "tokens" in first, tail(first)
+        assert first["tokens"] == reference
+        per_rank = {rank: safetensors_sent(hub, f"qwen35-stages/pp{rank}") for rank in (0, 1)}
+        others = safetensors_sent(hub, exclude="qwen35-stages/pp")
+        for rank in (0, 1):
+            assert f"is not a split: pipeline rank {rank} of 2 loads its stage" in first["log"], tail(first)
+            # At most its stage and the headers twice (every shard's when planning, again in a shard
+            # fetched whole); less where the other rank of this node fetched a shard both need
+            # whole into the shared Hugging Face cache first.
+            assert per_rank[rank] <= plan.stages[rank].data_bytes + 2 * headers
+        union = {t.name: t.source.nbytes for stage in plan.stages for t in stage.tensors}
+        assert sum(per_rank.values()) >= sum(union.values())  # every tensor came, at least once
+        assert others == 0  # no one else (vLLM's own code) read a weight file
+
+        hub.clear_log()
+        second = run_engine(world, REPO, 2, LOAD_FORMAT, env=env)
+        assert second["returncode"] == 0 and second["tokens"] == reference, tail(second)
+        assert safetensors_sent(hub) == 0
+        assert second["log"].count("qwen35-stages: Qwen/TinyEngine: stage") == 2
+        assert "fetched in" not in second["log"] and second["log"].count(" cached in ") == 2, tail(second)
+
+        hub.clear_log()
+        stock_env = {**os.environ, **env, "HF_HOME": str(tmp_path / "hf-stock")}
+        subprocess.run([world["python"], "-c", STOCK_FETCH, REPO], env=stock_env, check=True, timeout=300)
+        stock = safetensors_sent(hub)
+    for start in (first, second):  # each rank's own lines in the engine's log (shown with -s)
+        lines = start["log"].splitlines()
+        print("\n".join(ln for ln in lines if "qwen35-stages: " in ln and "Registered" not in ln))
+    print(f"bytes of *.safetensors fetched: pp0 {per_rank[0]:,}, pp1 {per_rank[1]:,} (stage data "
+          f"{plan.stages[0].data_bytes:,} + {plan.stages[1].data_bytes:,}, headers {headers:,}); "
+          f"second start 0; "
+          f"stock loader {stock:,} per node (checkpoint {whole:,}); "
+          f"engine starts {first['seconds']:.0f} s, {second['seconds']:.0f} s")
+    assert stock == whole
+
+
+# Two processes in one gloo group, each with its own VLLM_PP_LAYER_PARTITION (as on two nodes),
+# run the loader's exchange with vLLM's own get_pp_indices; no engine.
+AGREE = """
+import socket, sys, types
+import torch.distributed as dist
+from vllm.distributed.utils import get_pp_indices
+from qwen35_reshard.loader import StageError
+from qwen35_reshard.loader.vllm import agreed_partition
+dist.init_process_group("gloo", init_method=sys.argv[1], rank=int(sys.argv[2]), world_size=2)
+try:
+    print("AGREED", agreed_partition(types.SimpleNamespace(world_size=2, cpu_group=None), 8, get_pp_indices))
+except StageError as e:
+    print("REFUSED", e)
+"""
+
+
+@pytest.mark.parametrize("variables", [(None, "5,3"), ("5,3", "5,3")], ids=["differ", "same"])
+def test_ranks_that_compute_other_partitions_are_refused_on_every_rank(variables):
+    python = vllm_python()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    procs = []
+    for rank, var in enumerate(variables):
+        env = {k: v for k, v in os.environ.items() if k != "VLLM_PP_LAYER_PARTITION"}
+        if var is not None:
+            env["VLLM_PP_LAYER_PARTITION"] = var
+        procs.append(subprocess.Popen([python, "-c", AGREE, address, str(rank)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    out = [p.communicate(timeout=300) for p in procs]
+    lines = [next((ln for ln in o.splitlines() if ln.startswith(("AGREED", "REFUSED"))), e) for o, e in out]
+    if variables[0] == variables[1]:
+        assert lines == ["AGREED [5, 3]"] * 2, out
+        return
+    want = ("rank 0: 4,4 (VLLM_PP_LAYER_PARTITION unset); rank 1: 5,3 (VLLM_PP_LAYER_PARTITION=5,3)")
+    assert all(ln.startswith("REFUSED ") and want in ln for ln in lines), out

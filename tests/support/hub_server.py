@@ -19,10 +19,10 @@ range reader) talk to it. It serves what the Hub serves for model repos, as the 
   parent's files and the ones added, folders included (``pp2/model.safetensors.index.json``).
 
 No Xet headers are ever sent. Every request is logged (origin, method, path, Range, status,
-body bytes sent, whether an Authorization header came) so that tests can assert exactly what
-was fetched. Faults can be injected: drop the connection after N body bytes of a matching
-response, answer an error status to any request (API calls included), or ignore ``Range``
-altogether.
+body bytes sent, whether an Authorization header came, the User-Agent) so that tests can assert
+exactly what was fetched, and by whom. Faults can be injected: drop the connection after N body
+bytes of a matching response, answer an error status to any request (API calls included), or
+ignore ``Range`` altogether.
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ class LogEntry:
     sent: int  # body bytes actually written
     auth: bool  # an Authorization header was sent
     started: float = 0.0  # when the request came in: the log is in this order
+    agent: str = ""  # the User-Agent header: which process (or rank) asked
 
     @property
     def file(self) -> str:
@@ -297,6 +298,7 @@ class _Handler(BaseHTTPRequestHandler):
                         self._sent,
                         "Authorization" in self.headers,
                         started,
+                        self.headers.get("User-Agent", ""),
                     )
                 )
             with self.owner.state.settled:

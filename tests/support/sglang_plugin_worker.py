@@ -15,6 +15,10 @@ The measuring is done through SGLang's HookRegistry too, registered next to the 
 fed and whether it filled some parameter. The reference for each model is the same model loaded
 by SGLang from the whole checkpoint (a path that is not a split, so SGLang's own loader).
 
+A case with ``unsplit`` loads an unsplit checkpoint (a Hub repo id or a directory) through the
+plugin, the job's environment opting in (QWEN35_RESHARD_SGLANG_UNSPLIT); its twin is loaded with
+the opt-in removed, so by SGLang's own loader.
+
 Usage: python sglang_plugin_worker.py JOBS.json  ({"parallel": N, "jobs": [{pp, rank, partition,
 cases, result}, ...]}); each case is {id, source, split, kind} with kind "load" (target, and the
 draft if ``draft``) or "refused" (a control: the error and whether anything was built or fed).
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -77,6 +82,7 @@ def run_job(job: dict) -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from qwen35_reshard import loader
+    from qwen35_reshard.loader import sglang as plugin
 
     pp, rank = set_up_rank(job)
 
@@ -123,13 +129,20 @@ def run_job(job: dict) -> None:
         return {"error": None, "built": probe["built"], "fed": len(probe["fed"])}
 
     references: dict[tuple[str, bool], dict] = {}  # the rank's model from a whole checkpoint
+    opt_in = os.environ.get(plugin.UNSPLIT_ENV)
 
     def loaded(case: dict, *, draft: bool) -> dict:
-        """The model from the split and its twin from the whole checkpoint, compared."""
+        """The model from the split (or, ``unsplit``, the unsplit checkpoint through the plugin,
+        opted in) and its twin from the whole checkpoint by SGLang's own loader, compared."""
         got = load(case["split"], draft=draft)
         key = (case["source"], draft)
         if key not in references:
-            references[key] = load(case["source"], draft=draft, track=False)
+            os.environ.pop(plugin.UNSPLIT_ENV, None)  # the twin is SGLang's own, whatever the job's opt-in
+            try:
+                references[key] = load(case["source"], draft=draft, track=False)
+            finally:
+                if opt_in is not None:
+                    os.environ[plugin.UNSPLIT_ENV] = opt_in
         ref = references[key]
         model, twin = got.pop("model"), ref["model"]
         return {**got, "nan_after_whole": ref["nan"], "differs_from_whole": differing(model, twin),
@@ -143,7 +156,11 @@ def run_job(job: dict) -> None:
             out = refused(case["split"], draft=False)
         else:
             out = loaded(case, draft=False)
-            out["stage_names"] = loader.open_stage(case["split"], pp_rank=rank).names
+            # An unsplit checkpoint's stage is the one the plugin built or opened for this rank.
+            if case.get("unsplit"):
+                out["stage_names"] = plugin._stages[case["split"]].names
+            else:
+                out["stage_names"] = loader.open_stage(case["split"], pp_rank=rank).names
             out["draft"] = out["draft_refused"] = None
             if rank == pp - 1 and case["mtp_source"]:
                 with patch_pipeline_parallel_group(pipeline_group(0, 1)):  # SGLang's draft_pp_context

@@ -9,6 +9,7 @@ import doctest
 import pytest
 
 import qwen35_reshard
+from qwen35_reshard.serve import server_stage
 from qwen35_reshard.verify import verify
 
 PUBLIC = {
@@ -20,6 +21,7 @@ PUBLIC = {
     "repair": qwen35_reshard.repair,
     "open_stage": qwen35_reshard.open_stage,
     "choose": qwen35_reshard.choose,
+    "server_stage": server_stage,
 }
 
 

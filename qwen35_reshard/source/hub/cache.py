@@ -29,6 +29,9 @@ class HubSettings:
     cache_dir: str | None = None
     assets_dir: str | None = None
     offline: bool = False
+    # Appended to every request's User-Agent (e.g. "qwen35-stages/pp1"): a server's logs and
+    # a test tell the callers apart.
+    user_agent: str | None = None
 
 
 @dataclass(frozen=True)

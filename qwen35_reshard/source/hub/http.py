@@ -134,7 +134,12 @@ def resolve(repo_id: str, settings: HubSettings) -> HubRepo:
         # huggingface_hub falls back on the cache's ref (offline, or the Hub unreachable),
         # which it reads as it finds it: checked here first, read by no one if damaged.
         read_ref(probe.storage, revision)
-    api = HfApi(endpoint=settings.endpoint, library_name=TOOL_NAME, library_version=__version__)
+    api = HfApi(
+        endpoint=settings.endpoint,
+        library_name=TOOL_NAME,
+        library_version=__version__,
+        user_agent=settings.user_agent,
+    )
     try:
         resolved = retrying(
             lambda: api.resolve_revision(
@@ -245,6 +250,7 @@ def hf_download(
                 cache_dir=repo.settings.cache_dir,
                 endpoint=repo.settings.endpoint,
                 token=repo.settings.token,
+                user_agent=repo.settings.user_agent,
                 library_name=TOOL_NAME,
                 library_version=__version__,
                 tqdm_class=progress,
@@ -279,7 +285,12 @@ def reader(repo: HubRepo, name: str, *, size: int | None, traffic: Traffic) -> R
     from huggingface_hub.utils import build_hf_headers, hf_raise_for_status
 
     url = hf_hub_url(repo.repo_id, name, revision=repo.commit, endpoint=repo.settings.endpoint)
-    headers = build_hf_headers(token=repo.settings.token, library_name=TOOL_NAME, library_version=__version__)
+    headers = build_hf_headers(
+        token=repo.settings.token,
+        library_name=TOOL_NAME,
+        library_version=__version__,
+        user_agent=repo.settings.user_agent,
+    )
     return RangeReader(
         url,
         wait=_retry_wait(),

@@ -33,7 +33,12 @@ def repo_listing(repo: HubRepo) -> dict[str, int]:
         )
     from huggingface_hub import HfApi
 
-    api = HfApi(endpoint=repo.settings.endpoint, library_name=TOOL_NAME, library_version=__version__)
+    api = HfApi(
+        endpoint=repo.settings.endpoint,
+        library_name=TOOL_NAME,
+        library_version=__version__,
+        user_agent=repo.settings.user_agent,
+    )
 
     def fetch() -> list:
         return list(api.list_repo_tree(repo.repo_id, revision=repo.commit, token=repo.settings.token))

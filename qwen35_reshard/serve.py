@@ -1,0 +1,318 @@
+"""A pipeline rank's stage of an UNSPLIT checkpoint, for a server's loader (no split beforehand).
+
+    served = server_stage("Qwen/Qwen3.5-397B-A17B", runtime="vllm", partition=[15, 15, 15, 15], rank=2)
+    model.load_weights(served.stage.iter_weights())
+
+What the servers' ``qwen35-stages`` loaders (:mod:`.loader.vllm`, :mod:`.loader.sglang`) call
+when the model they are given is not a split. ``partition`` is the layers per stage the server
+itself computed (its ``get_pp_indices``, partition variable included), so the stage is the one
+a split with the same settings would hold, placed by the same planner:
+
+- a Hub repo id: resolved to its commit, then built into the stage cache
+  ``CACHE/models--org--name/<commit>/<runtime>-pp<N>-<partition>/pp<rank>`` by the library's
+  own split (``reshard(..., ranks=[rank])``), which fetches only the stage's byte ranges (and
+  the shards' headers), and opened and checked as any split's stage (``open_stage``). The
+  next start finds it complete and fetches nothing but the revision's commit. Commit and
+  partition are in the key: a stage of another commit or partition is never opened.
+- a local directory (or Hugging Face cache folder): read in place, only the stage's tensors,
+  from the source shards' own memory maps (no copy); each shard's size and header are checked
+  again before it is read. With ``copy=True`` (a network filesystem) the stage is built into
+  ``CACHE/local/<fingerprint>/<runtime>-pp<N>-<partition>`` first, the source's fingerprint
+  (config, index, every shard's size and header) in the key.
+
+Several ranks of one node share the cache as several runs share one OUT (see
+:mod:`.write.claims`): each builds its own stage, a stage another rank is building is waited
+for and not built twice; a stage is opened only once its manifest is written, so nothing a
+killed or failed start left is ever loaded.
+
+``CACHE`` is ``QWEN35_RESHARD_STAGE_CACHE``, or ``$HF_HOME/qwen35-stages`` (``~/.cache/
+huggingface/qwen35-stages``); ``QWEN35_RESHARD_STAGE_COPY=1`` asks for ``copy``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from .api import reshard
+from .errors import ReshardError
+from .format.names import CACHE_REPO_PREFIX, STAGE_MANIFEST, stage_dirname
+from .loader import Stage, StageError, open_stage
+from .model.runtimes import runtime_of
+from .plan.planner import make_plan
+from .source.checkpoint import Checkpoint, source_identity
+from .source.header import read_header
+from .source.hub.cache import HubSettings
+from .source.hub.http import resolve
+from .source.open import is_repo_id, open_model
+from .stage.manifest import StageManifest, StageTensor
+
+STAGE_CACHE_ENV = "QWEN35_RESHARD_STAGE_CACHE"
+STAGE_COPY_ENV = "QWEN35_RESHARD_STAGE_COPY"
+CACHE_DIRNAME = "qwen35-stages"  # under HF_HOME, beside huggingface_hub's own hub/ and assets/
+LOCAL_DIRNAME = "local"  # stages built from local directories, keyed by the source's fingerprint
+FINGERPRINT_CHARS = 16
+
+USER_AGENT = "qwen35-stages/pp{rank}"  # each rank's Hub requests, told apart in the Hub's logs
+
+# How a stage was obtained, as ServedStage.how says it.
+FETCHED, CACHED, IN_PLACE, BUILT = "fetched", "cached", "in place", "built"
+
+
+@dataclass(frozen=True)
+class ServedStage:
+    """The stage a rank loads, and how it got it: ``how`` is FETCHED (built from the Hub by
+    this start), CACHED (found complete in the stage cache), IN_PLACE (read from the local
+    source's own files) or BUILT (built from a local source into the cache); ``where`` is the
+    stage cache's run directory (None in place); ``fetched_bytes`` what this start fetched."""
+
+    stage: Stage
+    how: str
+    source: str
+    where: Path | None
+    fetched_bytes: int = 0
+    seconds: float = 0.0
+
+    def describe(self) -> str:
+        """One line for the server's log."""
+        where = f" in {self.where}" if self.where is not None else ""
+        got = f", {self.fetched_bytes:,} bytes fetched" if self.how == FETCHED else ""
+        return f"{self.source}: stage {self.stage.rank} {self.how}{where}{got} ({self.seconds:.1f} s)"
+
+
+def stage_cache_root(env: Mapping[str, str] | None = None) -> Path:
+    """Where stages of unsplit checkpoints are kept: ``QWEN35_RESHARD_STAGE_CACHE``, else
+    ``$HF_HOME/qwen35-stages``."""
+    env = os.environ if env is None else env
+    given = env.get(STAGE_CACHE_ENV)
+    if given:
+        return Path(given).expanduser()
+    from huggingface_hub import constants as hf
+
+    return Path(hf.HF_HOME).expanduser() / CACHE_DIRNAME
+
+
+def copy_asked(env: Mapping[str, str] | None = None) -> bool:
+    """Whether ``QWEN35_RESHARD_STAGE_COPY`` asks for a local directory's stage to be built
+    in the cache first."""
+    value = (os.environ if env is None else env).get(STAGE_COPY_ENV, "")
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+def cache_key(runtime: str, partition: Sequence[int]) -> str:
+    """The split's settings as a directory name: ``vllm-pp2-5-3``."""
+    return f"{runtime}-pp{len(partition)}-{'-'.join(map(str, partition))}"
+
+
+def server_stage(
+    model: str | os.PathLike[str],
+    *,
+    runtime: str,
+    partition: Sequence[int],
+    rank: int,
+    revision: str | None = None,
+    token: str | None = None,
+    cache: str | os.PathLike[str] | None = None,
+    copy: bool = False,
+    user_agent: str | None = None,
+) -> ServedStage:
+    """Pipeline rank ``rank``'s stage of the unsplit ``model``, opened and checked.
+
+    Args:
+        model: a Hub repo id (``org/name``), a checkpoint directory or a Hugging Face cache
+            folder (``models--org--name``).
+        runtime: ``"vllm"`` or ``"sglang"``: whose placement rules apply.
+        partition: decoder layers per stage, as the server computed them.
+        rank: the server's pipeline rank.
+        revision, token: for a repo id (``revision`` also picks a cache folder's snapshot).
+        cache: the stage cache (default :func:`stage_cache_root`).
+        copy: a local directory's stage is built in the cache first rather than read in place.
+        user_agent: appended to the User-Agent of every Hub request.
+
+    Returns:
+        A :class:`ServedStage`: the :class:`~.loader.Stage` and how it was obtained.
+
+    Raises:
+        StageError: in one line: the Hub's error, a full disk, a stage cache another run
+            holds, a damaged stage; nothing half-written is ever opened.
+
+    Example:
+        >>> from qwen35_reshard.serve import server_stage
+        >>> served = server_stage(MODEL, runtime="vllm", partition=[4, 4], rank=1)
+        >>> served.how, served.stage.start_layer, served.stage.end_layer
+        ('in place', 4, 8)
+    """
+    started = time.monotonic()
+    partition = [int(n) for n in partition]
+    if not 0 <= rank < len(partition):
+        raise StageError(f"pipeline rank {rank} is outside the partition {partition}")
+    root = Path(cache) if cache is not None else stage_cache_root()
+    name = os.fspath(model)
+    settings = HubSettings(revision=revision, token=token, user_agent=user_agent)
+    try:
+        if is_repo_id(name):
+            repo = resolve(name, settings)
+            out = root / f"{CACHE_REPO_PREFIX}{repo.repo_id.replace('/', '--')}" / repo.commit
+            pinned = replace(settings, revision=repo.commit)
+            key = out / cache_key(runtime, partition)
+            served = _cached_or_built(name, key, runtime, partition, rank, hub=pinned, commit=repo.commit)
+        else:
+            ckpt, _ = open_model(name, settings)
+            if copy:
+                fingerprint = source_identity(ckpt)["fingerprint"][:FINGERPRINT_CHARS]
+                out = root / LOCAL_DIRNAME / fingerprint / cache_key(runtime, partition)
+                served = _cached_or_built(os.fspath(ckpt.root), out, runtime, partition, rank)
+            else:
+                served = ServedStage(in_place_stage(ckpt, runtime, partition, rank), IN_PLACE, name, None)
+    except StageError:
+        raise
+    except ReshardError as e:
+        where = f"; the stage cache is set by {STAGE_CACHE_ENV}" if os.fspath(root) in str(e) else ""
+        raise StageError(f"pipeline rank {rank}: {e}{where}") from e
+    except OSError as e:  # the stage cache cannot be created or written (a full disk, permissions)
+        raise StageError(f"pipeline rank {rank}: {name}: the stage cache {root}: {e.strerror or e}") from e
+    served.stage.check(len(partition), *_layers(partition, rank), pp_rank=rank, runtime=runtime)
+    return ServedStage(
+        served.stage, served.how, name, served.where, served.fetched_bytes, time.monotonic() - started
+    )
+
+
+def _layers(partition: Sequence[int], rank: int) -> tuple[int, int]:
+    start = sum(partition[:rank])
+    return start, start + partition[rank]
+
+
+def _cached_or_built(
+    model: str,
+    out: Path,
+    runtime: str,
+    partition: list[int],
+    rank: int,
+    *,
+    hub: HubSettings | None = None,
+    commit: str | None = None,
+) -> ServedStage:
+    """The stage in the cache's run directory ``out``: opened if complete, else built there
+    first (only this rank's stage; a stage another rank is building is waited for)."""
+    how, fetched = CACHED, 0
+    if not (out / stage_dirname(rank) / STAGE_MANIFEST).is_file():
+        result = reshard(
+            model, out, pp=len(partition), runtime=runtime, partition=partition, ranks=[rank], hub=hub
+        )
+        how = FETCHED if commit is not None else BUILT
+        fetched = (result.fetch or {}).get("fetched_bytes", 0)
+    stage = open_stage(out, pp_rank=rank)
+    recorded = stage.manifest.source.get("commit")
+    if commit is not None and recorded != commit:  # the key names the commit: only a moved directory
+        raise StageError(
+            f"{stage.display} was built from commit {recorded}, not {commit}: remove it from the stage cache"
+        )
+    return ServedStage(stage, how, model, out, fetched)
+
+
+def in_place_stage(ckpt: Checkpoint, runtime: str, partition: Sequence[int], rank: int) -> Stage:
+    """Stage ``rank`` of the split of ``ckpt`` as a :class:`~.loader.Stage` whose tensors are
+    read from the source shards themselves: the plan's tensors for the rank, at their offsets
+    in the shards whose headers are read again here (what ``iter_weights`` checks each shard
+    against before reading it).
+
+    Raises:
+        StageError: a shard changed since the checkpoint was read.
+    """
+    plan = make_plan(ckpt, pp=len(partition), runtime=runtime, partition=list(partition), ranks=[rank])
+    planned = plan.stages[rank]
+    sources = sorted((t.source for t in planned.tensors), key=lambda s: (s.file, s.offset))
+    headers = {}
+    for file in sorted({s.file for s in sources}):
+        header = read_header(ckpt.path(file), display=f"{ckpt.display}/{file}")
+        at = dict(zip(header.columns.names, header.columns.begins, strict=True))
+        for s in (s for s in sources if s.file == file):
+            begin = at.get(s.name)
+            if begin is None or header.data_start + begin != s.offset:
+                raise StageError(
+                    f"{ckpt.display}/{file} changed while the server was starting (tensor {s.name!r} moved); "
+                    "restart the server once the checkpoint is no longer being written"
+                )
+        headers[file] = header.raw
+    tensors = {
+        s.name: StageTensor(
+            name=s.name, file=s.file, dtype=s.dtype, shape=s.shape, nbytes=s.nbytes, offset=s.offset
+        )
+        for s in sources
+    }
+    counts: dict[str, int] = {}
+    for s in sources:
+        counts[s.file] = counts.get(s.file, 0) + 1
+    start, end = planned.start_layer, planned.end_layer
+    manifest = StageManifest(
+        rank=rank,
+        pp=plan.pp,
+        runtime=runtime,
+        partition=tuple(plan.partition),
+        start_layer=start,
+        end_layer=end,
+        mtp=plan.mtp,
+        identity=None,
+        source=source_identity(ckpt),
+        index_sha256=None,
+        side_files={},
+        files={f: ckpt.file_sizes[f] for f in counts},
+        file_tensors=counts,
+        layouts={},
+        tensors=tensors,
+    )
+    return Stage(
+        path=ckpt.root,
+        display=f"{ckpt.display} (stage {rank}, read in place)",
+        manifest=manifest,
+        headers=headers,
+    )
+
+
+def for_server(
+    model: str,
+    *,
+    runtime: str,
+    partition: Sequence[int],
+    rank: int,
+    revision: str | None,
+    token: str | None,
+    log: Callable[[str], None],
+) -> Stage:
+    """What a server's ``qwen35-stages`` loader does for an unsplit ``model``: say the opt-in
+    and the partition (where it comes from: a partition variable that differs between nodes
+    shows here, and keys the cache apart) in the server's log, then :func:`server_stage` with
+    the cache and ``copy`` of the environment and the rank in the User-Agent.
+
+    Raises:
+        StageError: as :func:`server_stage`; its line is logged first.
+    """
+    var = runtime_of(runtime).partition_env
+    given = os.environ.get(var)
+    start, end = _layers(partition, rank)
+    root = stage_cache_root()
+    log(
+        f"qwen35-stages: {model} is not a split: pipeline rank {rank} of {len(partition)} loads its "
+        f"stage (layers [{start}, {end}) of partition {','.join(map(str, partition))}, "
+        f"{f'{var}={given}' if given else f'{var} unset'}) of the unsplit checkpoint, stage cache {root}"
+    )
+    try:
+        served = server_stage(
+            model,
+            runtime=runtime,
+            partition=partition,
+            rank=rank,
+            revision=revision,
+            token=token,
+            cache=root,
+            copy=copy_asked(),
+            user_agent=USER_AGENT.format(rank=rank),
+        )
+    except StageError as e:
+        log(f"qwen35-stages: error: {e}")
+        raise
+    log(f"qwen35-stages: {served.describe()}")
+    return served.stage

@@ -1,0 +1,247 @@
+"""A pipeline rank's stage of an UNSPLIT checkpoint (qwen35_reshard/serve.py, issue 33): what
+the servers' qwen35-stages loaders call for a Hub repo id or a local directory.
+
+Each call runs ``serve_stage.py`` in its own process with a private ``HF_HOME``, ``HF_ENDPOINT``
+at the tests' Hub server (tests/support/hub_server.py, which logs every request with its User-Agent)
+and its own stage cache. What must hold:
+
+- from the Hub, the rank fetches at most its stage's bytes plus the shards' headers, and gets
+  exactly the tensors (names and bytes) of the same stage of a split made with the CLI's rules;
+  the next start fetches no safetensors byte; another partition is another cache entry;
+- several processes building the same rank at once fetch it once;
+- from a local directory, the stage is read in place (no file written) with the same tensors,
+  or, asked to copy, built in the cache once;
+- a Hub error stops with one line, and nothing is left that a later start would open.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import qwen35_reshard
+from qwen35_reshard.serve import STAGE_CACHE_ENV
+from qwen35_reshard.source.checkpoint import source_identity
+
+from support.helpers import ROOT, SUPPORT, mount_namespace
+from support.hub_server import Fault, HubServer
+
+pytestmark = pytest.mark.slow
+
+REPO = "Qwen/Tiny"
+DRIVER = SUPPORT / "serve_stage.py"
+SHARD_BYTES = 150_000  # ten shards: some needed whole by a rank, some straddling two ranks
+PARTITION = [2, 2, 2, 2]  # SGLang's default for 8 layers at pp=4
+
+
+@pytest.fixture(scope="module")
+def model(make_checkpoint):
+    return make_checkpoint(shard_bytes=SHARD_BYTES)
+
+
+@pytest.fixture
+def hub(model):
+    with HubServer() as server:
+        server.add_repo(REPO, model)
+        yield server
+
+
+@pytest.fixture(scope="module")
+def split(model, tmp_path_factory):
+    """{(partition, rank): {name: sha256}} of stages of splits made the ordinary way."""
+    out: dict = {}
+
+    def get(partition: list[int], rank: int) -> dict[str, str]:
+        key = (tuple(partition), rank)
+        if key not in out:
+            d = tmp_path_factory.mktemp("split")
+            qwen35_reshard.reshard(model, d, pp=len(partition), runtime="sglang", partition=partition)
+            for r in range(len(partition)):
+                stage = qwen35_reshard.open_stage(d, pp_rank=r)
+                out[(tuple(partition), r)] = {
+                    name: hashlib.sha256(t.contiguous().view(-1).view(torch_uint8()).numpy()).hexdigest()
+                    for name, t in stage.iter_weights()
+                }
+        return out[key]
+
+    return get
+
+
+def torch_uint8():
+    import torch
+
+    return torch.uint8
+
+
+def serve(tmp_path, spec: dict, *, hub=None, background: bool = False, prefix: tuple = ()):
+    """server_stage in its own process (started by ``prefix``); its RESULT, or the STAGEERROR line."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
+    env.update(
+        PYTHONPATH=str(ROOT),
+        HF_HOME=str(tmp_path / "hf-home"),
+        HF_ENDPOINT=hub.url if hub is not None else "http://127.0.0.1:9",
+        HF_HUB_DISABLE_XET="1",
+        HF_HUB_DISABLE_TELEMETRY="1",
+        QWEN35_RESHARD_RETRY_WAIT="0.01",
+        **{STAGE_CACHE_ENV: str(tmp_path / "stages")},
+    )
+    spec = {"runtime": "sglang", "partition": PARTITION, **spec}
+    cmd = [*prefix, sys.executable, str(DRIVER), json.dumps(spec)]
+    if background:
+        return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    return parse(proc.returncode, proc.stdout, proc.stderr)
+
+
+def parse(code: int, stdout: str, stderr: str) -> dict:
+    for line in stdout.splitlines():
+        if line.startswith("RESULT "):
+            assert code == 0, stderr
+            return json.loads(line[len("RESULT "):])
+        if line.startswith("STAGEERROR "):
+            assert code == 3 and "Traceback" not in stdout, stderr
+            return {"error": line[len("STAGEERROR "):], "stdout": stdout}
+    raise AssertionError(f"exit {code}\n{stdout}\n{stderr}")
+
+
+def safetensors_bytes(hub, agent: str | None = None) -> int:
+    """Body bytes of *.safetensors sent (headers and data), to requests whose User-Agent has ``agent``."""
+    return sum(
+        e.sent for e in hub.log
+        if e.file.endswith(".safetensors") and e.method == "GET" and (agent is None or agent in e.agent)
+    )
+
+
+def header_bytes(model: Path) -> int:
+    """What reading every shard's header costs: its 8-byte length and the JSON."""
+    total = 0
+    for f in model.glob("*.safetensors"):
+        with open(f, "rb") as fh:
+            total += 8 + int.from_bytes(fh.read(8), "little")
+    return total
+
+
+def whole_shard_headers(model: Path, partition: list[int], rank: int) -> int:
+    """Header bytes of the shards whose every tensor the stage holds."""
+    ckpt = qwen35_reshard.read_checkpoint(model)
+    plan = qwen35_reshard.make_plan(ckpt, pp=len(partition), runtime="sglang", partition=partition)
+    names = {t.name for t in plan.stages[rank].tensors}
+    whole = {f for f in ckpt.files if all(n in names for n, t in ckpt.tensors.items() if t.file == f)}
+    return sum(8 + int.from_bytes((model / f).read_bytes()[:8], "little") for f in whole)
+
+
+def stage_bytes(model: Path, partition: list[int], rank: int) -> int:
+    ckpt = qwen35_reshard.read_checkpoint(model)
+    plan = qwen35_reshard.make_plan(ckpt, pp=len(partition), runtime="sglang", partition=partition)
+    return plan.stages[rank].data_bytes
+
+
+def test_hub_fetches_only_its_stage_once_and_keys_the_cache(tmp_path, hub, model, split):
+    whole = sum(f.stat().st_size for f in model.glob("*.safetensors"))
+    first = serve(tmp_path, {"model": REPO, "rank": 1, "user_agent": "qwen35-stages/pp1"}, hub=hub)
+    assert first.get("how") == "fetched", first
+    assert first["digests"] == split(PARTITION, 1)
+    got = safetensors_bytes(hub)
+    assert got == safetensors_bytes(hub, "qwen35-stages/pp1")  # every request says its rank
+    # Exactly the stage's tensors, every shard's header (planning) and again the header of each
+    # shard the stage needs whole (downloaded as it is, into the Hugging Face cache).
+    headers = header_bytes(model) + whole_shard_headers(model, PARTITION, 1)
+    assert got == stage_bytes(model, PARTITION, 1) + headers
+    assert got < whole / 2
+    commit = next(iter(hub.state.repos[REPO].files))
+    assert first["where"] == str(tmp_path / "stages" / "models--Qwen--Tiny" / commit / "sglang-pp4-2-2-2-2")
+
+    hub.clear_log()
+    again = serve(tmp_path, {"model": REPO, "rank": 1}, hub=hub)
+    assert again["how"] == "cached" and again["digests"] == first["digests"]
+    assert safetensors_bytes(hub) == 0
+    assert [e.path for e in hub.log] == [f"/api/models/{REPO}/revision/main"]  # the commit, nothing else
+
+    # Another partition is another stage: built anew, never the cached one.
+    other = serve(tmp_path, {"model": REPO, "rank": 1, "partition": [1, 3, 2, 2]}, hub=hub)
+    assert other["how"] == "fetched" and other["where"].endswith("sglang-pp4-1-3-2-2")
+    assert other["digests"] == split([1, 3, 2, 2], 1)
+
+
+def test_ranks_building_one_stage_at_once_fetch_it_once(tmp_path, hub, model):
+    procs = [serve(tmp_path, {"model": REPO, "rank": 2}, hub=hub, background=True) for _ in range(2)]
+    results = [parse(p.wait(timeout=300), *p.communicate()) for p in procs]
+    assert results[0]["digests"] == results[1]["digests"]
+    # Both may read every header; a shard the stage needs whole comes once with its header.
+    data = safetensors_bytes(hub) - header_bytes(model) * 2 - whole_shard_headers(model, PARTITION, 2)
+    assert data <= stage_bytes(model, PARTITION, 2)
+
+
+def test_local_directory_read_in_place_or_copied(tmp_path, model, split):
+    in_place = serve(tmp_path, {"model": str(model), "rank": 3})
+    assert in_place["how"] == "in place" and in_place["path"] == str(model)
+    assert in_place["digests"] == split(PARTITION, 3)
+    assert not (tmp_path / "stages").exists()  # nothing written, nothing copied
+
+    copied = serve(tmp_path, {"model": str(model), "rank": 3, "copy": True})
+    assert copied["how"] == "built" and copied["digests"] == split(PARTITION, 3)
+    assert Path(copied["where"]).is_relative_to(tmp_path / "stages" / "local")
+    assert serve(tmp_path, {"model": str(model), "rank": 3, "copy": True})["how"] == "cached"
+
+
+def test_hub_error_stops_in_one_line_and_leaves_nothing_usable(tmp_path, hub, model):
+    # Every read of one shard this rank needs fails for good: the start stops, naming it.
+    shard = sorted(p.name for p in model.glob("*.safetensors"))[-1]
+    hub.add_fault(Fault(file=shard, status=500, times=1000))
+    failed = serve(tmp_path, {"model": REPO, "rank": 3}, hub=hub)
+    assert "error" in failed and "\n" not in failed["error"], failed
+    assert shard in failed["error"] and "500" in failed["error"], failed
+    stages = list((tmp_path / "stages").rglob("reshard-stage.json"))
+    assert stages == []  # no stage finished: a later start builds it
+
+    hub.state.faults.clear()
+    assert serve(tmp_path, {"model": REPO, "rank": 3}, hub=hub)["how"] == "fetched"
+
+    missing = serve(tmp_path, {"model": "Qwen/NoSuchRepo", "rank": 0}, hub=hub)
+    assert missing["error"].startswith("pipeline rank 0: Qwen/NoSuchRepo: no such model repo"), missing
+
+
+def test_a_stage_cache_another_run_writes_otherwise_stops_in_one_line(tmp_path, model):
+    """A split with other settings (--no-mtp) being written into the stage's cache directory,
+    stopped mid-write: the rank stops with the writer's one line naming that run, and builds
+    nothing; the other run is unharmed."""
+    from e2e.test_concurrent import Run
+
+    fingerprint = source_identity(qwen35_reshard.read_checkpoint(model))["fingerprint"][:16]
+    out = tmp_path / "stages" / "local" / fingerprint / "sglang-pp4-2-2-2-2"
+    args = ["--pp", "4", "--runtime", "sglang", "--no-mtp", "--workers", "1", str(model), str(out)]
+    other = Run(args, tmp_path / "other", stop_at="/pp3/.model-")
+    other.wait_stopped()
+    try:
+        got = serve(tmp_path, {"model": str(model), "rank": 3, "copy": True})
+    finally:
+        assert other.resume() == 0, other.stderr.read_text()
+    assert "being written by another qwen35-reshard run" in got.get("error", ""), got
+    assert f"pid {other.proc.pid}" in got["error"] and "other settings" in got["error"]
+    assert got["error"].startswith("pipeline rank 3: ") and "\n" not in got["error"]
+
+
+def test_a_full_disk_stops_in_one_line_and_leaves_nothing_usable(tmp_path, model):
+    """The stage cache on a 64 KiB tmpfs (a private mount namespace): the rank stops with one
+    line, and no stage manifest is left there for a later start to open."""
+    prefix = mount_namespace(tmp_path / "probe")
+    if prefix is None:
+        pytest.skip("cannot mount a tmpfs here (needs root or unprivileged user namespaces)")
+    cache = tmp_path / "stages"
+    cache.mkdir()
+    # Mount, run, then list what the run left in the cache (the mount vanishes with the namespace).
+    shell = (f"mount -t tmpfs -o size=64k tmpfs {cache} || exit 9; \"$@\"; rc=$?; "
+             f"find {cache} -name reshard-stage.json -printf 'LEFT %p\\n'; exit $rc")
+    spec = {"model": str(model), "rank": 3, "copy": True}
+    got = serve(tmp_path, spec, prefix=(*prefix, "sh", "-c", shell, "sh"))
+    # The split's own check of the free space before writing, said in its terms and ours.
+    assert " free but this run writes " in got.get("error", ""), got
+    assert f"the stage cache is set by {STAGE_CACHE_ENV}" in got["error"]
+    assert got["error"].startswith("pipeline rank 3: ") and "\n" not in got["error"]
+    assert "LEFT" not in got["stdout"]

@@ -1,0 +1,43 @@
+"""Run ``qwen35_reshard.serve.server_stage`` in its own process (HF_HOME, HF_ENDPOINT and the
+stage cache are the caller's environment, read by huggingface_hub at import) and print what
+it gave: ``RESULT {how, fetched_bytes, where, files, path, digests: {name: sha256 of bytes}}``,
+or ``STAGEERROR <message>`` and exit 3. Used by tests/e2e/test_serve.py.
+
+    python serve_stage.py '{"model": ..., "runtime": "vllm", "partition": [2, 2, 2, 2], "rank": 1}'
+"""
+
+import hashlib
+import json
+import sys
+
+import torch
+
+from qwen35_reshard.loader import StageError
+from qwen35_reshard.serve import server_stage
+
+
+def main() -> int:
+    spec = json.loads(sys.argv[1])
+    try:
+        served = server_stage(
+            spec["model"], runtime=spec["runtime"], partition=spec["partition"], rank=spec["rank"],
+            revision=spec.get("revision"), copy=spec.get("copy", False), user_agent=spec.get("user_agent"),
+        )
+    except StageError as e:
+        print(f"STAGEERROR {e}", flush=True)
+        return 3
+    stage = served.stage
+    digests = {
+        name: hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+        for name, t in stage.iter_weights()
+    }
+    print("RESULT " + json.dumps({
+        "how": served.how, "fetched_bytes": served.fetched_bytes,
+        "where": None if served.where is None else str(served.where), "files": list(stage.files),
+        "path": str(stage.path), "digests": digests, "line": served.describe(),
+    }), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
