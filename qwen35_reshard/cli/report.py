@@ -168,7 +168,10 @@ class RichReporter(ReshardProgress):
         """The bar shows it; the stage's line comes when it is complete."""
 
     def stage_done(self, stage: StagePlan) -> None:
-        self.close()  # copying is over once stages finish; the bar stays as the last record
+        # A stage may finish while later ones copy: its line goes above the bar. Once the copy
+        # is over the bar stops, and stays as the last record above the stages finished then.
+        if self.task is None or next(t for t in self.progress.tasks if t.id == self.task).finished:
+            self.close()
         self.console.print(f"[green]done[/] {_stage_line(stage)}")
 
     def close(self) -> None:
@@ -222,7 +225,10 @@ class LogReporter(ReshardProgress):
         self.say(f"copied {stage.dirname}: {files}, {format_bytes(stage.size)}")
 
     def stage_done(self, stage: StagePlan) -> None:
-        self.close()
+        with self.lock:
+            copying = self.done < self.total  # a stage finished while later ones copy
+        if not copying:
+            self.close()
         self.say(f"done {_stage_line(stage)}")
 
     def close(self) -> None:

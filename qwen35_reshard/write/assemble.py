@@ -1,6 +1,9 @@
 """Assembling the data files: every file of a run made under its temporary name (cloned,
 or created with its header), filled by one worker per source shard, then finished (made
-durable, renamed, journaled) in batches as the shards that complete them are copied."""
+durable, renamed, journaled) in batches as the shards that complete them are copied. A stage
+whose data files are all copied while later shards are still being copied is handed, with its
+files not yet durable, to the caller to finish at once (``finish_stage``): its log says
+``done ppN`` then, not at the end of the run."""
 
 from __future__ import annotations
 
@@ -42,7 +45,7 @@ class Reporter:
 
     def stage_copied(self, stage: StagePlan) -> None:
         """Called once every data file of ``stage`` this run writes is copied, as it happens;
-        the stage is made complete later, behind the run's shared barriers (``stage_done``)."""
+        the stage is made complete after that, behind its barriers (``stage_done``)."""
 
     def stage_done(self, stage: StagePlan) -> None:
         """Called when ``stage`` is complete in OUT."""
@@ -62,6 +65,7 @@ class _Copy:
     shared: int = 0  # bytes sharing the source's blocks
     lock: threading.Lock = field(default_factory=threading.Lock)
     copied_stages: set[int] = field(default_factory=set)  # stages reported to stage_copied
+    finished_stages: set[int] = field(default_factory=set)  # stages handed to finish_stage
 
     def on_shared(self, n: int) -> None:
         with self.lock:
@@ -122,6 +126,20 @@ class _Copy:
                 self.copied_stages.add(rank)
                 reporter.stage_copied(o.stage)
 
+    def take_copied_stages(
+        self, ready: list[OpenFile]
+    ) -> tuple[list[tuple[StagePlan, list[OpenFile]]], list[OpenFile]]:
+        """The stages whose files are all copied now and not taken before, each with its files
+        of ``ready``; and the rest of ``ready``."""
+        pending = {o.stage.rank for o in self.opened if o.pending_sources}
+        stages = {o.stage.rank: o.stage for o in self.opened if o.stage.rank not in pending}
+        taken = []
+        for rank, stage in stages.items():
+            if rank not in self.finished_stages:
+                self.finished_stages.add(rank)
+                taken.append((stage, [o for o in ready if o.stage.rank == rank]))
+        return taken, [o for o in ready if o.stage.rank not in self.finished_stages]
+
     def close(self) -> None:
         """Close and delete the files not finished (a run stopped by an error or a signal)."""
         for o in self.opened:
@@ -148,22 +166,42 @@ class CopyJob:
 @dataclass
 class Copied(Generic[T]):
     """What :func:`copy_files` did: bytes copied and shared, the tensors' digests by stage, the
-    files left for the stages' first barrier, and what ``meanwhile()`` returned."""
+    files left for the stages' first barrier, what ``meanwhile()`` returned, and the stages
+    handed to ``finish_stage`` (by rank)."""
 
     bytes_copied: int
     bytes_shared: int
     digests: dict[int, Digests]
     deferred: list[tuple[Path, Path]]
     meanwhile: T
+    finished: set[int] = field(default_factory=set)
 
 
-def copy_files(job: CopyJob, meanwhile: Callable[[], T], *, defer_last: bool = False) -> Copied[T]:
+# Finishes a stage whose data is copied: (meanwhile()'s result, the stage, its digests, the
+# (temporary, final) names of its data files not yet durable).
+FinishStage = Callable[[T, StagePlan, Digests, list[tuple[Path, Path]]], None]
+
+
+def copy_files(
+    job: CopyJob,
+    meanwhile: Callable[[], T],
+    *,
+    defer_last: bool = False,
+    finish_stage: FinishStage[T] | None = None,
+) -> Copied[T]:
     """Copy (or share) the data of ``job.files``, one worker per source shard.
 
     When the filesystem is synced whole and ``defer_last``, the files finished last are left
     under their temporary names, closed, their (temporary, final) names in ``deferred``: the
     stages' first barrier makes them durable with everything else. ``meanwhile()`` runs in
     this thread while the workers copy.
+
+    ``finish_stage``: called in this thread, as the workers go on copying, for each stage
+    whose data files are all copied before the last shard is, with its files not yet durable
+    (synced whole: left closed under their temporary names, as ``deferred``; else none, each
+    finished and journaled as any other): it makes the stage complete. The stages completed
+    by the last shard are left to the caller, which finishes them together behind shared
+    barriers.
     """
     durable = job.durable
     digests: dict[int, Digests] = {stage.rank: {} for stage, _ in job.files}
@@ -179,22 +217,28 @@ def copy_files(job: CopyJob, meanwhile: Callable[[], T], *, defer_last: bool = F
         if not durable.whole_fs:
             finish_files(ready, digests, durable)
             ready = []
-        ready, meanwhile_result = _copy_sources(job, copy, digests, ready, meanwhile)
+        ready, meanwhile_result = _copy_sources(job, copy, digests, ready, meanwhile, finish_stage)
         deferred = []
-        if durable.whole_fs and defer_last:
-            deferred = _close_for_barrier(ready)
+        if defer_last:
+            deferred = _finish_or_defer(ready, digests, durable)
         else:
             finish_files(ready, digests, durable)
         copied = sum(f.size for _, f in job.files) - copy.shared
-        return Copied(copied, copy.shared, digests, deferred, meanwhile_result)
+        return Copied(copied, copy.shared, digests, deferred, meanwhile_result, copy.finished_stages)
     finally:
         copy.close()
 
 
 def _copy_sources(
-    job: CopyJob, copy: _Copy, digests: dict[int, Digests], ready: list[OpenFile], meanwhile: Callable[[], T]
+    job: CopyJob,
+    copy: _Copy,
+    digests: dict[int, Digests],
+    ready: list[OpenFile],
+    meanwhile: Callable[[], T],
+    finish_stage: FinishStage[T] | None,
 ) -> tuple[list[OpenFile], T]:
-    """Copy every source shard's runs, finishing files in batches as shards complete them;
+    """Copy every source shard's runs, finishing files in batches as shards complete them,
+    and stages (``finish_stage``) as their last files are copied while others still are;
     returns the completed files not finished yet (``ready`` and those after it), and what
     ``meanwhile()`` returned."""
     plan, durable = job.plan, job.durable
@@ -233,6 +277,15 @@ def _copy_sources(
                 for fut in done:
                     ready += copy.source_done(futures.pop(fut), fut.result(), digests)
                 copy.report_copied(job.reporter)
+                if futures and finish_stage is not None:
+                    taken, ready = copy.take_copied_stages(ready)
+                    for stage, files in taken:
+                        finish_stage(
+                            meanwhile_result,
+                            stage,
+                            digests[stage.rank],
+                            _finish_or_defer(files, digests, durable),
+                        )
                 if futures and _batch_due(ready, durable):
                     finish_files(ready, digests, durable)
                     ready = []
@@ -258,6 +311,18 @@ def _write_back_now(fd: int) -> None:
     dirty data then goes to disk as the copy goes, not all at the barrier."""
     if pages.DROP_BEHIND:
         drop_pages(fd, 0, 0)
+
+
+def _finish_or_defer(
+    files: list[OpenFile], digests: dict[int, Digests], durable: Durability
+) -> list[tuple[Path, Path]]:
+    """Leave ``files`` for their stages' first barrier when the filesystem is synced whole
+    (returns their (temporary, final) names); else finish them now, journaled as every file
+    copied is (returns none)."""
+    if durable.whole_fs:
+        return _close_for_barrier(files)
+    finish_files(files, digests, durable)
+    return []
 
 
 def _close_for_barrier(files: list[OpenFile]) -> list[tuple[Path, Path]]:

@@ -29,6 +29,17 @@ class Prepared:
     manifests: list[ManifestDraft]
     side_sha256: dict[str, str]  # each non-weight file's digest, as written in every copy
 
+    def of(self, dirs: list[Path]) -> Prepared:
+        """What is prepared for the stages in ``dirs`` alone (a subset of ``self.dirs``, in order)."""
+        keep = [i for i, d in enumerate(self.dirs) if d in dirs]
+        return Prepared(
+            [self.dirs[i] for i in keep],
+            [(tmp, final) for tmp, final in self.first if final.parent in dirs],
+            [self.indexes[i] for i in keep],
+            [self.manifests[i] for i in keep],
+            self.side_sha256,
+        )
+
 
 def prepare_stages(plan: Plan, out: Path, stages: list[StagePlan]) -> Prepared:
     """Write each of ``stages``' non-weight files and index under temporary names, and make

@@ -16,7 +16,11 @@ Durability (see :class:`~.durability.Durability`): a run that copies fsyncs each
 finished; a run that shares blocks writes mostly metadata and makes a whole batch durable with
 one ``syncfs`` of OUT's filesystem instead. Either way the order is the same: a file's bytes
 are durable before its final name is; a stage's data files, journal removal, side files and
-manifest are durable before its index is; every index before the run manifest.
+manifest are durable before its index is; every index before the run manifest. A stage is
+finished, behind barriers of its own, as soon as its data files are all copied while later
+stages' are still being copied (its ``done ppN`` then comes while the run goes on); those
+completed by the last source shard are finished together, behind shared barriers. OUT looks
+complete only with the run manifest, written once every stage is.
 
 Runs sharing OUT (see :mod:`~.claims`): any number of runs of the same split may write one
 OUT at once, on one machine or on many sharing a filesystem. Each decides what to do, and
@@ -50,7 +54,7 @@ from . import claims
 from .assemble import CopyJob, Reporter, copy_files
 from .assess import OutState, assess_out, check_out_dir
 from .durability import Durability, remove, remove_partials, write_atomic, write_error
-from .finish import finish_stages, prepare_stages, record_run
+from .finish import Prepared, finish_stages, prepare_stages, record_run
 from .journal import Digests, keepable
 from .options import DEFAULT_WORKERS, DEFAULTS, REFLINK_MODES, WriteOptions
 from .outdir import (
@@ -397,27 +401,47 @@ class _Run:
             self.options.workers,
             self.reporter,
         )
+
+        def finish(
+            prepared: Prepared,
+            stages: list[StagePlan],
+            digests: dict[int, Digests],
+            data: list[tuple[Path, Path]],
+        ) -> None:
+            finish_stages(
+                out,
+                stages,
+                {s.rank: {**batch.kept[s.rank], **digests.get(s.rank, {})} for s in stages},
+                durable,
+                prepared.of([out / s.dirname for s in stages]),
+                data=data,
+                before_complete=lambda: check_unchanged(
+                    plan, sorted({f for s in stages for f in s.source_files})
+                ),
+            )
+
+        def finish_early(
+            prepared: Prepared, stage: StagePlan, found: Digests, data: list[tuple[Path, Path]]
+        ) -> None:
+            finish(prepared, [stage], {stage.rank: found}, data)
+            self.reporter.stage_done(stage)
+
         # What needs no digest is written while the workers copy.
-        copied = copy_files(job, meanwhile=lambda: prepare_stages(plan, out, batch.stages), defer_last=True)
-        digests = {rank: {**kept, **copied.digests.get(rank, {})} for rank, kept in batch.kept.items()}
-        finish_stages(
-            out,
-            batch.stages,
-            digests,
-            durable,
-            copied.meanwhile,
-            data=copied.deferred,
-            before_complete=lambda: check_unchanged(
-                plan, sorted({f for s in batch.stages for f in s.source_files})
-            ),
+        copied = copy_files(
+            job,
+            meanwhile=lambda: prepare_stages(plan, out, batch.stages),
+            defer_last=True,
+            finish_stage=finish_early,
         )
+        rest = [s for s in batch.stages if s.rank not in copied.finished]
+        finish(copied.meanwhile, rest, copied.digests, copied.deferred)
         result = self.result
         result.sharing = batch.sharing
         result.files_kept += batch.files_kept
         result.bytes_copied += copied.bytes_copied
         result.bytes_shared += copied.bytes_shared
-        for stage in batch.stages:
-            result.built.append(stage.rank)
+        result.built += [s.rank for s in batch.stages]
+        for stage in rest:
             self.reporter.stage_done(stage)
 
     def _restamp(self, assessed: bytes) -> None:

@@ -216,8 +216,8 @@ def test_resume_rewrites_a_journaled_file_changed_since(model, clean, tmp_path):
     header, other bytes: what two runs sharing a temporary name left): the resume must not
     keep it on its size and header, or the split it reports done has a tensor unlike its sha256."""
     out = tmp_path / "out"
-    a = Run(split_args(model, out), tmp_path / "a", stop_at="/.reshard-stage.json.")
-    a.wait_stopped()  # every data file finished and journaled
+    a = Run(split_args(model, out), tmp_path / "a", stop_at="/pp1/.reshard-stage.json.")
+    a.wait_stopped()  # every data file of pp1 finished and journaled
     a.proc.kill()
     a.finish()
     flip_last_byte(sorted((out / "pp1").glob("*.safetensors"))[0])

@@ -602,9 +602,11 @@ def test_a_journal_torn_into_any_bytes_is_resumed(small, small_clean, tmp_path):
     """A journal's last line torn by a crash may hold any bytes, not even UTF-8: the file it
     named is redone, the rest kept."""
     out = tmp_path / "out"
+    # Killed as the first stage's manifest is written: its data files finished and journaled
+    # (later stages' may still be copying).
     kill_at("open", "/.reshard-stage.json.", command(small, out)[3:])
     journals = sorted(out.glob("pp*/.reshard-journal.jsonl"))
-    assert len(journals) == PP
+    assert journals
     with open(journals[0], "ab") as j:
         j.write(b'{"file": "model-0000\xff\xfe')
     assert run(small, out).returncode == 0
@@ -617,9 +619,9 @@ def test_a_source_changed_since_the_interrupted_run_is_not_resumed(small, tmp_pa
     they are not kept, and a resume that would mix the two is refused until --overwrite."""
     model = Path(shutil.copytree(small, tmp_path / "model"))
     out = tmp_path / "out"
-    # Killed as the stages' manifests are written: every data file is finished and journaled.
+    # Killed as the first stage's manifest is written: its data files finished and journaled.
     kill_at("open", "/.reshard-stage.json.", command(model, out)[3:])
-    assert len(list(out.glob("pp*/.reshard-journal.jsonl"))) == PP
+    assert list(out.glob("pp*/.reshard-journal.jsonl"))
     for shard in sorted(model.glob("*.safetensors")):
         raw = bytearray(shard.read_bytes())
         start = 8 + int.from_bytes(raw[:8], "little")

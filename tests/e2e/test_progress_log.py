@@ -14,6 +14,7 @@ import time
 
 from qwen35_reshard import reshard
 from qwen35_reshard.cli.report import LOG_INTERVAL_ENV
+from qwen35_reshard.format.names import INDEX_NAME, RUN_MANIFEST, RUN_MARKER
 
 # Runs the CLI (argv[3:]) holding the copy of any of the source shards argv[1] (comma-separated;
 # their open by a copying worker, not the planner's header read in the main thread) until the
@@ -52,7 +53,8 @@ def _lines(stream) -> queue.Queue:
 
 def test_piped_progress_arrives_as_the_copy_goes(make_checkpoint, tmp_path):
     """The copy held at the first shard pp0 does not need: pp0's data is copied by then (the
-    shards it needs go first, the vision tower's too, which every stage holds), and said."""
+    shards it needs go first, the vision tower's too, which every stage holds), and said; and
+    pp0 is complete and said done, while OUT does not look complete."""
     model = make_checkpoint()
     plan = reshard(model, None, pp=4, dry_run=True).plan
     first = set(plan.stages[0].source_files)
@@ -78,8 +80,8 @@ def test_piped_progress_arrives_as_the_copy_goes(make_checkpoint, tmp_path):
     log = held_lines + rest
     for d in late:
         assert any(x.startswith(f"copied {d}: ") for x in rest)
-    done = [x.split(":")[0] for x in rest if x.startswith("done ")]
-    assert done == [f"done {s.dirname}" for s in plan.stages]
+    done = [x.split(":")[0].removeprefix("done ") for x in log if x.startswith("done ")]
+    assert sorted(done) == [s.dirname for s in plan.stages] and done[: len(early)] == early, done
     last_progress = [x for x in rest if x.startswith("progress: ")][-1]
     assert "(100%)" in last_progress
     for x in log:  # whole lines: no padding, no control sequences, each one thing
@@ -93,18 +95,27 @@ def _read_held_then_released(proc, lines, gate, early, late, tmp_path):
     held_lines: list[str] = []
     deadline = time.monotonic() + 60
     try:
-        # While the copy is held: each early stage's data copied, and progress lines at the
-        # interval, all already out; no stage done, no late stage copied.
+        # While the copy is held: each early stage's data copied and the stage done, and
+        # progress lines at the interval, all already out; no late stage copied or done.
         while sum(bool(PROGRESS.fullmatch(x.rstrip("\n"))) for x in held_lines) < 3 or not all(
-            any(x.startswith(f"copied {d}: ") for x in held_lines) for d in early
+            any(x.startswith(f"done {d}:") for x in held_lines) for d in early
         ):
             assert time.monotonic() < deadline, "".join(held_lines[-20:])
             item = lines.get(timeout=60)
             assert item is not None, "".join(held_lines)
             held_lines.append(item[1])
         assert proc.poll() is None
-        assert not any(x.startswith(("done ", *(f"copied {d}:" for d in late))) for x in held_lines)
-        assert not (tmp_path / "out" / "pp0" / "model.safetensors.index.json").exists()
+        for d in early:
+            assert any(x.startswith(f"copied {d}: ") for x in held_lines)
+        late_said = (*(f"copied {d}:" for d in late), *(f"done {d}:" for d in late))
+        assert not any(x.startswith(late_said) for x in held_lines)
+        out = tmp_path / "out"
+        for d in early:  # complete on disk, its index (written last) in place
+            assert (out / d / INDEX_NAME).exists()
+        for d in late:
+            assert not (out / d / INDEX_NAME).exists()
+        # OUT does not look complete: the run marker there, no run manifest
+        assert (out / RUN_MARKER).exists() and not (out / RUN_MANIFEST).exists()
         for x in held_lines:
             if x.startswith("progress: "):
                 assert "(100%)" not in x, x
