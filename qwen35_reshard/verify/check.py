@@ -12,8 +12,9 @@ every tensor's placement and bytes are compared with the source.
 Files the split shared with the source (layouts: docs/format.md, "Data file layouts")
 record no sha256 for the tensors whose blocks were shared: without the source, verify checks
 their structure, a clone's whole-file sha256 where the manifest records one (the source's
-Hugging Face blob name), and reports the bytes it could compare with nothing
-(``bytes_unrecorded``); ``--source`` compares them with the source like every other tensor.
+Hugging Face blob name, recorded where the split copied the clone and checked its bytes), and
+reports the bytes it could compare with nothing (``bytes_unrecorded``); ``--source`` compares
+them with the source like every other tensor.
 A clone's header is the source's own, so the writer's stricter header rules apply to the
 files whose header the tool wrote, and a clone must equal its source byte for byte.
 

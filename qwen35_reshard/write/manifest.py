@@ -68,17 +68,19 @@ def stage_manifest(
         "launch_env": plan.launch_env,
         "index_sha256": hashlib.sha256(index_bytes).hexdigest(),
         "side_files": dict(sorted(side_files.items())),
-        "files": {f.name: _file_entry(plan, f) for f in stage.files},
+        "files": {f.name: _file_entry(f) for f in stage.files},
     }
-    return ManifestDraft(head, stage.files)
+    blobs = plan.checkpoint.blob_sha256
+    clones = {
+        f.name: blobs[f.source_file] for f in stage.files if f.layout == CLONE and f.source_file in blobs
+    }
+    return ManifestDraft(head, stage.files, clones)
 
 
-def _file_entry(plan: Plan, f: OutputFile) -> dict:
+def _file_entry(f: OutputFile) -> dict:
     entry: dict = {"bytes": f.size, "tensors": len(f.tensors), "layout": f.layout}
     if f.source_file is not None:
         entry["source"] = f.source_file
-    if f.layout == CLONE and f.source_file in plan.checkpoint.blob_sha256:
-        entry["sha256"] = plan.checkpoint.blob_sha256[f.source_file]
     return entry
 
 
@@ -144,7 +146,9 @@ class ManifestDraft:
     each; the digests go in once they are known.
     """
 
-    def __init__(self, head: dict, files: tuple[OutputFile, ...]) -> None:
+    def __init__(
+        self, head: dict, files: tuple[OutputFile, ...], clones: dict[str, str] | None = None
+    ) -> None:
         placed = list(chain.from_iterable(f.tensors for f in files))
         file_keys = list(chain.from_iterable(repeat(json_string(f.name), len(f.tensors)) for f in files))
         names = list(chain.from_iterable(f.tensor_names for f in files))
@@ -168,13 +172,30 @@ class ManifestDraft:
             list(map(key_json.__getitem__, source_files)),
             list(map(_JSON_BOOL.__getitem__, replicated)),
         ]
-        self._head = dumps_text(head)[: -len("\n}")]  # "tensors" goes last
+        self._head = head
+        self._clones = {f.name: (clones[f.name], f.tensor_names) for f in files if f.name in (clones or {})}
 
     def encode(self, digests: dict[str, str | None]) -> bytes:
-        """The manifest's bytes, with ``digests[name]`` (None: shared) for every tensor."""
+        """The manifest's bytes, with ``digests[name]`` (None: shared) for every tensor.
+
+        A clone of a cache blob (``clones``: its name -> the blob's name, the Hub's LFS sha256)
+        records that sha256 only where its tensors have digests: read, the blob's bytes were
+        checked against its name as they streamed by; shared, they were never read, and a
+        digest recorded unchecked would have verify fail a split that exited 0.
+        """
+        head = self._head
+        checked = {
+            name: sha256
+            for name, (sha256, tensors) in self._clones.items()
+            if all(digests[t] is not None for t in tensors)
+        }
+        if checked:
+            files = {n: {**e, "sha256": checked[n]} if n in checked else e for n, e in head["files"].items()}
+            head = {**head, "files": files}
+        head_text = dumps_text(head)[: -len("\n}")]  # "tensors" goes last
         found = [_NULL if d is None else json_string(d) for d in map(digests.__getitem__, self._names)]
         tensors = f"{{\n{_join_entries([*self._before, found, *self._after])}\n  }}" if self._names else "{}"
-        return f"{self._head},\n  {json_string('tensors')}: {tensors}\n}}\n".encode()
+        return f"{head_text},\n  {json_string('tensors')}: {tensors}\n}}\n".encode()
 
 
 def _join_entries(columns: list[list[str]]) -> str:

@@ -293,10 +293,19 @@ def test_a_checkpoint_with_no_block_aligned_shard(checkpoints, tiny):
         shutil.rmtree(out)
 
 
+def _blob_clones(out: Path) -> dict[str, dict]:
+    """``stage/file -> manifest entry`` of every clone of a source shard in the split ``out``."""
+    clones = {}
+    for m in sorted(out.glob("pp*/reshard-stage.json")):
+        files = json.loads(m.read_bytes())["files"]
+        clones.update({f"{m.parent.name}/{n}": f for n, f in files.items() if f["layout"] == "clone"})
+    return clones
 
-def test_a_damaged_clone_of_a_cache_blob_fails_plain_verify(filesystems, tiny):
-    """Shared bytes have no tensor digests, but a clone of a Hugging Face cache blob records
-    the blob's sha256: verify without the source still catches a changed byte."""
+
+def test_a_damaged_clone_of_a_shared_cache_blob_fails_verify_with_the_source(filesystems, tiny):
+    """A shared clone of a Hugging Face cache blob is never read, so its bytes were never
+    checked against the blob's name: the manifest records no sha256 for it (as for any shared
+    bytes), and ``verify --source`` catches a changed byte."""
     root = filesystems("xfs") / "hf"
     model = tiny.build_checkpoint(root, **CKPT, hf_cache=True)
     out = root.parent / "out-hf"
@@ -304,24 +313,57 @@ def test_a_damaged_clone_of_a_cache_blob_fails_plain_verify(filesystems, tiny):
     result = done.written
     try:
         assert result.sharing
-        manifest = json.loads((out / "pp1" / "reshard-stage.json").read_bytes())
-        clones = {n: f for n, f in manifest["files"].items() if f["layout"] == "clone"}
+        clones = _blob_clones(out)
         assert clones
-        for f in clones.values():
-            assert f["sha256"] == os.path.basename(os.readlink(model / f["source"]))
+        assert all("sha256" not in f for f in clones.values()), clones
         name = sorted(clones)[0]
         assert verify(out).ok
-        with open(out / "pp1" / name, "r+b") as fh:  # copy-on-write: the source stays intact
+        with open(out / name, "r+b") as fh:  # copy-on-write: the source stays intact
             fh.seek(-1, os.SEEK_END)
             last = fh.read(1)
             fh.seek(-1, os.SEEK_END)
             fh.write(bytes([last[0] ^ 1]))
-        findings = verify(out).findings
-        assert [(f.kind, f.file) for f in findings] == [("different", name)], findings
-        assert "sha256" in findings[0].message
+        findings = verify(out, source=model).findings
+        assert {(f.kind, f.file) for f in findings} == {("different", name.split("/")[1])}, findings
         assert (model / clones[name]["source"]).read_bytes()[-1:] == last
     finally:
         shutil.rmtree(out)
+        shutil.rmtree(root)
+
+
+def test_a_damaged_cache_blob_shared_whole_records_no_digest_it_did_not_check(filesystems, tiny):
+    """Issue 29: a cache blob whose bytes no longer hash to its name, shared whole into a
+    stage (never read, so never checked), was recorded with its name as the clone's sha256:
+    the split exited 0 and verify then failed it. Exit 0 means OUT holds MODEL's bytes and
+    records only digests it checked: verify passes, with and without the source."""
+    root = filesystems("xfs") / "hf-damaged"
+    model = tiny.build_checkpoint(root, **CKPT, hf_cache=True)
+    out = root.parent / "out-hf-damaged"
+    blobs = sorted((model / "../../blobs").resolve().iterdir(), key=lambda p: p.stat().st_size)
+    try:
+        for blob in blobs:  # every shard's last data byte: whichever the stages share whole
+            if blob.stat().st_size > 1 << 20:  # the shards, not config.json and the like
+                with open(blob, "r+b") as fh:
+                    fh.seek(-1, os.SEEK_END)
+                    last = fh.read(1)
+                    fh.seek(-1, os.SEEK_END)
+                    fh.write(bytes([last[0] ^ 1]))
+                assert hashlib.sha256(blob.read_bytes()).hexdigest() != blob.name
+        run = subprocess.run(
+            [sys.executable, "-m", "qwen35_reshard", "--pp", "2", str(root / "models--Qwen--Tiny"), str(out)],
+            capture_output=True,
+            text=True,
+        )
+        assert run.returncode == 0, run.stderr
+        report = verify(out)
+        assert report.ok, report.findings
+        clones = _blob_clones(out)
+        assert clones, "no shard is shared whole: change the checkpoint"
+        assert all("sha256" not in f for f in clones.values()), clones
+        assert verify(out, source=model).ok
+        check_identical_to_source(model, out)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
         shutil.rmtree(root)
 
 
