@@ -17,7 +17,7 @@ from pathlib import Path
 from ..errors import JSON_ERRORS, BadInput, param
 from ..format.identity import RunIdentity, describe_differences
 from ..format.names import GONE_SUFFIX, LOCK, RUN_MANIFEST, RUN_MARKER, STAGE_DIR, partial_base
-from ..plan.planner import Plan
+from ..plan.planner import Plan, StagePlan
 from ..stage.findings import Finding
 from ..stage.manifest import damaged_side_files, parse_side_files, stage_is_complete
 from ..stage.reader import read_manifest, read_run_record, stage_dirs
@@ -118,9 +118,12 @@ def _assess_out(plan: Plan, out: Path, overwrite: bool) -> OutState:
     changed = changed_files(plan, _recorded_stamps(record_bytes))
     complete = tuple(s.rank for s in plan.stages if stage_is_complete(out / s.dirname, identity))
     done = all(s.rank in complete for s in plan.selected) and _run_record_intact(out)
-    kept = {} if done else _kept(plan, out, complete)
+    kept = {} if done else _kept(plan, out, complete, plan.selected)
     if changed:
-        differs = source_difference(plan, out, complete, kept, changed)
+        # OUT's run record then takes the new stamps, which later runs trust for the files kept
+        # in every stage, not only the selected ones: prove all of them now.
+        proven = _kept(plan, out, complete, plan.stages)
+        differs = source_difference(plan, out, complete, proven, changed)
         if differs is not None:
             return _source_changed(plan, out, differs, overwrite)
         check_unchanged(plan, changed)  # the bytes hashed were those of the files planned from
@@ -130,11 +133,13 @@ def _assess_out(plan: Plan, out: Path, overwrite: bool) -> OutState:
     return OutState("resume", complete, kept)
 
 
-def _kept(plan: Plan, out: Path, complete: tuple[int, ...]) -> dict[int, dict[str, Digests]]:
-    """The finished data files of the selected stages not complete, by rank (see ``keepable``)."""
+def _kept(
+    plan: Plan, out: Path, complete: tuple[int, ...], stages: Iterable[StagePlan]
+) -> dict[int, dict[str, Digests]]:
+    """The finished data files of ``stages`` not complete, by rank (see ``keepable``)."""
     kept = {
         s.rank: keepable(plan, out / s.dirname, s)
-        for s in plan.selected
+        for s in stages
         if s.rank not in complete and (out / s.dirname).is_dir()
     }
     return {rank: files for rank, files in kept.items() if files}

@@ -8,7 +8,9 @@ import json
 import re
 import shlex
 import shutil
+import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -128,6 +130,49 @@ def test_interrupted_split_resumed_from_other_bytes_is_refused(a, b, tmp_path):
     assert "differs" in line, line
     ok(cli("--pp", 2, b, out, "--overwrite"))
     ok(cli("verify", out, "--source", b))
+
+
+# SIGKILLs the CLI at its first file opened in OUT/pp1 once pp1's journal records a finished
+# data file (audit hooks run before the operation): a run killed holding a file worth keeping.
+_KILLED_JOURNALED = (
+    "import os, runpy, signal, sys\n"
+    "journal = sys.argv[1]\n"
+    "def hook(name, args):\n"
+    "    if name == 'open' and '/pp1/' in str(args[0]) and os.path.exists(journal) \\\n"
+    "            and os.path.getsize(journal):\n"
+    "        os.kill(os.getpid(), signal.SIGKILL)\n"
+    "sys.addaudithook(hook)\n"
+    "sys.argv = ['qwen35_reshard', *sys.argv[2:]]\n"
+    "runpy.run_module('qwen35_reshard', run_name='__main__')\n"
+)
+
+
+def test_files_a_killed_run_left_in_another_stage_are_proven_against_a_changed_source(a, b, tmp_path):
+    """``--rank 1`` of A killed with a finished, journaled file in pp1; MODEL then becomes B
+    (same layout); ``--rank 0`` is refused naming a tensor (pp1 holds A's bytes), and so is
+    ``--rank 1``. Was: ``--rank 0`` exit 0 rewrote the marker with B's stamps, so ``--rank 1``
+    kept pp1's file of A's bytes unhashed and exited 0 (verify --source MODEL failed)."""
+    model, out = tmp_path / "model", tmp_path / "out"
+    shutil.copytree(a, model)
+    journal = out / "pp1" / ".reshard-journal.jsonl"
+    args = ["--pp", "2", "--rank", "1", str(model), str(out), "--workers", "1"]
+    killed = subprocess.run(
+        [sys.executable, "-c", _KILLED_JOURNALED, str(journal), *args], capture_output=True, timeout=120
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert not (out / "pp1" / "model.safetensors.index.json").exists()  # pp1 unfinished
+    assert journal.read_text().strip()  # with a finished file a resume would keep
+    for shard in shards(b):
+        shutil.copyfile(shard, model / shard.name)
+    before = data_bytes(out)
+    for rank in (0, 1):
+        line = error_line(cli("--pp", 2, "--rank", rank, model, out))
+        assert re.search(r"tensor '[^']+' of \S+\.safetensors differs", line), line
+        assert "--overwrite" in line, line
+    assert data_bytes(out) == before  # nothing written
+    ok(cli("--pp", 2, "--rank", 0, model, out, "--overwrite"))
+    ok(cli("--pp", 2, "--rank", 1, model, out))
+    ok(cli("verify", out, "--source", model))
 
 
 # --------------------------------------------------------------------------- 2: repair
