@@ -9,14 +9,13 @@ parses its flags into these calls and renders their results; nothing here prints
 
 from __future__ import annotations
 
-import gc
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from .bulk import collector_paused
 from .errors import BadInput, param
 from .format.names import RUN_MANIFEST, stage_dir_rank
 from .model.quant import unchecked_message
@@ -245,7 +244,7 @@ def reshard(
         events.located(node)
         ranks = node.stages
     traffic = Traffic()
-    with _collector_paused():
+    with collector_paused():
         ckpt, repo = _open(model, hub or HubSettings(), traffic, events)
         choice, sizes = _partition(
             ckpt, partition, pp=pp, runtime=runtime, keep_mtp=write.keep_mtp, capacity=capacity
@@ -327,21 +326,6 @@ def _write(
     seconds = time.monotonic() - started
     fetch = fetch_report(plan, fetcher) if fetcher is not None else None
     return replace(planned, written=written, seconds=seconds, fetch=fetch)
-
-
-@contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Reading and planning make a few small objects per tensor (~190,000 for a 397B FP8
-    checkpoint), none of them cyclic: the garbage collector would only slow them. Its state is
-    the caller's again afterwards (a caller that had disabled it keeps it disabled); nothing
-    is frozen (the CLI's own process keeps its collector off: see ``cli.process``)."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def _partition(

@@ -73,10 +73,10 @@ def split_diagram(plan) -> str:  # noqa: ANN001
         body.append(_text(18, 70 + i * 60, shard.replace(".safetensors", "")))
     for r, stage in enumerate(plan.stages):
         y = 40 + r * 60
-        body.append(f'<rect x="480" y="{y}" width="120" height="50" fill="#eeeeee" stroke="#999"/>')
+        body.append(f'<rect x="480" y="{y}" width="200" height="50" fill="#eeeeee" stroke="#999"/>')
         body.append(_text(488, y + 20, f"{stage.dirname}: layers {stage.start_layer}-{stage.end_layer - 1}"))
-        roles = sorted({_role(n) for n in stage.tensors})
-        body.append(_text(488, y + 40, ", ".join(roles), font_size="10"))
+        roles = sorted({_role(t.source.name) for f in stage.files for t in f.tensors} - {"layers"})
+        body.append(_text(488, y + 40, "+ " + ", ".join(roles) if roles else "", font_size="10"))
         for i, shard in enumerate(shards):
             kinds = {_role(t.source.name) for f in stage.files for t in f.tensors if t.source.file == shard}
             for k, kind in enumerate(sorted(kinds)):
@@ -86,7 +86,7 @@ def split_diagram(plan) -> str:  # noqa: ANN001
     for k, (kind, color) in enumerate(COLORS.items()):
         body.append(f'<rect x="{10 + k * 100}" y="290" width="12" height="12" fill="{color}"/>')
         body.append(_text(26 + k * 100, 301, kind))
-    return _svg(620, 315, body)
+    return _svg(700, 315, body)
 
 
 def stage_chart(plan) -> str:  # noqa: ANN001

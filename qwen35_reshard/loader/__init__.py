@@ -18,16 +18,15 @@ torch is imported only inside ``iter_weights``: the package stays importable wit
 from __future__ import annotations
 
 import ctypes
-import gc
 import hashlib
 import os
 import struct
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..bulk import collector_paused
 from ..errors import StageError
 from ..format.dtypes import DTYPES
 from ..format.names import INDEX_NAME, RUN_MANIFEST, STAGE_MANIFEST, stage_dir_rank, stage_dirname
@@ -291,23 +290,6 @@ def _bytes_of(tensor: object) -> memoryview | bytes:
     return memoryview((ctypes.c_ubyte * n).from_address(tensor.data_ptr())).cast("B")
 
 
-@contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector, if on, for the duration.
-
-    Why: checking a stage makes a few objects per tensor (~47,000 tensors a stage of a 397B FP8
-    checkpoint), none of them cyclic, and each collection they trigger walks every object of
-    the process: in a server that has built its model, millions.
-    """
-    was_on = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_on:
-            gc.enable()
-
-
 def _no_stage_dir(root: Path, given: str, pp_rank: int) -> str:
     """What to say when ``root`` has no ``pp{pp_rank}``: outside the split, or not built yet."""
     if not root.is_dir():
@@ -386,7 +368,7 @@ def open_stage(path: str | os.PathLike[str], pp_rank: int | None = None) -> Stag
     run = read_run_record(root.parent, str(root.parent)) if stage_dir_rank(root) is not None else None
     if isinstance(run, Finding):
         raise StageError(run.message)
-    with _collector_paused():
+    with collector_paused():
         found = read_stage(root, display, run)
     m = found.manifest
     if m is not None and pp_rank is not None and m.rank != pp_rank:

@@ -203,7 +203,7 @@ def test_pp2_through_plugin_equals_pp1_stock(world, reference, split, partition)
 def test_plugin_refuses_other_splits_before_loading(world, split, partition, message):
     got = run_engine(world, world["splits"][split], 2, LOAD_FORMAT, partition)
     assert got["returncode"] != 0 and "tokens" not in got
-    assert "qwen35_reshard.loader.StageError: " in got["log"] and message in got["log"], tail(got)
+    assert "qwen35_reshard.errors.StageError: " in got["log"] and message in got["log"], tail(got)
     assert PLUGIN_LOADS not in got["log"]  # refused before any rank fed a weight
     assert "Loading weights took" not in got["log"]
 

@@ -40,7 +40,7 @@ LAYERS = [
     (6, "stage", ["stage", "stage.findings", "stage.manifest", "stage.reader"]),
     (7, "verify", ["verify", "verify.report", "verify.rundir", "verify.stagedir", "verify.source",
                    "verify.selection", "verify.check"]),
-    (7, "loader", ["loader", "loader.vllm", "loader.sglang"]),
+    (7, "loader", ["loader"]),
     (7, "write", ["write", "write.claims", "write.durability", "write.journal", "write.datafile",
                   "write.assemble", "write.assess", "write.sources", "write.provenance", "write.outdir",
                   "write.finish",
@@ -48,6 +48,10 @@ LAYERS = [
                   "write.writer", "write.repair"]),
     (8, "api", ["", "api"]),  # "": the package itself, whose names load on first use
     (9, "cli", ["cli", "cli.report", "cli.flags", "cli.process", "cli.app", "__main__"]),
+    # A server's rank building its own stage from the unsplit model (issue 33) goes through the
+    # library; the server plugins sit on top, importing it only when a rank is handed no split.
+    (9, "serve", ["serve"]),
+    (10, "plugins", ["loader.vllm", "loader.sglang"]),
 ]  # fmt: skip
 LAYER = {
     f"qwen35_reshard.{m}".rstrip("."): (rank, group) for rank, group, modules in LAYERS for m in modules
