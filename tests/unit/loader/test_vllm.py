@@ -5,9 +5,6 @@ engine tests run it with vLLM's own)."""
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
 import sys
 
 import pytest
@@ -15,7 +12,7 @@ import pytest
 from qwen35_reshard.loader import StageError
 from qwen35_reshard.loader.vllm import one_partition
 
-from support.helpers import ROOT
+from support.helpers import partition_exchange
 
 
 def test_views_agree_on_the_partition_whatever_its_source():
@@ -62,17 +59,5 @@ except StageError as e:
     ((None, "5,3"), "REFUSED "),
 ])
 def test_ranks_exchange_their_partitions_not_their_variables(variables, want):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-    procs = []
-    for rank, var in enumerate(variables):
-        env = {k: v for k, v in os.environ.items() if k != "VLLM_PP_LAYER_PARTITION"}
-        env["PYTHONPATH"] = str(ROOT)
-        if var is not None:
-            env["VLLM_PP_LAYER_PARTITION"] = var
-        procs.append(subprocess.Popen([sys.executable, "-c", AGREE, address, str(rank)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    out = [p.communicate(timeout=120) for p in procs]
-    lines = [next((ln for ln in o.splitlines() if ln.startswith(("AGREED", "REFUSED"))), e) for o, e in out]
+    lines, out = partition_exchange(sys.executable, AGREE, variables)
     assert all(ln.startswith(want) for ln in lines), out
