@@ -18,7 +18,9 @@ a split with the same settings would hold, placed by the same planner:
   from the source shards' own memory maps (no copy); each shard's size and header are checked
   again before it is read. With ``copy=True`` (a network filesystem) the stage is built into
   ``CACHE/local/<fingerprint>/<runtime>-pp<N>-<partition>`` first, the source's fingerprint
-  (config, index, every shard's size and header) in the key.
+  (config, index, every shard's size and header) in the key. That key does not tell apart
+  checkpoints of one layout (training steps written to one path): the stage is always
+  checked against the source by the split, kept when unchanged, replaced when not.
 
 Several ranks of one node share the cache as several runs share one OUT (see
 :mod:`.write.claims`): each builds its own stage, a stage another rank is building is waited
@@ -49,6 +51,7 @@ from .source.hub.cache import HubSettings
 from .source.hub.http import resolve
 from .source.open import is_repo_id, open_model
 from .stage.manifest import StageManifest, StageTensor
+from .write.options import WriteOptions
 
 STAGE_CACHE_ENV = "QWEN35_RESHARD_STAGE_CACHE"
 STAGE_COPY_ENV = "QWEN35_RESHARD_STAGE_COPY"
@@ -164,7 +167,7 @@ def server_stage(
             if copy:
                 fingerprint = source_identity(ckpt)["fingerprint"][:FINGERPRINT_CHARS]
                 out = root / LOCAL_DIRNAME / fingerprint / cache_key(runtime, partition)
-                served = _cached_or_built(os.fspath(ckpt.root), out, runtime, partition, rank)
+                served = _built_from_local(os.fspath(ckpt.root), out, runtime, partition, rank)
             else:
                 served = ServedStage(in_place_stage(ckpt, runtime, partition, rank), IN_PLACE, name, None)
     except StageError:
@@ -192,25 +195,42 @@ def _cached_or_built(
     partition: list[int],
     rank: int,
     *,
-    hub: HubSettings | None = None,
-    commit: str | None = None,
+    hub: HubSettings,
+    commit: str,
 ) -> ServedStage:
-    """The stage in the cache's run directory ``out``: opened if complete, else built there
-    first (only this rank's stage; a stage another rank is building is waited for)."""
+    """The stage of the Hub repo ``model`` at ``commit`` in the cache's run directory ``out``
+    (whose key names the commit): opened if complete, else built there first (only this
+    rank's stage; a stage another rank is building is waited for)."""
     how, fetched = CACHED, 0
     if not (out / stage_dirname(rank) / STAGE_MANIFEST).is_file():
         result = reshard(
             model, out, pp=len(partition), runtime=runtime, partition=partition, ranks=[rank], hub=hub
         )
-        how = FETCHED if commit is not None else BUILT
+        how = FETCHED
         fetched = (result.fetch or {}).get("fetched_bytes", 0)
     stage = open_stage(out, pp_rank=rank)
     recorded = stage.manifest.source.get("commit")
-    if commit is not None and recorded != commit:  # the key names the commit: only a moved directory
+    if recorded != commit:  # the key names the commit: only a moved directory
         raise StageError(
             f"{stage.display} was built from commit {recorded}, not {commit}: remove it from the stage cache"
         )
     return ServedStage(stage, how, model, out, fetched)
+
+
+def _built_from_local(model: str, out: Path, runtime: str, partition: list[int], rank: int) -> ServedStage:
+    """The stage of the local checkpoint ``model`` in the cache's run directory ``out``, always
+    through the split (``reshard(..., ranks=[rank])``), never opened on sight: the key (the
+    source's fingerprint: layout and headers, no tensor bytes) is shared by every checkpoint of
+    the layout, e.g. each training step written to one path. The split keeps a stage whose
+    source is unchanged (its files' stamps, else their bytes hashed) and replaces one built
+    from other bytes (``overwrite``: the cache is ours, a server user cannot pass it); several
+    ranks share one build by the concurrent-build rules."""
+    result = reshard(
+        model, out, pp=len(partition), runtime=runtime, partition=partition, ranks=[rank],
+        write=WriteOptions(overwrite=True),
+    )
+    built = result.written is not None and rank in result.written.built
+    return ServedStage(open_stage(out, pp_rank=rank), BUILT if built else CACHED, model, out)
 
 
 def in_place_stage(ckpt: Checkpoint, runtime: str, partition: Sequence[int], rank: int) -> Stage:

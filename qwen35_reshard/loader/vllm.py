@@ -31,7 +31,7 @@ the rest of the package, imports without it.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from . import StageError
 
@@ -170,13 +170,30 @@ def agreed_partition(
     views: list[tuple[object, str | None]] = [mine] * group.world_size
     if group.world_size > 1:
         dist.all_gather_object(views, mine, group=group.cpu_group)
-    if any(v != mine for v in views) or not isinstance(mine[0], list):
+    return one_partition(views)
+
+
+def one_partition(views: Sequence[tuple[object, str | None]]) -> list[int]:
+    """The partition every rank's view (its layers per rank, or the error computing them, and
+    its raw partition variable) names. Only the partitions are compared: a node with
+    ``VLLM_PP_LAYER_PARTITION=4,4`` and one without it (vLLM's default, the same 4,4) agree;
+    the variables are for the message.
+
+    Raises:
+        StageError: the partitions differ, or one is an error.
+
+    Example:
+        >>> one_partition([([4, 4], "4,4"), ([4, 4], None)])
+        [4, 4]
+    """
+    partitions = [p for p, _ in views]
+    if any(not isinstance(p, list) or p != partitions[0] for p in partitions):
         seen = "; ".join(f"rank {r}: {_partition_view(p, v)}" for r, (p, v) in enumerate(views))
         raise StageError(
             f"the pipeline ranks' layers per rank ({seen}) are not one valid partition: launch every "
             f"node with the same valid {PARTITION_VAR} (or none)"
         )
-    return mine[0]
+    return list(partitions[0])
 
 
 def _partition_view(partition: object, var: str | None) -> str:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -63,14 +64,19 @@ def split(model, tmp_path_factory):
             d = tmp_path_factory.mktemp("split")
             qwen35_reshard.reshard(model, d, pp=len(partition), runtime="sglang", partition=partition)
             for r in range(len(partition)):
-                stage = qwen35_reshard.open_stage(d, pp_rank=r)
-                out[(tuple(partition), r)] = {
-                    name: hashlib.sha256(t.contiguous().view(-1).view(torch_uint8()).numpy()).hexdigest()
-                    for name, t in stage.iter_weights()
-                }
+                out[(tuple(partition), r)] = stage_digests(d, r)
         return out[key]
 
     return get
+
+
+def stage_digests(out: Path, rank: int) -> dict[str, str]:
+    """{name: sha256 of its bytes} of the stage ``rank`` of the split in ``out``."""
+    stage = qwen35_reshard.open_stage(out, pp_rank=rank)
+    return {
+        name: hashlib.sha256(t.contiguous().view(-1).view(torch_uint8()).numpy()).hexdigest()
+        for name, t in stage.iter_weights()
+    }
 
 
 def torch_uint8():
@@ -188,6 +194,33 @@ def test_local_directory_read_in_place_or_copied(tmp_path, model, split):
     assert copied["how"] == "built" and copied["digests"] == split(PARTITION, 3)
     assert Path(copied["where"]).is_relative_to(tmp_path / "stages" / "local")
     assert serve(tmp_path, {"model": str(model), "rank": 3, "copy": True})["how"] == "cached"
+
+
+def test_a_copied_stage_is_of_the_checkpoint_now_at_the_path(tmp_path, make_checkpoint):
+    """Two checkpoints of one layout, other bytes (two training steps), written to one path one
+    after the other: the stage cache's key (the source's fingerprint) is the same, yet the second
+    start serves the second's bytes, and the start after it finds that stage cached."""
+    first = make_checkpoint(shard_bytes=SHARD_BYTES, fresh=True)
+    second = make_checkpoint(shard_bytes=SHARD_BYTES, seed=1, fresh=True)
+    want = {}
+    for n, ckpt in enumerate((first, second)):
+        qwen35_reshard.reshard(ckpt, tmp_path / f"split{n}", pp=4, runtime="sglang", partition=PARTITION)
+        want[n] = stage_digests(tmp_path / f"split{n}", 1)
+    assert want[0] != want[1]
+    path = tmp_path / "step"
+    shutil.copytree(first, path)
+    spec = {"model": str(path), "rank": 1, "copy": True}
+    got = serve(tmp_path, spec)
+    assert got["how"] == "built" and got["digests"] == want[0], got.get("error")
+
+    shutil.rmtree(path)
+    shutil.copytree(second, path)
+    # Two ranks of one node start at once on the new step: both are served its bytes.
+    procs = [serve(tmp_path, {**spec, "rank": r}, background=True) for r in (1, 2)]
+    got, other = (parse(p.wait(timeout=300), *p.communicate()) for p in procs)
+    assert got.get("digests") == want[1], got.get("error") or got["how"]
+    assert other.get("digests") == stage_digests(tmp_path / "split1", 2), other.get("error")
+    assert serve(tmp_path, spec)["how"] == "cached"
 
 
 def test_hub_error_stops_in_one_line_and_leaves_nothing_usable(tmp_path, hub, model):

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -39,7 +38,7 @@ from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
 import qwen35_reshard
 from qwen35_reshard.loader.vllm import LOAD_FORMAT
 
-from support.helpers import SUPPORT
+from support.helpers import SUPPORT, partition_exchange
 
 # The real vLLM engine in its environment, minutes a case.
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -301,21 +300,14 @@ except StageError as e:
 """
 
 
-@pytest.mark.parametrize("variables", [(None, "5,3"), ("5,3", "5,3")], ids=["differ", "same"])
+@pytest.mark.parametrize(
+    "variables", [(None, "5,3"), ("5,3", "5,3"), ("4,4", None)], ids=["differ", "same", "default-given"]
+)
 def test_ranks_that_compute_other_partitions_are_refused_on_every_rank(variables):
-    python = vllm_python()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-    procs = []
-    for rank, var in enumerate(variables):
-        env = {k: v for k, v in os.environ.items() if k != "VLLM_PP_LAYER_PARTITION"}
-        if var is not None:
-            env["VLLM_PP_LAYER_PARTITION"] = var
-        procs.append(subprocess.Popen([python, "-c", AGREE, address, str(rank)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    out = [p.communicate(timeout=300) for p in procs]
-    lines = [next((ln for ln in o.splitlines() if ln.startswith(("AGREED", "REFUSED"))), e) for o, e in out]
+    lines, out = partition_exchange(vllm_python(), AGREE, variables)
+    if variables[1] is None:  # the variable on one node, vLLM's default on the other: one partition
+        assert lines == ["AGREED [4, 4]"] * 2, out
+        return
     if variables[0] == variables[1]:
         assert lines == ["AGREED [5, 3]"] * 2, out
         return
