@@ -342,7 +342,7 @@ def test_refuses_an_interrupted_run_then_accepts_the_resumed_one(source, tmp_pat
     real = os.replace
 
     def crash(src, dst):
-        # Stages get their indexes last, all together, in rank order: stop at pp1's.
+        # A stage gets its index last, once its data and manifest are durable: stop at pp1's.
         if Path(dst).name == INDEX and Path(dst).parent.name == "pp1":
             raise RuntimeError("simulated crash before pp1's index was in place")
         real(src, dst)
@@ -351,12 +351,16 @@ def test_refuses_an_interrupted_run_then_accepts_the_resumed_one(source, tmp_pat
     with pytest.raises(RuntimeError, match="simulated crash"):
         qwen35_reshard.reshard(source, tmp_path / "out", pp=3)
     monkeypatch.setattr(write.os, "replace", real)
-    loader.open_stage(tmp_path / "out", pp_rank=0)
-    for rank in (1, 2):  # pp2 has its manifest, not its index
-        assert (tmp_path / "out" / f"pp{rank}" / MANIFEST).exists()
-        with pytest.raises(loader.StageError) as e:
+    assert (tmp_path / "out" / "pp1" / MANIFEST).exists()
+    with pytest.raises(loader.StageError) as e:
+        loader.open_stage(tmp_path / "out", pp_rank=1)
+    assert f"incomplete (no {INDEX})" in one_line(e)
+    for rank in (0, 2):  # stages finish as their files are copied: each is finished or refused
+        if (tmp_path / "out" / f"pp{rank}" / INDEX).exists():
             loader.open_stage(tmp_path / "out", pp_rank=rank)
-        assert f"incomplete (no {INDEX})" in one_line(e)
+        else:
+            with pytest.raises(loader.StageError):
+                loader.open_stage(tmp_path / "out", pp_rank=rank)
     qwen35_reshard.reshard(source, tmp_path / "out", pp=3)  # the same command again
     for rank in range(3):
         loader.open_stage(tmp_path / "out", pp_rank=rank)
