@@ -65,7 +65,7 @@ if TYPE_CHECKING:
 
     from ..api import ReshardResult
     from ..write.assemble import Reporter
-    from .report import LogReporter, RichReporter
+    from .progress import LogReporter, RichReporter
 
 # typer (0.26 to 0.28) runs on its own copy of click, typer._click (private; click itself is no
 # dependency of typer, and click.exceptions' classes are others that catch none of these), and
@@ -407,7 +407,7 @@ def _consoles(output: Output) -> tuple[Console, Console]:
 
 def _progress_bar(console: Console) -> RichReporter | LogReporter:
     """The rich bar in a terminal; in a log, plain lines at a steady interval."""
-    from .report import LOG_INTERVAL, LOG_INTERVAL_ENV, LogReporter, RichReporter
+    from .progress import LOG_INTERVAL, LOG_INTERVAL_ENV, LogReporter, RichReporter
 
     if console.is_terminal:
         return RichReporter(console)

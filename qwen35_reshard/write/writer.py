@@ -36,8 +36,6 @@ stages' other files, manifests and indexes), all on ``durability``.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,6 +71,7 @@ from .outdir import (
     unfinished,
 )
 from .sources import SourceAccess, check_unchanged, source_stamps
+from .stageclaims import claimed, given_up_on_failure, release
 
 __all__ = [
     "DEFAULT_WORKERS",
@@ -203,7 +202,7 @@ class _Run:
         try:
             state = assess_out(plan, out, overwrite=self.options.overwrite)
         except ReshardError:
-            if not _claimed(out):
+            if not claimed(out):
                 raise
             return False  # decided under the lock, which can name the run writing OUT
         if state.action != "complete" or (out / RUN_MARKER).exists():
@@ -263,7 +262,7 @@ class _Run:
         marked = self._mark() if state.action != "replace" else False
         mine, busy = self._claim(pending, state)
         if mine:
-            with _given_up_on_failure(self.out, mine):  # a run that could not start
+            with given_up_on_failure(self.out, mine):  # a run that could not start
                 return self._start(mine, state, marked), busy
         if marked:
             remove(self.out / RUN_MARKER)
@@ -277,7 +276,7 @@ class _Run:
             # Whatever stopped the run (Ctrl-C, SIGTERM, a full disk), leave no temporary
             # file of its own; other runs' are theirs.
             remove_partials(self.out, batch.stages)
-            _release(self.out, batch.stages)
+            release(self.out, batch.stages)
 
     def _wait(self, busy: dict[int, claims.Owner | None], told: set[int]) -> None:
         """Wait for the stages other live runs are building (``told``: those said already)."""
@@ -332,7 +331,7 @@ class _Run:
             return list(pending), {}
         mine: list[StagePlan] = []
         busy: dict[int, claims.Owner | None] = {}
-        with _given_up_on_failure(self.out, mine):  # e.g. a stage directory that cannot be made
+        with given_up_on_failure(self.out, mine):  # e.g. a stage directory that cannot be made
             for stage in pending:
                 stage_dir = self.out / stage.dirname
                 stage_dir.mkdir(exist_ok=True)
@@ -491,30 +490,3 @@ def _write_marker(plan: Plan, out: Path) -> None:
     """OUT's run marker for a run of ``plan``'s split: its identity and the source's stamps."""
     marker = {"identity": run_identity(plan).to_json(), "source_files": source_stamps(plan)}
     write_atomic(out / RUN_MARKER, dumps(marker), sync_dir=False)
-
-
-def _release(out: Path, stages: list[StagePlan]) -> None:
-    """Give up this run's claims of ``stages``."""
-    for stage in stages:
-        claims.release(out / stage.dirname / CLAIM)
-
-
-@contextmanager
-def _given_up_on_failure(out: Path, stages: list[StagePlan]) -> Iterator[None]:
-    """Give up the claims of ``stages`` (as the list is when it fails) if the block fails: its
-    own heartbeat would keep them alive, and the run or a later one in this process would wait
-    for itself. A failure to give them up never hides the one that stopped the run."""
-    try:
-        yield
-    except BaseException:
-        with suppress(OSError):
-            _release(out, stages)
-        raise
-
-
-def _claimed(out: Path) -> bool:
-    """Whether any stage directory in OUT holds a claim (of a live run or a killed one)."""
-    try:
-        return any((d / CLAIM).exists() for d in stage_dirs(out).values())
-    except OSError:
-        return False

@@ -13,7 +13,7 @@ import threading
 import time
 
 from qwen35_reshard import reshard
-from qwen35_reshard.cli.report import LOG_INTERVAL_ENV
+from qwen35_reshard.cli.progress import LOG_INTERVAL_ENV
 from qwen35_reshard.format.names import INDEX_NAME, RUN_MANIFEST, RUN_MARKER
 
 # Runs the CLI (argv[3:]) holding the copy of any of the source shards argv[1] (comma-separated;

@@ -43,11 +43,11 @@ LAYERS = [
     (7, "loader", ["loader"]),
     (7, "write", ["write", "write.claims", "write.durability", "write.journal", "write.datafile",
                   "write.assemble", "write.assess", "write.sources", "write.provenance", "write.outdir",
-                  "write.finish",
+                  "write.finish", "write.stageclaims",
                   "write.manifest", "write.options",
                   "write.writer", "write.repair"]),
     (8, "api", ["", "api"]),  # "": the package itself, whose names load on first use
-    (9, "cli", ["cli", "cli.report", "cli.flags", "cli.process", "cli.app", "__main__"]),
+    (9, "cli", ["cli", "cli.progress", "cli.report", "cli.flags", "cli.process", "cli.app", "__main__"]),
     # A server's rank building its own stage from the unsplit model (issue 33) goes through the
     # library; the server plugins sit on top, importing it only when a rank is handed no split.
     (9, "serve", ["serve"]),
