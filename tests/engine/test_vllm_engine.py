@@ -118,12 +118,31 @@ def world(tmp_path_factory):
     return {"python": python, "sources": sources, "splits": splits, "root": root}
 
 
+# vLLM's own PP scheduler race (vllm-project/vllm#32701, 0.32 included): with a batch queue, a
+# step's output can miss a request the scheduler sent, and the engine dies with this KeyError
+# while generating, after every weight was loaded (seen once here, in a CI run of
+# test_pp2_through_plugin_equals_pp1_stock). An engine start that dies so is run again once;
+# any other failure, or this one twice, fails the test.
+UPSTREAM_PP_RACE = "req_id_to_index[req_id]"
+
+
 def run_engine(
     world, model: Path | str, pp: int, load_format: str, partition: str | None = None, env: dict | None = None
 ) -> dict:
-    """One engine start and greedy generation in its own process; wall time and peak memory
-    (summed over the process and every engine process it starts, sampled every 0.2 s).
+    """One engine start and greedy generation in its own process (again once after vLLM's own
+    PP scheduler race, see ``UPSTREAM_PP_RACE``); wall time and peak memory (summed over the
+    process and every engine process it starts, sampled every 0.2 s).
     ``env``: variables added to the engine's environment."""
+    got = _run_engine_once(world, model, pp, load_format, partition, env)
+    if got["returncode"] != 0 and "KeyError" in got["log"] and UPSTREAM_PP_RACE in got["log"]:
+        print("vLLM's PP scheduler race (vllm-project/vllm#32701): the same engine start again")
+        got = _run_engine_once(world, model, pp, load_format, partition, env)
+    return got
+
+
+def _run_engine_once(
+    world, model: Path | str, pp: int, load_format: str, partition: str | None, env: dict | None
+) -> dict:
     extra, env = env or {}, {k: v for k, v in os.environ.items() if k != "VLLM_PP_LAYER_PARTITION"}
     env.update(extra)
     if partition:
