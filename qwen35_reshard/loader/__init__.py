@@ -34,7 +34,7 @@ from ..model.runtimes import launch_env, runtime_of
 from ..stage.findings import REBUILD, REPAIR, Finding, tensor_digest_finding
 from ..stage.manifest import StageManifest, StageTensor
 from ..stage.reader import RunRecord, read_run_record, read_stage
-from ..transfer.digestpool import DigestPool, Mismatch, Range, cores
+from ..stage.digestpool import DigestPool, Mismatch, Range, cores
 from ..units import format_bytes, plural
 
 VERIFY_LOAD_ENV = "QWEN35_RESHARD_VERIFY_LOAD"  # 0: loads do not hash (checked elsewhere)
@@ -55,6 +55,7 @@ class Stage:
     # file aside, to be fetched again) and returns what to tell the user; None: repair advice.
     on_damaged: Callable[[str], str] | None = field(default=None, repr=False)
     unrecorded: str | None = None  # why tensors without a sha256 have none, where not a shared split
+    files_at: str | None = None  # the data files' directory in messages, where not ``display``
 
     @property
     def rank(self) -> int:
@@ -166,7 +167,7 @@ class Stage:
         tensor has the manifest's dtype, shape and place.
 
         The check: the same bytes are hashed on every core beside the caller's copy
-        (:class:`~.transfer.digestpool.DigestPool`) and compared with each tensor's sha256 in
+        (:class:`~.stage.digestpool.DigestPool`) and compared with each tensor's sha256 in
         the manifest (or, where the stage records only its file's, the whole file's). A tensor is
         handed over before its hash is known, but the last one only once every hash is: a
         damaged byte stops the iteration with :class:`~.errors.DamagedStage` before the caller's
@@ -284,7 +285,7 @@ class Stage:
     def _damaged(self, found: Mismatch) -> DamagedStage:
         """The error for the first mismatch found; the stage's ``on_damaged`` says what to do."""
         file = found.path.name
-        where = f"{self.display}/{file}"
+        where = f"{self.files_at or self.display}/{file}"
         if found.key is not None:
             what = tensor_digest_finding(where, file, found.key).message
         else:
