@@ -31,10 +31,10 @@ from ..errors import DamagedStage, StageError
 from ..format.dtypes import DTYPES
 from ..format.names import INDEX_NAME, RUN_MANIFEST, STAGE_MANIFEST, stage_dir_rank, stage_dirname
 from ..model.runtimes import launch_env, runtime_of
+from ..stage.digestpool import DigestPool, Mismatch, Range, cores
 from ..stage.findings import REBUILD, REPAIR, Finding, tensor_digest_finding
 from ..stage.manifest import StageManifest, StageTensor
 from ..stage.reader import RunRecord, read_run_record, read_stage
-from ..stage.digestpool import DigestPool, Mismatch, Range, cores
 from ..units import format_bytes, plural
 
 VERIFY_LOAD_ENV = "QWEN35_RESHARD_VERIFY_LOAD"  # 0: loads do not hash (checked elsewhere)
