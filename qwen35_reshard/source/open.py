@@ -1,5 +1,5 @@
 """MODEL as the user wrote it: a local checkpoint directory, a cache repo folder, a single
-``model.safetensors``, or a Hub repo id."""
+``model.safetensors``, a Hub repo id, or an object-storage URI (``s3://bucket/prefix``)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from ..format.names import CACHE_REPO_PREFIX, COMMIT, INDEX_NAME, SINGLE_FILE_NA
 from .hub.cache import HubRepo, HubSettings, inside, read_ref
 from .hub.checkpoint import read_hub_checkpoint
 from .hub.http import Traffic, resolve
+from .s3.checkpoint import S3Repo, open_s3, read_s3_checkpoint
+from .s3.store import is_s3_uri
 
 if TYPE_CHECKING:
     from .checkpoint import Checkpoint
@@ -54,12 +56,22 @@ def cache_repo_snapshot(path: Path, revision: str | None) -> Path | None:
 
 def open_model(
     model: str, settings: HubSettings, *, traffic: Traffic | None = None
-) -> tuple[Checkpoint, HubRepo | None]:
+) -> tuple[Checkpoint, HubRepo | S3Repo | None]:
     """MODEL as the user wrote it: a local checkpoint directory, a cache repo folder
     (``models--org--name``, resolved through ``refs/``), the ``model.safetensors`` of a
-    single-file checkpoint (read as its directory) or a Hub repo id. Returns the checkpoint
-    and, for a repo id, the pinned repo (None for local sources)."""
+    single-file checkpoint (read as its directory), a Hub repo id or an ``s3://bucket/prefix``
+    URI. Returns the checkpoint and, for a repo id or a URI, the pinned repo or listed
+    location (None for local sources)."""
     from .checkpoint import read_checkpoint
+
+    if is_s3_uri(model):
+        if settings.revision is not None:
+            raise BadInput(
+                f"{model}: {param('revision')} applies to a Hub repo id; an object-storage URI is read as "
+                "its objects are now"
+            )
+        s3 = open_s3(model, streams=settings.streams)
+        return read_s3_checkpoint(s3), s3
 
     path = Path(model)
     if path.is_file() and path.name.endswith(".safetensors"):
@@ -76,8 +88,8 @@ def open_model(
         repo = resolve(model, settings)
         return read_hub_checkpoint(repo, traffic=traffic), repo
     raise BadInput(
-        f"{model}: not a directory, and not a Hugging Face Hub repo id (org/name); pass the checkpoint's "
-        f"directory or its repo id as {param('model')}"
+        f"{model}: not a directory, a Hugging Face Hub repo id (org/name) or an s3://bucket/prefix URI; "
+        f"pass the checkpoint's directory, its repo id or its URI as {param('model')}"
     )
 
 
