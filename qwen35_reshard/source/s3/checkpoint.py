@@ -26,7 +26,8 @@ from ..header import MAX_HEADER_BYTES, Header, parse_header
 from ..hub.cache import HEADER_SUFFIX, write_kept
 from ..hub.checkpoint import MODEL_TYPES
 from ..remote.engine import FetchEngine, RemoteFile, RemoteSource, RetryPolicy, streams_setting
-from .store import Clients, S3Location, S3Transport, make_clients, store_error
+from ..hub.fetch import fetch_plan
+from .store import Clients, S3Location, S3Traffic, S3Transport, make_clients, store_error
 
 if TYPE_CHECKING:
     from ..checkpoint import Checkpoint
@@ -53,6 +54,11 @@ class S3Repo:
     objects: dict[str, S3Object]
     clients: Clients = field(repr=False)
     streams: int
+    traffic: S3Traffic = field(default_factory=S3Traffic, repr=False)
+
+    @property
+    def repo_id(self) -> str:
+        return self.where.uri
 
     @property
     def commit(self) -> str:
@@ -79,12 +85,12 @@ class S3Repo:
         o = self.objects[name]
         return RemoteFile(name, o.size, o.etag)
 
-    def engine(self, counter: object | None = None) -> FetchEngine:
-        """The fetch engine for this location's objects, ``counter`` told every byte."""
+    def engine(self) -> FetchEngine:
+        """The fetch engine for this location's objects (their reads counted in ``traffic``)."""
         policy = RetryPolicy(
             retries=RETRIES, wait=float(os.environ.get(RETRY_WAIT_ENV, 0.5)), max_wait=MAX_RETRY_WAIT
         )
-        return FetchEngine(S3Transport(self.where, self.clients, counter), streams=self.streams, policy=policy)
+        return FetchEngine(S3Transport(self.where, self.clients, self.traffic), streams=self.streams, policy=policy)
 
 
 def open_s3(uri: str, *, streams: int | None = None) -> S3Repo:
@@ -99,11 +105,13 @@ def open_s3(uri: str, *, streams: int | None = None) -> S3Repo:
     clients = make_clients(where, streams=n)
     objects: dict[str, S3Object] = {}
     start = where.key("")
+    traffic = S3Traffic()
     try:
         pages = clients.listing.get_paginator("list_objects_v2").paginate(
             Bucket=where.bucket, Prefix=start, Delimiter="/"
         )
         for page in pages:
+            traffic.request()
             for o in page.get("Contents", []):
                 name = o["Key"][len(start) :]
                 if name:
@@ -115,14 +123,14 @@ def open_s3(uri: str, *, streams: int | None = None) -> S3Repo:
             f"{where.uri}: no objects under this prefix in bucket {where.bucket!r}; check the prefix "
             "(the folder holding config.json and the shards)"
         )
-    return S3Repo(where, objects, clients, n)
+    return S3Repo(where, objects, clients, n, traffic)
 
 
-def read_s3_checkpoint(repo: S3Repo, *, traffic: object | None = None) -> Checkpoint:
+def read_s3_checkpoint(repo: S3Repo) -> Checkpoint:
     """The checkpoint at ``repo`` as plain data: small files whole, shard headers by ranges."""
     from ..checkpoint import assemble_checkpoint, load_config, load_quant_side
 
-    engine = repo.engine(traffic)
+    engine = repo.engine()
     try:
         config_bytes = small_file(repo, CONFIG_NAME, engine)
         config = load_config(config_bytes, f"{repo.where.uri}/{CONFIG_NAME}")
@@ -215,22 +223,32 @@ def _read(repo: S3Repo, name: str, start: int, end: int, engine: FetchEngine) ->
 
 class S3Fetcher:
     """Hands the copy each source shard as a remote source of one fetch engine: its parts (the
-    stages' tensors, or the whole shard) written in place into the stage files."""
+    stages' tensors, or the whole shard) written in place into the stage files. Nothing is
+    cached: every shard is fetched (``how`` is ``whole`` or ``ranges``)."""
 
-    def __init__(self, repo: S3Repo, traffic: object | None = None) -> None:
+    def __init__(self, repo: S3Repo, ckpt: Checkpoint, needed: dict[str, set[str]]) -> None:
         self.repo = repo
-        self.engine = repo.engine(traffic)
+        self.traffic = repo.traffic
+        self.fetches = fetch_plan(ckpt, needed, set())
+        self.engine = repo.engine()
         self._sources: dict[str, RemoteSource] = {}
 
+    download_bytes = 0  # nothing goes through a cache
+    checkpoint_bytes = property(lambda self: sum(o.size for o in self.repo.objects.values()))
+
+    def prepare(self) -> None:
+        """Nothing: the small files came with the checkpoint."""
+
     def remote(self, file: str) -> RemoteSource:
+        """``file`` as the fetch engine reads it, its header as planning kept it."""
         src = self._sources.get(file)
         if src is None:
             head = header_bytes(self.repo, file, self.engine)
             src = self._sources[file] = RemoteSource(self.engine, self.repo.remote(file), head)
         return src
 
-    def open(self, file: str) -> RemoteSource:
-        return self.remote(file)
+    open = remote
 
     def close(self) -> None:
+        """Stop the engine's reads (none is left running after this returns)."""
         self.engine.close()

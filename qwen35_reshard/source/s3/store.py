@@ -78,6 +78,24 @@ class S3Location:
 
 
 @dataclass
+class S3Traffic:
+    """What this process read from the store: body bytes as they arrive and requests sent
+    (listing pages, ranged GETs). Thread-safe."""
+
+    bytes: int = 0
+    requests: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, nbytes: int) -> None:
+        with self.lock:
+            self.bytes += nbytes
+
+    def request(self) -> None:
+        with self.lock:
+            self.requests += 1
+
+
+@dataclass
 class Clients:
     """boto3's S3 clients for one location: ``listing`` retries by itself, ``reads`` never
     (the fetch engine does). Thread-safe, as botocore's clients are."""
@@ -173,13 +191,13 @@ class S3Transport:
     """Objects of one location read by byte ranges for the fetch engine: each GET names the
     range and ``If-Match`` the ETag listed (the object as planned, or a 412); every answer is
     checked (206, the ``Content-Range`` asked for, the planned size) before a byte is used.
-    ``counter.add(n)`` sees every body byte received."""
+    ``traffic`` counts the requests and body bytes."""
 
-    def __init__(self, where: S3Location, clients: Clients, counter: object | None = None) -> None:
+    def __init__(self, where: S3Location, clients: Clients, traffic: S3Traffic) -> None:
         self.where = where
         self.clients = clients
         self.display = where.uri
-        self._counter = counter
+        self._traffic = traffic
 
     def open(self, file: RemoteFile, start: int, end: int) -> Iterator[bytes]:
         """Bytes ``[start, end)`` of ``file``, as chunks as they arrive (see the engine's
@@ -190,6 +208,7 @@ class S3Transport:
         args = {"Bucket": self.where.bucket, "Key": self.where.key(file.name), "Range": f"bytes={start}-{end - 1}"}
         if file.identity:
             args["IfMatch"] = file.identity
+        self._traffic.request()
         try:
             answer = self.clients.reads.get_object(**args)
         except bx.ClientError as e:
@@ -210,8 +229,7 @@ class S3Transport:
             self._check(answer, file, start, end)
             try:
                 for chunk in body.iter_chunks(CHUNK_BYTES):
-                    if self._counter is not None:
-                        self._counter.add(len(chunk))
+                    self._traffic.add(len(chunk))
                     yield chunk
             except (bx.ResponseStreamingError, bx.ConnectionError, bx.HTTPClientError) as e:
                 raise Transient(f"the connection failed ({type(e).__name__})") from e
