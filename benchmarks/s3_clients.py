@@ -42,7 +42,9 @@ def start_server(rate: float | None, latency: float) -> tuple[subprocess.Popen, 
     args = [sys.executable, str(ROOT / "tests/support/s3_server.py"), "--latency", str(latency)]
     if rate:
         args += ["--rate", str(rate)]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT / "tests")})
+    proc = subprocess.Popen(
+        args, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT / "tests")}
+    )
     return proc, json.loads(proc.stdout.readline())
 
 
@@ -172,9 +174,15 @@ def measure(label: str, rate: float | None, latency: float, a: argparse.Namespac
                 runs[name].append(time.perf_counter() - t)
                 assert n == a.size, (name, n)
         requests = -(-a.size // a.part)
-        base = statistics.median(runs["boto3 download_fileobj (whole object)"]) if "boto3 download_fileobj (whole object)" in runs else None
-        print(f"\n### {label}: {a.size / 1e6:.0f} MB, {a.part / 1e6:.0f} MB parts, {a.streams} in flight, "
-              f"{a.rounds} rounds\n")
+        base = (
+            statistics.median(runs["boto3 download_fileobj (whole object)"])
+            if "boto3 download_fileobj (whole object)" in runs
+            else None
+        )
+        print(
+            f"\n### {label}: {a.size / 1e6:.0f} MB, {a.part / 1e6:.0f} MB parts, {a.streams} in flight, "
+            f"{a.rounds} rounds\n"
+        )
         print("| client | median s | MB/s | requests/s | time / boto3 whole-object |")
         print("|---|---:|---:|---:|---:|")
         for name, times in runs.items():

@@ -27,10 +27,9 @@ from .plan.nodes import Node, Nodes, pick_node
 from .plan.planner import Plan, make_plan, recorded_plan
 from .source.checkpoint import Checkpoint, read_checkpoint, source_fingerprint
 from .source.hub.cache import HubRepo, HubSettings
-from .source.hub.fetch import HubFetcher
 from .source.hub.http import Traffic
-from .source.open import open_model
-from .source.s3.checkpoint import S3Fetcher, S3Repo
+from .source.open import open_model, remote_fetcher
+from .source.s3.checkpoint import S3Repo
 from .verify.check import verify
 from .verify.report import VerifyReport
 from .write.manifest import run_manifest
@@ -299,7 +298,7 @@ def _preview(
     plan, out = planned.plan, planned.out_dir
     fetch = None
     if repo is not None:
-        fetcher = _fetcher(repo, plan, traffic)
+        fetcher = remote_fetcher(repo, plan.checkpoint, needed_by(plan), traffic=traffic)
         fetch = fetch_report(plan, fetcher)
         fetcher.close()
     state = assess_out(plan, out, overwrite=overwrite) if out is not None else None
@@ -319,7 +318,9 @@ def _write(
     started = time.monotonic()
     fetcher = None
     if repo is not None:
-        fetcher = _fetcher(repo, plan, traffic, on_fetched=events.fetched)
+        fetcher = remote_fetcher(
+            repo, plan.checkpoint, needed_by(plan), traffic=traffic, on_fetched=events.fetched
+        )
         events.expect_downloads(fetcher.download_bytes)
         fetcher.prepare()
     source = (
@@ -329,15 +330,6 @@ def _write(
     seconds = time.monotonic() - started
     fetch = fetch_report(plan, fetcher) if fetcher is not None else None
     return replace(planned, written=written, seconds=seconds, fetch=fetch)
-
-
-def _fetcher(
-    repo: HubRepo | S3Repo, plan: Plan, traffic: Traffic, *, on_fetched: Callable[[int], None] = lambda n: None
-) -> HubFetcher | S3Fetcher:
-    """How the selected stages' shards come from a remote source: a Hub repo or an object store."""
-    if isinstance(repo, S3Repo):
-        return S3Fetcher(repo, plan.checkpoint, needed_by(plan))
-    return HubFetcher(repo, plan.checkpoint, needed_by(plan), traffic=traffic, on_fetched=on_fetched)
 
 
 def _partition(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -12,8 +13,9 @@ from ..errors import BadInput, param
 from ..format.names import CACHE_REPO_PREFIX, COMMIT, INDEX_NAME, SINGLE_FILE_NAME
 from .hub.cache import HubRepo, HubSettings, inside, read_ref
 from .hub.checkpoint import read_hub_checkpoint
+from .hub.fetch import HubFetcher
 from .hub.http import Traffic, resolve
-from .s3.checkpoint import S3Repo, open_s3, read_s3_checkpoint
+from .s3.checkpoint import S3Fetcher, S3Repo, open_s3, read_s3_checkpoint
 from .s3.store import is_s3_uri
 
 if TYPE_CHECKING:
@@ -48,9 +50,7 @@ def cache_repo_snapshot(path: Path, revision: str | None) -> Path | None:
     if not snapshot.is_dir():
         raise BadInput(f"{path}: refs/{rev} names commit {commit} but snapshots/{commit} is missing")
     if not inside(snapshot, path / "snapshots"):
-        raise BadInput(
-            f"{snapshot}: a symlink out of the cache repo folder {path}; refusing to follow it"
-        )
+        raise BadInput(f"{snapshot}: a symlink out of the cache repo folder {path}; refusing to follow it")
     return snapshot
 
 
@@ -91,6 +91,21 @@ def open_model(
         f"{model}: not a directory, a Hugging Face Hub repo id (org/name) or an s3://bucket/prefix URI; "
         f"pass the checkpoint's directory, its repo id or its URI as {param('model')}"
     )
+
+
+def remote_fetcher(
+    repo: HubRepo | S3Repo,
+    ckpt: Checkpoint,
+    needed: dict[str, set[str]],
+    *,
+    traffic: Traffic | None = None,
+    on_fetched: Callable[[int], None] = lambda n: None,
+) -> HubFetcher | S3Fetcher:
+    """How the shards ``needed`` (file -> tensors) of a remote source come: from a Hub repo
+    (its cache, or the fetch engine) or an object store (the fetch engine)."""
+    if isinstance(repo, S3Repo):
+        return S3Fetcher(repo, ckpt, needed)
+    return HubFetcher(repo, ckpt, needed, traffic=traffic, on_fetched=on_fetched)
 
 
 def _single_file_dir(path: Path, model: str) -> Path:

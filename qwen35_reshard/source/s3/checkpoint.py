@@ -25,8 +25,8 @@ from ...model.quant import QUANT_SIDE_FILE
 from ..header import MAX_HEADER_BYTES, Header, parse_header
 from ..hub.cache import HEADER_SUFFIX, write_kept
 from ..hub.checkpoint import MODEL_TYPES
-from ..remote.engine import FetchEngine, RemoteFile, RemoteSource, RetryPolicy, streams_setting
 from ..hub.fetch import fetch_plan
+from ..remote.engine import FetchEngine, RemoteFile, RemoteSource, RetryPolicy, streams_setting
 from .store import Clients, S3Location, S3Traffic, S3Transport, make_clients, store_error
 
 if TYPE_CHECKING:
@@ -76,7 +76,10 @@ class S3Repo:
     @property
     def folder(self) -> Path:
         """Where this listing's small files and headers are kept."""
-        base = os.environ.get(CACHE_ENV) or Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache") / TOOL_NAME / "s3"
+        base = (
+            os.environ.get(CACHE_ENV)
+            or Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache") / TOOL_NAME / "s3"
+        )
         path = Path(base).expanduser() / self.where.bucket / (self.where.prefix or "_") / self.commit
         path.mkdir(parents=True, exist_ok=True)
         return path
@@ -90,7 +93,9 @@ class S3Repo:
         policy = RetryPolicy(
             retries=RETRIES, wait=float(os.environ.get(RETRY_WAIT_ENV, 0.5)), max_wait=MAX_RETRY_WAIT
         )
-        return FetchEngine(S3Transport(self.where, self.clients, self.traffic), streams=self.streams, policy=policy)
+        return FetchEngine(
+            S3Transport(self.where, self.clients, self.traffic), streams=self.streams, policy=policy
+        )
 
 
 def open_s3(uri: str, *, streams: int | None = None) -> S3Repo:
@@ -150,8 +155,8 @@ def read_s3_checkpoint(repo: S3Repo) -> Checkpoint:
             for f in files:
                 if not is_plain_name(f) or f not in repo.objects:
                     raise ObjectStoreError(
-                        f"{repo.where.uri}/{INDEX_NAME}: shard {f!r} is not an object at the top of the prefix; "
-                        "the upload is incomplete"
+                        f"{repo.where.uri}/{INDEX_NAME}: shard {f!r} is not an object at the top of the "
+                        "prefix; the upload is incomplete"
                     )
             with ThreadPoolExecutor(max_workers=engine.streams) as pool:
                 raw = dict(zip(files, pool.map(lambda f: header_bytes(repo, f, engine), files), strict=True))
@@ -212,6 +217,22 @@ def header_bytes(repo: S3Repo, name: str, engine: FetchEngine) -> bytes:
     raw += _read(repo, name, 8, 8 + n, engine)
     write_kept(kept, raw)
     return raw
+
+
+def s3_header(repo: S3Repo, name: str) -> bytes:
+    """Shard ``name``'s length prefix and header, as planning read them (kept, or two ranged
+    reads).
+
+    Raises:
+        ReshardError: the shard is not at the location, or its header could not be read.
+    """
+    if name not in repo.objects:
+        raise ObjectStoreError(f"{repo.where.uri}: {name} is missing from the bucket")
+    engine = repo.engine()
+    try:
+        return header_bytes(repo, name, engine)
+    finally:
+        engine.close()
 
 
 def _read(repo: S3Repo, name: str, start: int, end: int, engine: FetchEngine) -> bytes:

@@ -205,7 +205,11 @@ class S3Transport:
         from botocore import exceptions as bx
 
         asked = f"bytes {start}-{end - 1}"
-        args = {"Bucket": self.where.bucket, "Key": self.where.key(file.name), "Range": f"bytes={start}-{end - 1}"}
+        args = {
+            "Bucket": self.where.bucket,
+            "Key": self.where.key(file.name),
+            "Range": f"bytes={start}-{end - 1}",
+        }
         if file.identity:
             args["IfMatch"] = file.identity
         self._traffic.request()
