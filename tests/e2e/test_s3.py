@@ -204,13 +204,14 @@ def test_bad_input_one_line(s3, uri, tmp_path, case):
         env, expect = {**env, "AWS_ENDPOINT_URL": "http://127.0.0.1:9"}, "does not answer"
     out = tmp_path / "out"
     if case == "no boto3":
-        code = "import sys; sys.modules['boto3'] = None; from qwen35_reshard.cli import main; sys.exit(main())"
+        code = "import sys; sys.modules['boto3'] = None; from qwen35_reshard.cli import main; exit(main())"
         full = {**os.environ, "PYTHONPATH": str(ROOT), **env}
         proc = subprocess.run([sys.executable, "-c", code, "--pp", "4", target, str(out)], env=full,
                               capture_output=True, text=True, timeout=120)  # fmt: skip
         expect = "pip install 'qwen35-reshard[s3]'"
     else:
-        proc = run(["--pp", PP, target, out], env={**env, "AWS_MAX_ATTEMPTS": "1"}, cache=tmp_path / "c", check=False)
+        env = {**env, "AWS_MAX_ATTEMPTS": "1"}
+        proc = run(["--pp", PP, target, out], env=env, cache=tmp_path / "c", check=False)
     line = one_error_line(proc)
     assert target.rstrip("/") in line and expect in line, line
     nothing_complete(out)
