@@ -196,7 +196,6 @@ def is_draft_tensor(name: str) -> bool:
 @functools.cache
 def loader_class() -> type:
     """Build the loader class; its base class is SGLang's, so it exists only where SGLang does."""
-    from sglang.srt.distributed.parallel_state import get_world_group
     from sglang.srt.distributed.utils import get_pp_indices
     from sglang.srt.layers.utils import get_layer_id
     from sglang.srt.model_loader.loader import DefaultModelLoader
@@ -215,7 +214,7 @@ def loader_class() -> type:
             else:
                 parallel = get_parallel()
                 self._stage = target_stage(
-                    model_config, get_world_group(), parallel.pp_rank, parallel.pp_size, get_pp_indices
+                    model_config, parallel.world_group, parallel.pp_rank, parallel.pp_size, get_pp_indices
                 )
                 check_layer_names(self._stage, get_layer_id)
                 self._takes = lambda name: not name.startswith(MTP_PREFIX)  # those are the draft's

@@ -14,6 +14,7 @@ go to stdout as ``LOG <line>``.
 """
 
 import json
+import logging
 import sys
 import time
 import types
@@ -33,12 +34,15 @@ def stage_of(spec: dict, address: str, rank: int) -> object:
     log = lambda line: print("LOG", line, flush=True)  # noqa: E731
     layers = spec.get("layers", 8)
     if spec["server"] == "vllm":
+        from vllm.config import VllmConfig, set_current_vllm_config
         from vllm.distributed import parallel_state as ps
 
-        ps.init_distributed_environment(PP, rank, address, 0, "gloo")
-        ps.initialize_model_parallel(1, PP)
-        _wait(wait)
         from qwen35_reshard.servers import vllm as plugin
+
+        with set_current_vllm_config(VllmConfig()):
+            ps.init_distributed_environment(PP, rank, address, 0, "gloo")
+            ps.initialize_model_parallel(1, PP)
+        _wait(wait)
 
         config = types.SimpleNamespace(
             model=spec["model"], revision=spec.get("revision"), hf_token=None,
@@ -48,17 +52,24 @@ def stage_of(spec: dict, address: str, rank: int) -> object:
     if spec["server"] == "sglang":
         from sglang.srt.distributed import parallel_state as ps
         from sglang.srt.distributed.utils import get_pp_indices
+        from sglang.srt.runtime_context import SpawnRanks, get_parallel
+        from sglang.srt.server_args import ServerArgs
+        from sglang.test.parallel_groups import publish
 
         from qwen35_reshard.servers import sglang as plugin
 
+        # SGLang's process-wide context, as its scheduler publishes it (model_path "dummy" as
+        # SGLang's own tests do), then its world and pipeline groups over gloo.
+        publish(ServerArgs(model_path="dummy", device="cpu", pp_size=PP), role="test",
+                ranks=SpawnRanks(world_rank=rank))
         ps.init_distributed_environment(PP, rank, address, 0, "gloo")
-        ps.initialize_model_parallel(1, 1, PP)
+        ps.initialize_model_parallel(backend="gloo")
         _wait(wait)
         config = types.SimpleNamespace(
             model_path=spec["model"], revision=spec.get("revision"),
             hf_text_config=types.SimpleNamespace(num_hidden_layers=layers),
         )
-        return plugin.target_stage(config, ps.get_world_group(), rank, PP, get_pp_indices)
+        return plugin.target_stage(config, get_parallel().world_group, rank, PP, get_pp_indices)
     import torch.distributed as dist
 
     from qwen35_reshard.servers.deployment import rank_stage
@@ -78,6 +89,8 @@ def _wait(path: str | None) -> None:
 
 
 def main() -> int:
+    logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="LOG %(message)s")
+    logging.getLogger("qwen35_reshard").setLevel(logging.INFO)  # the plugin's lines, not httpx's
     address, rank, spec = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
     try:
         stage = stage_of(spec, address, rank)
