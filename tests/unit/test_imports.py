@@ -37,7 +37,7 @@ LAYERS = [
                  "plan.nodes"]),
     (5, "transfer", ["transfer", "transfer.reflink", "transfer.segments", "transfer.pages", "transfer.hasher",
                      "transfer.copier"]),
-    (6, "stage", ["stage", "stage.findings", "stage.manifest", "stage.reader"]),
+    (6, "stage", ["stage", "stage.findings", "stage.manifest", "stage.reader", "stage.digestpool"]),
     (7, "verify", ["verify", "verify.report", "verify.rundir", "verify.stagedir", "verify.source",
                    "verify.selection", "verify.check"]),
     (7, "loader", ["loader"]),
