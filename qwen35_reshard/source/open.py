@@ -70,7 +70,7 @@ def open_model(
                 f"{model}: {param('revision')} applies to a Hub repo id; an object-storage URI is read as "
                 "its objects are now"
             )
-        s3 = open_s3(model, streams=settings.streams)
+        s3 = open_s3(model, streams=settings.streams, user_agent=settings.user_agent)
         return read_s3_checkpoint(s3), s3
 
     path = Path(model)

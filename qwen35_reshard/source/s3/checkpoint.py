@@ -98,8 +98,9 @@ class S3Repo:
         )
 
 
-def open_s3(uri: str, *, streams: int | None = None) -> S3Repo:
-    """List ``s3://bucket/prefix`` (its top level): the objects and their ETags.
+def open_s3(uri: str, *, streams: int | None = None, user_agent: str | None = None) -> S3Repo:
+    """List ``s3://bucket/prefix`` (its top level): the objects and their ETags. ``user_agent``
+    is appended to every request's User-Agent (a server's rank, in the store's logs).
 
     Raises:
         ReshardError: boto3 missing, the bucket or prefix missing, access denied, the
@@ -107,7 +108,7 @@ def open_s3(uri: str, *, streams: int | None = None) -> S3Repo:
     """
     where = S3Location.parse(uri)
     n = streams_setting(streams)
-    clients = make_clients(where, streams=n)
+    clients = make_clients(where, streams=n, user_agent=user_agent)
     objects: dict[str, S3Object] = {}
     start = where.key("")
     traffic = S3Traffic()

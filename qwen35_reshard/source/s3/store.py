@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from ...errors import BadInput, ObjectStoreError, ReshardError, param
+from ...format.names import TOOL_NAME
 from ..ranged import describe, redact
 from ..remote.engine import RemoteFile, Transient
 
@@ -106,7 +107,7 @@ class Clients:
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
 
-def make_clients(where: S3Location, *, streams: int) -> Clients:
+def make_clients(where: S3Location, *, streams: int, user_agent: str | None = None) -> Clients:
     """boto3's clients, configured the way the AWS CLI is: the standard variables, profile and
     files; path-style addressing for a custom endpoint (an S3-compatible server).
 
@@ -131,7 +132,7 @@ def make_clients(where: S3Location, *, streams: int) -> Clients:
                 connect_timeout=CONNECT_TIMEOUT,
                 read_timeout=READ_TIMEOUT,
                 s3={"addressing_style": addressing},
-                user_agent_extra="qwen35-reshard",
+                user_agent_extra=" ".join(filter(None, (TOOL_NAME, user_agent))),
             )
             return session.client("s3", config=config)
 
