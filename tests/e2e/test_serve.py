@@ -1,4 +1,4 @@
-"""A pipeline rank's stage of an UNSPLIT checkpoint (qwen35_reshard/serve.py, issue 33): what
+"""A pipeline rank's stage of an UNSPLIT checkpoint (qwen35_reshard/servers/unsplit.py, issue 33): what
 the servers' qwen35-stages loaders call for a Hub repo id or a local directory.
 
 Each call runs ``serve_stage.py`` in its own process with a private ``HF_HOME``, ``HF_ENDPOINT``
@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 import qwen35_reshard
-from qwen35_reshard.serve import STAGE_CACHE_ENV
+from qwen35_reshard.servers.unsplit import STAGE_CACHE_ENV
 from qwen35_reshard.source.checkpoint import source_identity
 
 from support.helpers import ROOT, SUPPORT, mount_namespace

@@ -1,4 +1,4 @@
-"""Run ``qwen35_reshard.serve.server_stage`` in its own process (HF_HOME, HF_ENDPOINT and the
+"""Run ``qwen35_reshard.servers.unsplit.server_stage`` in its own process (HF_HOME, HF_ENDPOINT and the
 stage cache are the caller's environment, read by huggingface_hub at import) and print what
 it gave: ``RESULT {how, fetched_bytes, where, files, path, digests: {name: sha256 of bytes}}``,
 or ``STAGEERROR <message>`` and exit 3. Used by tests/e2e/test_serve.py.
@@ -13,7 +13,7 @@ import sys
 import torch
 
 from qwen35_reshard.loader import StageError
-from qwen35_reshard.serve import server_stage
+from qwen35_reshard.servers.unsplit import server_stage
 
 
 def main() -> int:

@@ -9,7 +9,7 @@ import doctest
 import pytest
 
 import qwen35_reshard
-from qwen35_reshard.serve import server_stage
+from qwen35_reshard.servers.unsplit import server_stage
 from qwen35_reshard.verify import verify
 
 PUBLIC = {

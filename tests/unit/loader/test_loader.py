@@ -195,7 +195,7 @@ def test_package_imports_and_validates_without_torch(out):
 def test_vllm_plugin_imports_without_vllm():
     """The load format's module is importable without vllm; only registering needs it."""
     code = (
-        "from qwen35_reshard.loader import vllm as vllm_plugin\n"
+        "from qwen35_reshard.servers import vllm as vllm_plugin\n"
         "print(vllm_plugin.LOAD_FORMAT)\n"
         "try:\n"
         "    vllm_plugin.register()\n"

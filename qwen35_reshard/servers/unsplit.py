@@ -3,7 +3,7 @@
     served = server_stage("Qwen/Qwen3.5-397B-A17B", runtime="vllm", partition=[15, 15, 15, 15], rank=2)
     model.load_weights(served.stage.iter_weights())
 
-What the servers' ``qwen35-stages`` loaders (:mod:`.loader.vllm`, :mod:`.loader.sglang`) call
+What the servers' ``qwen35-stages`` loaders (:mod:`.vllm`, :mod:`.sglang`) call
 when the model they are given is not a split. ``partition`` is the layers per stage the server
 itself computed (its ``get_pp_indices``, partition variable included), so the stage is the one
 a split with the same settings would hold, placed by the same planner:
@@ -23,7 +23,7 @@ a split with the same settings would hold, placed by the same planner:
   checked against the source by the split, kept when unchanged, replaced when not.
 
 Several ranks of one node share the cache as several runs share one OUT (see
-:mod:`.write.claims`): each builds its own stage, a stage another rank is building is waited
+:mod:`qwen35_reshard.write.claims`): each builds its own stage, a stage another rank is building is waited
 for and not built twice; a stage is opened only once its manifest is written, so nothing a
 killed or failed start left is ever loaded.
 
@@ -39,19 +39,19 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .api import reshard
-from .errors import ReshardError
-from .format.names import CACHE_REPO_PREFIX, STAGE_MANIFEST, stage_dirname
-from .loader import Stage, StageError, open_stage
-from .model.runtimes import runtime_of
-from .plan.planner import make_plan
-from .source.checkpoint import Checkpoint, source_identity
-from .source.header import read_header
-from .source.hub.cache import HubSettings
-from .source.hub.http import resolve
-from .source.open import is_repo_id, open_model
-from .stage.manifest import StageManifest, StageTensor
-from .write.options import WriteOptions
+from ..api import reshard
+from ..errors import ReshardError
+from ..format.names import CACHE_REPO_PREFIX, STAGE_MANIFEST, stage_dirname
+from ..loader import Stage, StageError, open_stage
+from ..model.runtimes import runtime_of
+from ..plan.planner import make_plan
+from ..source.checkpoint import Checkpoint, source_identity
+from ..source.header import read_header
+from ..source.hub.cache import HubSettings
+from ..source.hub.http import resolve
+from ..source.open import is_repo_id, open_model
+from ..stage.manifest import StageManifest, StageTensor
+from ..write.options import WriteOptions
 
 STAGE_CACHE_ENV = "QWEN35_RESHARD_STAGE_CACHE"
 STAGE_COPY_ENV = "QWEN35_RESHARD_STAGE_COPY"
@@ -136,14 +136,14 @@ def server_stage(
         user_agent: appended to the User-Agent of every Hub request.
 
     Returns:
-        A :class:`ServedStage`: the :class:`~.loader.Stage` and how it was obtained.
+        A :class:`ServedStage`: the :class:`~qwen35_reshard.loader.Stage` and how it was obtained.
 
     Raises:
         StageError: in one line: the Hub's error, a full disk, a stage cache another run
             holds, a damaged stage; nothing half-written is ever opened.
 
     Example:
-        >>> from qwen35_reshard.serve import server_stage
+        >>> from qwen35_reshard.servers.unsplit import server_stage
         >>> served = server_stage(MODEL, runtime="vllm", partition=[4, 4], rank=1)
         >>> served.how, served.stage.start_layer, served.stage.end_layer
         ('in place', 4, 8)
@@ -234,7 +234,7 @@ def _built_from_local(model: str, out: Path, runtime: str, partition: list[int],
 
 
 def in_place_stage(ckpt: Checkpoint, runtime: str, partition: Sequence[int], rank: int) -> Stage:
-    """Stage ``rank`` of the split of ``ckpt`` as a :class:`~.loader.Stage` whose tensors are
+    """Stage ``rank`` of the split of ``ckpt`` as a :class:`~qwen35_reshard.loader.Stage` whose tensors are
     read from the source shards themselves: the plan's tensors for the rank, at their offsets
     in the shards whose headers are read again here (what ``iter_weights`` checks each shard
     against before reading it).
