@@ -37,7 +37,7 @@ LAYERS = [
                  "plan.nodes"]),
     (5, "transfer", ["transfer", "transfer.reflink", "transfer.segments", "transfer.pages", "transfer.hasher",
                      "transfer.copier"]),
-    (6, "stage", ["stage", "stage.findings", "stage.manifest", "stage.reader"]),
+    (6, "stage", ["stage", "stage.findings", "stage.manifest", "stage.reader", "stage.digestpool"]),
     (7, "verify", ["verify", "verify.report", "verify.rundir", "verify.stagedir", "verify.source",
                    "verify.selection", "verify.check"]),
     (7, "loader", ["loader"]),
@@ -50,7 +50,7 @@ LAYERS = [
     # The server integrations (issue 37): a rank building its own stage from the unsplit model
     # (issue 33) goes through the library; the load format and the plugin import it only when a
     # rank is handed no split.
-    (9, "servers", ["servers", "servers.unsplit", "servers.vllm", "servers.sglang"]),
+    (9, "servers", ["servers", "servers.unsplit", "servers.deployment", "servers.vllm", "servers.sglang"]),
     # The CLI sits on top: it may show what the servers keep (the stage cache).
     (10, "cli", ["cli", "cli.progress", "cli.report", "cli.flags", "cli.process", "cli.app", "__main__"]),
 ]  # fmt: skip
