@@ -186,6 +186,26 @@ def server_stage(
     )
 
 
+def pinned_commit(model: str, revision: str | None, token: str | None) -> str | None:
+    """The commit that ``revision`` (default ``main``) of the Hub repo ``model`` points to now,
+    which every rank of a deployment serves; None for a local directory or cache folder.
+
+    Raises:
+        StageError: the Hub's answer (an unknown repo or revision, a refused token), in one line.
+
+    Example:
+        >>> pinned_commit("Qwen/Qwen3.5-35B-A3B", "main", None)  # doctest: +SKIP
+        '0a1b2c...'
+    """
+    if not is_repo_id(model):
+        return None
+    settings = HubSettings(revision=revision, token=token, user_agent=USER_AGENT.format(rank=0))
+    try:
+        return resolve(model, settings).commit
+    except ReshardError as e:
+        raise StageError(str(e)) from e
+
+
 def _layers(partition: Sequence[int], rank: int) -> tuple[int, int]:
     start = sum(partition[:rank])
     return start, start + partition[rank]
