@@ -152,3 +152,15 @@ def partition_exchange(python: str, script: str, variables: tuple[str | None, ..
     out = [p.communicate(timeout=300) for p in procs]
     lines = [next((ln for ln in o.splitlines() if ln.startswith(("AGREED", "REFUSED"))), e) for o, e in out]
     return lines, out
+
+
+def other_weights(model: Path, dest: Path) -> Path:
+    """A copy of ``model`` with the same config, index and headers but other bytes in one
+    tensor of one shard: what a new commit of the same checkpoint looks like."""
+    shutil.copytree(model, dest)
+    shard = sorted(dest.glob("*.safetensors"))[2]
+    raw = bytearray(shard.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    raw[8 + n : 8 + n + 64] = bytes(b ^ 0xFF for b in raw[8 + n : 8 + n + 64])
+    shard.write_bytes(bytes(raw))
+    return dest

@@ -9,7 +9,8 @@ import doctest
 import pytest
 
 import qwen35_reshard
-from qwen35_reshard.serve import server_stage
+from qwen35_reshard.servers.deployment import rank_stage
+from qwen35_reshard.servers.unsplit import server_stage
 from qwen35_reshard.verify import verify
 
 PUBLIC = {
@@ -22,6 +23,7 @@ PUBLIC = {
     "open_stage": qwen35_reshard.open_stage,
     "choose": qwen35_reshard.choose,
     "server_stage": server_stage,
+    "rank_stage": rank_stage,
 }
 
 
