@@ -142,28 +142,28 @@ class VerifyArgs:
 _SPLIT_EXAMPLES = f"""Examples:
 
 \b
-  {PROG} split --pp 4 Qwen3.5-35B-A3B out
-  {PROG} --pp 4 Qwen3.5-35B-A3B out        # the same: split is the default
+  {PROG} split --pp 4 Qwen/Qwen3.5-35B-A3B out
+  {PROG} --pp 4 Qwen/Qwen3.5-35B-A3B out        # the same: split is the default
   {PROG} split --pp 8 --runtime vllm --rank 3 Qwen/Qwen3.5-397B-A17B-FP8 out
-  {PROG} split --pp 4 --partition balanced --dry-run Qwen3.5-35B-A3B out
-  export $({PROG} split -q --pp 4 Qwen3.5-35B-A3B out)   # the partition"""
+  {PROG} split --pp 4 --partition balanced --dry-run Qwen/Qwen3.5-35B-A3B out
+  export $({PROG} split -q --pp 4 Qwen/Qwen3.5-35B-A3B out)   # the partition"""
 
 _PLAN_EXAMPLES = f"""Examples:
 
 \b
-  {PROG} plan --pp 4 Qwen3.5-35B-A3B
-  {PROG} plan --pp 4 Qwen3.5-35B-A3B out   # and what a split would do in out
+  {PROG} plan --pp 4 Qwen/Qwen3.5-35B-A3B
+  {PROG} plan --pp 4 Qwen/Qwen3.5-35B-A3B out   # and what a split would do in out
   {PROG} plan --pp 16 --partition balanced --gpu-memory 80GB --tp 8 \\
       --context-length 262144 Qwen/Qwen3.5-397B-A17B-FP8
-  {PROG} plan --pp 4 Qwen3.5-35B-A3B > plan.txt
-  export $({PROG} plan -q --pp 4 Qwen3.5-35B-A3B)   # the partition"""
+  {PROG} plan --pp 4 Qwen/Qwen3.5-35B-A3B > plan.txt
+  export $({PROG} plan -q --pp 4 Qwen/Qwen3.5-35B-A3B)   # the partition"""
 
 _VERIFY_EXAMPLES = f"""Examples:
 
 \b
   {PROG} verify out
-  {PROG} verify out --source Qwen3.5-35B-A3B
-  {PROG} verify out/pp2 --source Qwen3.5-35B-A3B --repair
+  {PROG} verify out --source Qwen/Qwen3.5-35B-A3B
+  {PROG} verify out/pp2 --source Qwen/Qwen3.5-35B-A3B --repair
   {PROG} verify out --rank 2 --rank 3
   {PROG} verify out --json > report.json"""
 
@@ -172,10 +172,10 @@ app = typer.Typer(
     epilog=f"""Examples:
 
 \b
-  {PROG} split --pp 4 Qwen3.5-35B-A3B out
-  {PROG} --pp 4 Qwen3.5-35B-A3B out        # the same: split is the default
-  {PROG} plan --pp 4 Qwen3.5-35B-A3B
-  {PROG} verify out --source Qwen3.5-35B-A3B
+  {PROG} split --pp 4 Qwen/Qwen3.5-35B-A3B out
+  {PROG} --pp 4 Qwen/Qwen3.5-35B-A3B out        # the same: split is the default
+  {PROG} plan --pp 4 Qwen/Qwen3.5-35B-A3B
+  {PROG} verify out --source Qwen/Qwen3.5-35B-A3B
   {PROG} cache ls                          # the stages servers built from unsplit models
   {PROG} --install-completion              # Tab completion in your shell""",
     rich_markup_mode=None,
@@ -457,7 +457,7 @@ def _verify(args: VerifyArgs, output: Output) -> int:
             raise ReshardError("--repair mends the stages found damaged: drop --rank")
         result = repair(args.out, args.source, on_wait=lambda message: print(message, file=sys.stderr))
         if not result.before.ok:
-            for line in verify_lines(result.before, problems_only=output.quiet)[:-1]:
+            for line in verify_lines(result.before, problems_only=output.quiet, verdict=False):
                 print(line, file=out)
             for path in result.rewritten:
                 print(f"repaired: {path}", file=out)
