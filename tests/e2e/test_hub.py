@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -642,3 +644,34 @@ def test_credentials_in_hf_endpoint_are_never_printed(hub, hf_home, tmp_path):
     line = one_error_line(proc)
     assert "unreachable" in line and "http://...@127.0.0.1" in line
     assert "s3cret" not in proc.stdout + proc.stderr
+
+
+def test_sigkill_with_many_streams_in_flight_then_resume(hub, hf_home, model, tmp_path, local_split):
+    """A whole split from the repo id, killed (SIGKILL) while 8 ranged reads are in flight
+    (parts written in place into the stage files), then run again: every stage equals the
+    local split's."""
+    run(["plan", "--pp", PP, REPO], hub=hub, hf_home=hf_home)
+    hub.set_pacing(rate=100_000, latency=0.05)  # slow enough that the reads overlap for seconds
+    hub.reset_peak()
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
+    env.update(PYTHONPATH=str(ROOT), HF_HOME=str(hf_home), HF_ENDPOINT=hub.url, HF_HUB_DISABLE_XET="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "qwen35_reshard", "--pp", str(PP), "--streams", "8", REPO, str(out)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    deadline = time.monotonic() + 60
+    while hub.state.in_flight < 8 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert hub.state.in_flight >= 8, "never 8 reads in flight"
+    proc.kill()
+    assert proc.wait(timeout=30) == -signal.SIGKILL, proc.stderr.read().decode()
+    proc.stderr.close()
+    assert not all((out / f"pp{r}" / "model.safetensors.index.json").exists() for r in range(PP))
+
+    hub.set_pacing()
+    run(["--pp", PP, REPO, out], hub=hub, hf_home=hf_home)
+    for r in range(PP):
+        same_as_local(out / f"pp{r}", local_split / f"pp{r}")

@@ -5,12 +5,13 @@ files; with ``hf_cache``, shards needed whole go into the Hugging Face cache fir
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ...errors import HubError
 from ...units import plural
-from ..remote.engine import FetchEngine, RemoteFile, RemoteSource
+from ..remote.engine import FetchEngine, RemoteFile, RemoteSource, streams_setting
 from .cache import HubRepo
 from .headers import header_bytes
 from .http import Traffic, engine, hf_download
@@ -124,7 +125,9 @@ class HubFetcher:
 
 
 def fetch_files(repo: HubRepo, names: tuple[str, ...], traffic: Traffic | None = None) -> None:
-    """Small files (tokenizer, configs, ...) into the cache, where the copy reads them."""
+    """Small files (tokenizer, configs, ...) into the cache, where the copy reads them: all at
+    once (each costs round trips, not bandwidth), as many as the streams."""
     listing = repo_listing(repo)
-    for name in names:
-        hf_download(repo, name, traffic if traffic is not None else Traffic(), size=listing.get(name, 0))
+    counted = traffic if traffic is not None else Traffic()
+    with ThreadPoolExecutor(max_workers=streams_setting(repo.settings.streams)) as pool:
+        list(pool.map(lambda name: hf_download(repo, name, counted, size=listing.get(name, 0)), names))

@@ -397,9 +397,6 @@ class RemoteSource:
         self.transfer = self.engine.start(self.file, parts, sink)
         return self.transfer
 
-    def expect(self, spans: list[tuple[int, int]]) -> None:
-        """Nothing to prepare: each window is one ranged read."""
-
     def readinto(self, view: memoryview, pos: int) -> int:
         """Fill ``view`` with the bytes at ``pos`` (up to the file's end); return how many."""
         end = min(pos + len(view), self.file.size)
