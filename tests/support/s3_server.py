@@ -7,7 +7,8 @@ moto 5.2's server speaks S3 over HTTP as the clients send it (SigV4 signatures, 
 ``If-Match``, ``ListObjectsV2``, versioned buckets) and checks signatures once
 ``/moto-api/reset-auth`` turns authentication on (docs: /work/shared/docs/remote-reads-facts.md).
 
-The server starts with two IAM users: ``admin`` (allowed everything; its key is
+moto keeps its state per process: one server at a time (a new one starts empty). The server
+starts with two IAM users: ``admin`` (allowed everything; its key is
 ``credentials``) and ``nobody`` (no policy: every request is AccessDenied; ``denied``).
 Every request is logged (method, key, Range, If-Match, status, body bytes sent, User-Agent,
 whether a session token came) so that tests assert exactly what was fetched. The server can be
@@ -161,6 +162,16 @@ class S3Server:
     def _turn_auth_on(self) -> tuple[Keys, Keys]:
         import requests
 
+        # moto's state is the process's: a server started earlier in it left users, buckets and
+        # signature checking on. Off and empty first (moto-api requests are never checked).
+        for path, body in (("reset-auth", b"inf"), ("reset", b"")):
+            r = requests.post(
+                f"{self.endpoint}/moto-api/{path}",
+                data=body,
+                headers={"Content-Type": "application/octet-stream"},
+                timeout=10,
+            )
+            r.raise_for_status()
         iam = self.client("iam", Keys("bootstrap", "bootstrap"))
         keys = []
         for user, allowed in (("admin", True), ("nobody", False)):
