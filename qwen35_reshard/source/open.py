@@ -102,7 +102,21 @@ def remote_fetcher(
     on_fetched: Callable[[int], None] = lambda n: None,
 ) -> HubFetcher | S3Fetcher:
     """How the shards ``needed`` (file -> tensors) of a remote source come: from a Hub repo
-    (its cache, or the fetch engine) or an object store (the fetch engine)."""
+    (its cache, or the fetch engine) or an object store (the fetch engine).
+
+    Args:
+        repo: the pinned repo or listed location :func:`open_model` returned.
+        ckpt: its checkpoint.
+        needed: per source shard, the tensors wanted from it.
+        traffic, on_fetched: a Hub repo's request counter and download progress.
+
+    Returns:
+        The fetcher: ``open``/``remote`` per shard, ``close`` to stop its engine.
+
+    Example:
+        >>> ckpt, repo = open_model("s3://acc-models/qwen/tiny", HubSettings())  # doctest: +SKIP
+        >>> fetcher = remote_fetcher(repo, ckpt, {ckpt.files[0]: set()})  # doctest: +SKIP
+    """
     if isinstance(repo, S3Repo):
         return S3Fetcher(repo, ckpt, needed)
     return HubFetcher(repo, ckpt, needed, traffic=traffic, on_fetched=on_fetched)

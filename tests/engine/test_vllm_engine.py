@@ -248,6 +248,16 @@ def safetensors_sent(hub, agent: str | None = None, *, exclude: str | None = Non
     )
 
 
+def pp2_plan_and_headers(source: Path) -> tuple[object, int]:
+    """The PP=2 vLLM plan of ``source`` and the bytes of its shards' length prefixes and headers."""
+    plan = qwen35_reshard.make_plan(qwen35_reshard.read_checkpoint(source), pp=2, runtime="vllm")
+    headers = 0
+    for f in source.glob("*.safetensors"):
+        with open(f, "rb") as fh:
+            headers += 8 + int.from_bytes(fh.read(8), "little")
+    return plan, headers
+
+
 def test_pp2_from_a_repo_id_fetches_each_stage_once(world, reference, tmp_path):
     """The unsplit checkpoint as a repo id on the tests' Hub: each worker fetches only its own
     stage (told apart by its User-Agent), the tokens are PP=1's, and the second start of the
@@ -255,11 +265,7 @@ def test_pp2_from_a_repo_id_fetches_each_stage_once(world, reference, tmp_path):
     from support.hub_server import HubServer
 
     source = world["sources"]["per_expert"]
-    plan = qwen35_reshard.make_plan(qwen35_reshard.read_checkpoint(source), pp=2, runtime="vllm")
-    headers = 0
-    for f in source.glob("*.safetensors"):
-        with open(f, "rb") as fh:
-            headers += 8 + int.from_bytes(fh.read(8), "little")
+    plan, headers = pp2_plan_and_headers(source)
     whole = sum(f.stat().st_size for f in source.glob("*.safetensors"))
     env = {"HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_DISABLE_XET": "1", "HF_HUB_DISABLE_TELEMETRY": "1",
            "QWEN35_RESHARD_STAGE_CACHE": str(tmp_path / "stages")}
@@ -313,11 +319,7 @@ def test_pp2_from_an_s3_uri(world, reference, tmp_path):
     from support.s3_server import S3Server
 
     source = world["sources"]["per_expert"]
-    plan = qwen35_reshard.make_plan(qwen35_reshard.read_checkpoint(source), pp=2, runtime="vllm")
-    headers = 0
-    for f in source.glob("*.safetensors"):
-        with open(f, "rb") as fh:
-            headers += 8 + int.from_bytes(fh.read(8), "little")
+    plan, headers = pp2_plan_and_headers(source)
     with S3Server() as s3:
         uri = s3.upload(source, "models", "qwen/tiny-engine")
         env = {**s3.env(), "AWS_EC2_METADATA_DISABLED": "true", "VLLM_ASSETS_CACHE": str(tmp_path / "vllm"),

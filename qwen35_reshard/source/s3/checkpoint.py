@@ -19,12 +19,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ...errors import ObjectStoreError
-from ...format.names import CONFIG_NAME, INDEX_NAME, PICKLE_SUFFIXES, SINGLE_FILE_NAME, TOOL_NAME
+from ...format.names import CONFIG_NAME, INDEX_NAME, SINGLE_FILE_NAME, TOOL_NAME
 from ...format.paths import is_plain_name
 from ...model.quant import QUANT_SIDE_FILE
 from ..header import MAX_HEADER_BYTES, Header, parse_header
 from ..hub.cache import HEADER_SUFFIX, write_kept
-from ..hub.checkpoint import MODEL_TYPES
+from ..hub.checkpoint import MODEL_TYPES, listed_other_files
 from ..hub.fetch import fetch_plan
 from ..remote.engine import FetchEngine, RemoteFile, RemoteSource, RetryPolicy, streams_setting
 from .store import Clients, S3Location, S3Traffic, S3Transport, make_clients, store_error
@@ -102,6 +102,19 @@ def open_s3(uri: str, *, streams: int | None = None, user_agent: str | None = No
     """List ``s3://bucket/prefix`` (its top level): the objects and their ETags. ``user_agent``
     is appended to every request's User-Agent (a server's rank, in the store's logs).
 
+    Args:
+        uri: ``s3://bucket/prefix``.
+        streams: ranged reads in flight (None: ``QWEN35_RESHARD_STREAMS``, else the default).
+        user_agent: appended to the User-Agent.
+
+    Returns:
+        The listed location, pinned by its objects' ETags.
+
+    Example:
+        >>> repo = open_s3("s3://acc-models/qwen/tiny")  # doctest: +SKIP
+        >>> repo.describe()  # doctest: +SKIP
+        's3://acc-models/qwen/tiny@3f1c0a9e7b2d'
+
     Raises:
         ReshardError: boto3 missing, the bucket or prefix missing, access denied, the
             credentials refused, the endpoint not answering: one line naming the URI.
@@ -133,7 +146,23 @@ def open_s3(uri: str, *, streams: int | None = None, user_agent: str | None = No
 
 
 def read_s3_checkpoint(repo: S3Repo) -> Checkpoint:
-    """The checkpoint at ``repo`` as plain data: small files whole, shard headers by ranges."""
+    """The checkpoint at ``repo`` as plain data: small files whole, shard headers by ranges.
+
+    Args:
+        repo: the listed location (:func:`open_s3`).
+
+    Returns:
+        The :class:`~qwen35_reshard.source.checkpoint.Checkpoint`; ``hub`` holds the URI and
+        the listing's identity (``commit``).
+
+    Example:
+        >>> ckpt = read_s3_checkpoint(open_s3("s3://acc-models/qwen/tiny"))  # doctest: +SKIP
+        >>> ckpt.display  # doctest: +SKIP
+        's3://acc-models/qwen/tiny@3f1c0a9e7b2d'
+
+    Raises:
+        ReshardError: the store's refusal, or a checkpoint that is not a Qwen3.5 MoE one.
+    """
     from ..checkpoint import assemble_checkpoint, load_config, load_quant_side
 
     engine = repo.engine()
@@ -166,12 +195,6 @@ def read_s3_checkpoint(repo: S3Repo) -> Checkpoint:
                 for f in files
             }
 
-        def other_files(files: list[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
-            names = sorted(n for n in repo.objects if is_plain_name(n) and not n.startswith("."))
-            weights = (".safetensors", *PICKLE_SUFFIXES)
-            extra = tuple(n for n in names if n not in (INDEX_NAME, *files) and not n.endswith(weights))
-            return extra, tuple(n for n in names if n.endswith(".safetensors") and n not in files)
-
         ckpt = assemble_checkpoint(
             root=repo.folder,
             display=repo.describe(),
@@ -179,7 +202,7 @@ def read_s3_checkpoint(repo: S3Repo) -> Checkpoint:
             config_bytes=config_bytes,
             index_bytes=index_bytes,
             read_headers=read_headers,
-            other_files=other_files,
+            other_files=lambda files: listed_other_files(repo.objects, files),
             hub=repo.identity(),
         )
         side = small_file(repo, QUANT_SIDE_FILE, engine) if QUANT_SIDE_FILE in repo.objects else None

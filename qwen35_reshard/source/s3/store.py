@@ -36,7 +36,18 @@ CONNECT_TIMEOUT, READ_TIMEOUT = 10, 60
 
 
 def is_s3_uri(model: str) -> bool:
-    """Whether MODEL names an object-storage location (``s3://bucket/prefix``)."""
+    """Whether MODEL names an object-storage location (``s3://bucket/prefix``).
+
+    Args:
+        model: MODEL as the user wrote it.
+
+    Returns:
+        True for an ``s3://`` URI.
+
+    Example:
+        >>> is_s3_uri("s3://acc-models/qwen/tiny"), is_s3_uri("Qwen/Tiny")
+        (True, False)
+    """
     return model.startswith(SCHEME)
 
 
@@ -50,6 +61,16 @@ class S3Location:
     @classmethod
     def parse(cls, uri: str) -> S3Location:
         """``s3://bucket/prefix`` or ``s3://bucket/prefix/``.
+
+        Args:
+            uri: the URI as the user wrote it.
+
+        Returns:
+            The bucket and the prefix without slashes at either end.
+
+        Example:
+            >>> S3Location.parse("s3://acc-models/qwen/tiny/")
+            S3Location(bucket='acc-models', prefix='qwen/tiny')
 
         Raises:
             ReshardError: not such a URI (no bucket, a query, ``..`` in the prefix).
