@@ -41,7 +41,7 @@ from pathlib import Path
 
 from ..api import reshard
 from ..errors import ReshardError
-from ..format.names import CACHE_REPO_PREFIX, CLONE, STAGE_MANIFEST, stage_dirname
+from ..format.names import CACHE_REPO_PREFIX, CLONE, STAGE_MANIFEST, TOOL_NAME, stage_dirname
 from ..loader import Stage, StageError, open_stage
 from ..model.runtimes import runtime_of
 from ..plan.planner import make_plan
@@ -174,14 +174,43 @@ def server_stage(
     except StageError:
         raise
     except ReshardError as e:
-        where = f"; the stage cache is set by {STAGE_CACHE_ENV}" if os.fspath(root) in str(e) else ""
-        raise StageError(f"pipeline rank {rank}: {e}{where}") from e
-    except OSError as e:  # the stage cache cannot be created or written (a full disk, permissions)
-        raise StageError(f"pipeline rank {rank}: {name}: the stage cache {root}: {e.strerror or e}") from e
+        raise StageError(f"pipeline rank {rank}: {server_terms(e)}") from e
+    except OSError as e:  # a cache cannot be created or written (a full disk, permissions): say which
+        where = e.filename if e.filename is not None else root
+        raise StageError(
+            f"pipeline rank {rank}: {name}: cannot write {where}: {e.strerror or e} (the stage cache "
+            f"{root} is set by {STAGE_CACHE_ENV}, the Hugging Face cache by HF_HOME)"
+        ) from e
     served.stage.check(len(partition), *_layers(partition, rank), pp_rank=rank, runtime=runtime)
     return ServedStage(
         served.stage, served.how, name, served.where, served.fetched_bytes, time.monotonic() - started
     )
+
+
+# The library's errors in a server operator's terms: its parameters are the stage cache the
+# server chose (the variable sets it) and the model the server was given; its advice to run the
+# command again or choose another OUT is the server's next start, or another stage cache.
+SERVER_PARAMS = {"out_dir": f"the stage cache ({STAGE_CACHE_ENV})", "model_dir": "the model"}
+SERVER_ADVICE = {
+    f"run the same {TOOL_NAME} command again": "start the server again",
+    "run the same command again": "start the server again",
+    "choose another directory": f"point {STAGE_CACHE_ENV} at another disk",
+}
+
+
+def server_terms(error: ReshardError) -> str:
+    """``error``'s line as a server's log says it (``SERVER_PARAMS``, ``SERVER_ADVICE``).
+
+    Example:
+        >>> from qwen35_reshard.errors import OutError, param
+        >>> from qwen35_reshard.servers.unsplit import server_terms
+        >>> print(server_terms(OutError(f"{param('out_dir')} /c full; choose another directory")))
+        the stage cache (QWEN35_RESHARD_STAGE_CACHE) /c full; point QWEN35_RESHARD_STAGE_CACHE at another disk
+    """
+    text = error.render(SERVER_PARAMS)
+    for library, server in SERVER_ADVICE.items():
+        text = text.replace(library, server)
+    return text
 
 
 def pinned_commit(model: str, revision: str | None, token: str | None) -> str | None:
@@ -201,7 +230,7 @@ def pinned_commit(model: str, revision: str | None, token: str | None) -> str | 
     try:
         return resolve(model, settings).commit
     except ReshardError as e:
-        raise StageError(str(e)) from e
+        raise StageError(server_terms(e)) from e
 
 
 def _layers(partition: Sequence[int], rank: int) -> tuple[int, int]:

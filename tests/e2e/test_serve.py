@@ -345,6 +345,9 @@ def test_a_full_disk_stops_in_one_line_and_leaves_nothing_usable(tmp_path, model
     got = serve(tmp_path, spec, prefix=(*prefix, "sh", "-c", shell, "sh"))
     # The split's own check of the free space before writing, said in its terms and ours.
     assert " free but this run writes " in got.get("error", ""), got
-    assert f"the stage cache is set by {STAGE_CACHE_ENV}" in got["error"]
+    assert f"the stage cache ({STAGE_CACHE_ENV}) {cache}/" in got["error"], got
     assert got["error"].startswith("pipeline rank 3: ") and "\n" not in got["error"]
+    # in the server operator's terms: no parameter or command of the library's (issue 37)
+    assert "out_dir" not in got["error"] and "same command" not in got["error"], got
+    assert f"or point {STAGE_CACHE_ENV} at another disk" in got["error"], got
     assert "LEFT" not in got["stdout"]
