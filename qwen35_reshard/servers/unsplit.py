@@ -34,6 +34,7 @@ huggingface/qwen35-stages``); ``QWEN35_RESHARD_STAGE_COPY=1`` asks for ``copy``.
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -51,6 +52,7 @@ from ..source.hub.cache import HubSettings
 from ..source.hub.http import resolve
 from ..source.open import is_repo_id, open_model
 from ..stage.manifest import FileLayout, StageManifest, StageTensor
+from ..units import format_bytes
 from ..write.journal import set_aside
 from ..write.options import WriteOptions
 
@@ -176,11 +178,7 @@ def server_stage(
     except ReshardError as e:
         raise StageError(f"pipeline rank {rank}: {server_terms(e)}") from e
     except OSError as e:  # a cache cannot be created or written (a full disk, permissions): say which
-        where = e.filename if e.filename is not None else root
-        raise StageError(
-            f"pipeline rank {rank}: {name}: cannot write {where}: {e.strerror or e} (the stage cache "
-            f"{root} is set by {STAGE_CACHE_ENV}, the Hugging Face cache by HF_HOME)"
-        ) from e
+        raise StageError(f"pipeline rank {rank}: {name}: {cache_error(e, root)}") from e
     served.stage.check(len(partition), *_layers(partition, rank), pp_rank=rank, runtime=runtime)
     return ServedStage(
         served.stage, served.how, name, served.where, served.fetched_bytes, time.monotonic() - started
@@ -211,6 +209,45 @@ def server_terms(error: ReshardError) -> str:
     for library, server in SERVER_ADVICE.items():
         text = text.replace(library, server)
     return text
+
+
+def cache_error(error: OSError, root: Path) -> str:
+    """What an OSError while a rank built its stage says, naming the directory at fault: the
+    file the error names, else (a write names none, e.g. a full disk) the fuller of the two
+    caches a rank writes, the stage cache ``root`` and the Hugging Face cache (shards a stage
+    needs whole, downloaded by huggingface_hub), each with the variable that moves it.
+
+    Example:
+        >>> import errno
+        >>> cache_error(OSError(errno.EACCES, "Permission denied", "/c/x"), Path("/c"))
+        'cannot write /c/x: Permission denied (the stage cache /c is set by QWEN35_RESHARD_STAGE_CACHE)'
+    """
+    from huggingface_hub import constants as hf
+
+    what = error.strerror or str(error)
+    if error.filename is not None:
+        return f"cannot write {error.filename}: {what} (the stage cache {root} is set by {STAGE_CACHE_ENV})"
+    caches = {
+        root: ("the stage cache", STAGE_CACHE_ENV),
+        Path(hf.HF_HUB_CACHE): ("the Hugging Face cache", "HF_HOME"),
+    }
+    free = {path: _free_bytes(path) for path in caches}
+    path = min(caches, key=free.__getitem__)
+    label, var = caches[path]
+    return (
+        f"{label} {path} (set by {var}): {what}, {format_bytes(free[path])} free there: free space on "
+        f"that disk or point {var} at another"
+    )
+
+
+def _free_bytes(path: Path) -> int:
+    """Free bytes on the disk of ``path`` (its nearest existing ancestor)."""
+    for at in (path, *path.parents):
+        try:
+            return shutil.disk_usage(at).free
+        except OSError:
+            continue
+    return 0
 
 
 def pinned_commit(model: str, revision: str | None, token: str | None) -> str | None:
