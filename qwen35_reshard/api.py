@@ -160,6 +160,7 @@ class ReshardResult:
                 "files_kept": w.files_kept,
                 "bytes_copied": w.bytes_copied,
                 "bytes_shared": w.bytes_shared,
+                "source_bytes": w.source_bytes,
                 "seconds": round(self.seconds, 3),
             }
         if self.fetch is not None:

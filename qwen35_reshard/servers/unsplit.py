@@ -33,6 +33,7 @@ huggingface/qwen35-stages``); ``QWEN35_RESHARD_STAGE_COPY=1`` asks for ``copy``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
@@ -53,6 +54,7 @@ from ..source.hub.http import resolve
 from ..source.open import is_repo_id, open_model
 from ..stage.manifest import FileLayout, StageManifest, StageTensor
 from ..units import format_bytes
+from ..write.claims import in_use
 from ..write.journal import set_aside
 from ..write.options import WriteOptions
 
@@ -307,7 +309,7 @@ def _cached_or_built(
         raise StageError(
             f"{stage.display} was built from commit {recorded}, not {commit}: remove it from the stage cache"
         )
-    stage = _mended_when_damaged(stage, f"fetches it again from {model}")
+    stage = _served_from_cache(stage, f"fetches it again from {model}")
     return ServedStage(stage, how, model, out, fetched)
 
 
@@ -324,14 +326,18 @@ def _built_from_local(model: str, out: Path, runtime: str, partition: list[int],
         write=WriteOptions(overwrite=True),
     )
     built = result.written is not None and rank in result.written.built
-    stage = _mended_when_damaged(open_stage(out, pp_rank=rank), f"copies it again from {model}")
+    stage = _served_from_cache(open_stage(out, pp_rank=rank), f"copies it again from {model}")
     return ServedStage(stage, BUILT if built else CACHED, model, out)
 
 
-def _mended_when_damaged(stage: Stage, again: str) -> Stage:
-    """``stage`` of the stage cache, set to have a data file its load finds damaged set aside
-    (:func:`~qwen35_reshard.write.journal.set_aside`), so that the next start ``again`` (says
-    how: fetches it from the Hub, copies it) rewrites that file alone."""
+def _served_from_cache(stage: Stage, again: str) -> Stage:
+    """``stage`` of the stage cache, recorded as used by this server while it runs (so that
+    ``qwen35-reshard cache rm`` leaves it: :func:`~qwen35_reshard.write.claims.in_use`; not
+    where the cache is read-only), and set to have a data file its load finds damaged set
+    aside (:func:`~qwen35_reshard.write.journal.set_aside`), so that the next start ``again``
+    (says how: fetches it from the Hub, copies it) rewrites that file alone."""
+    with contextlib.suppress(OSError):
+        in_use(stage.path)
 
     def damaged(file: str) -> str:
         try:

@@ -165,12 +165,14 @@ class CopyJob:
 
 @dataclass
 class Copied(Generic[T]):
-    """What :func:`copy_files` did: bytes copied and shared, the tensors' digests by stage, the
-    files left for the stages' first barrier, what ``meanwhile()`` returned, and the stages
-    handed to ``finish_stage`` (by rank)."""
+    """What :func:`copy_files` did: bytes copied and shared, the source bytes they came from (a
+    tensor several stages hold is read once: what the progress counts), the tensors' digests by
+    stage, the files left for the stages' first barrier, what ``meanwhile()`` returned, and the
+    stages handed to ``finish_stage`` (by rank)."""
 
     bytes_copied: int
     bytes_shared: int
+    source_bytes: int
     digests: dict[int, Digests]
     deferred: list[tuple[Path, Path]]
     meanwhile: T
@@ -209,7 +211,8 @@ def copy_files(
     try:
         for stage, f in job.files:
             digests[stage.rank].update(copy.open(job, stage, f))
-        job.reporter.start(sum(seg.nbytes for segs in copy.segments.values() for seg in segs.values()))
+        source_bytes = sum(seg.nbytes for segs in copy.segments.values() for seg in segs.values())
+        job.reporter.start(source_bytes)
         copy.report_copied(job.reporter)  # stages of clones alone
         # Clones are finished with the next files that are: redoing one costs nothing, so it
         # is not worth a barrier of its own. Synced file by file, they are finished now.
@@ -224,7 +227,9 @@ def copy_files(
         else:
             finish_files(ready, digests, durable)
         copied = sum(f.size for _, f in job.files) - copy.shared
-        return Copied(copied, copy.shared, digests, deferred, meanwhile_result, copy.finished_stages)
+        return Copied(
+            copied, copy.shared, source_bytes, digests, deferred, meanwhile_result, copy.finished_stages
+        )
     finally:
         copy.close()
 
