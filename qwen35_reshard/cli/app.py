@@ -35,6 +35,7 @@ from .flags import (
     ContextLength,
     Debug,
     GpuMemory,
+    HfCache,
     Json,
     MaxFileSize,
     MemFraction,
@@ -51,6 +52,7 @@ from .flags import (
     Revision,
     Runtime,
     RuntimeOpt,
+    Streams,
     Token,
     Tp,
     VerifyNnodes,
@@ -228,6 +230,8 @@ def split(
     revision: Revision = None,
     token: Token = None,
     offline: Offline = False,
+    streams: Streams = None,
+    hf_cache: HfCache = False,
     quiet: Quiet = False,
     json_: Json = False,
     debug: Debug = False,
@@ -256,7 +260,9 @@ def split(
             ),
             ranks=ranks,
             nodes=None if nnodes is None and node_rank is None else Nodes(nnodes, node_rank),
-            hub=HubSettings(revision=revision, token=token, offline=offline),
+            hub=HubSettings(
+                revision=revision, token=token, offline=offline, streams=streams, hf_cache=hf_cache
+            ),
             write=WriteOptions(
                 overwrite=overwrite,
                 workers=workers,
@@ -305,6 +311,7 @@ def plan(
     revision: Revision = None,
     token: Token = None,
     offline: Offline = False,
+    streams: Streams = None,
     quiet: Quiet = False,
     json_: Json = False,
     debug: Debug = False,
@@ -315,7 +322,7 @@ def plan(
     split(
         model, out, pp, runtime, partition, gpu_memory, tp, context_length, mem_fraction, rank, nnodes,
         node_rank, no_mtp, max_file_size, dry_run=True, revision=revision, token=token, offline=offline,
-        quiet=quiet, json_=json_, debug=debug,
+        streams=streams, quiet=quiet, json_=json_, debug=debug,
     )  # fmt: skip
 
 
@@ -344,6 +351,7 @@ def verify(
     revision: Revision = None,
     token: Token = None,
     offline: Offline = False,
+    streams: Streams = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="print only the problems found")] = False,
     json_: Annotated[
         bool, typer.Option("--json", help="print the full report as JSON on stdout (human output on stderr)")
@@ -355,7 +363,7 @@ def verify(
     and every tensor's bytes. With --source, also that every source tensor is exactly where the
     plan puts it, with identical bytes. Exit 0 when all is well, 1 when something is missing,
     extra, different, corrupt or incomplete, 2 for bad input."""
-    hub = HubSettings(revision=revision, token=token, offline=offline)
+    hub = HubSettings(revision=revision, token=token, offline=offline, streams=streams)
     args = VerifyArgs(out, source, repair, hub, ranks_of(rank), nnodes)
     output = Output(quiet, json_, debug)
     run_guarded(

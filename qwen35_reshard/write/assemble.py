@@ -20,7 +20,7 @@ from ..format.names import ALIGNED, CLONE, JOURNAL
 from ..plan.layout import OutputFile
 from ..plan.planner import Plan, StagePlan
 from ..transfer import pages
-from ..transfer.copier import copy_segments
+from ..transfer.copier import copy_segments, fetch_in_place
 from ..transfer.pages import drop_pages
 from ..transfer.segments import Segment
 from .datafile import OpenFile, clone, create, header
@@ -273,9 +273,17 @@ def _copy_sources(
             blob.check()
         return found
 
+    order = copy.copy_order()
+    # Every remote shard's bytes queued at once, in copy order: the fetch engine keeps its
+    # streams busy across shards while the workers hash what has landed.
+    remote = [
+        (src, list(copy.segments[f].values())) for f in order if (src := job.source.remote(f)) is not None
+    ]
     with ThreadPoolExecutor(max_workers=max(1, job.workers)) as pool:
-        futures: dict[Future[Digests], str] = {pool.submit(run, file): file for file in copy.copy_order()}
+        futures: dict[Future[Digests], str] = {}
         try:
+            fetch_in_place(remote)
+            futures = {pool.submit(run, file): file for file in order}
             meanwhile_result = meanwhile()
             while futures:
                 done, _ = wait(futures, return_when=FIRST_COMPLETED)
@@ -299,6 +307,8 @@ def _copy_sources(
             for fut in futures:
                 fut.cancel()
             raise
+        finally:
+            job.source.close()  # no fetch writes into the files after this: the caller closes them
     return ready, meanwhile_result
 
 

@@ -27,6 +27,7 @@ LEAKS = {
     "link syntax": re.compile(r"\]\([^)]*\)|\]\[[^\]]*\]"),
     "emphasis marks": re.compile(r"\*\*\S"),
     "code fence": re.compile(r"```"),
+    "reST role": re.compile(r":(?:class|func|meth|mod|attr|exc|data|obj): CODE"),
 }
 
 
@@ -98,4 +99,5 @@ def test_the_checks_find_what_they_look_for(tmp_path):
     collapsed = rendered("Where:\n- **Local directory**: read in place\n- **Hub**: fetched")
     assert any(LEAKS["list marker"].search(b) for b in "".join(collapsed.text).split("\x00"))
     assert "commit" in rendered("a path `x` then A17B/<commit>/vllm-pp4").tags
+    assert LEAKS["reST role"].search("".join(rendered("returns a :class:`Plan`").text))
     assert LEAKS["link syntax"].search("".join(rendered("see [the page][nowhere] here").text))
