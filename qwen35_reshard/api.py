@@ -160,6 +160,7 @@ class ReshardResult:
                 "files_kept": w.files_kept,
                 "bytes_copied": w.bytes_copied,
                 "bytes_shared": w.bytes_shared,
+                "source_bytes": w.source_bytes,
                 "seconds": round(self.seconds, 3),
             }
         if self.fetch is not None:
@@ -321,7 +322,9 @@ def _write(
         fetcher = HubFetcher(repo, plan.checkpoint, needed, traffic=traffic, on_fetched=events.fetched)
         events.expect_downloads(fetcher.download_bytes)
         fetcher.prepare()
-    source = SourceAccess.fetched(fetcher.open) if fetcher is not None else None
+    source = (
+        SourceAccess.fetched(fetcher.open, fetcher.remote, fetcher.close) if fetcher is not None else None
+    )
     written = write_plan(plan, planned.out_dir, options, reporter=progress, source=source)
     seconds = time.monotonic() - started
     fetch = fetch_report(plan, fetcher) if fetcher is not None else None
