@@ -110,3 +110,15 @@ def test_the_checks_find_what_they_look_for(tmp_path):
     assert "commit" in rendered("a path `x` then A17B/<commit>/vllm-pp4").tags
     assert LEAKS["reST role"].search("".join(rendered("returns a :class:`Plan`").text))
     assert LEAKS["link syntax"].search("".join(rendered("see [the page][nowhere] here").text))
+
+
+def test_navigation_is_grouped_and_no_group_is_long(site):  # site: the docs extra is there
+    """The nav: the home page, then Getting started, Guides, Reference and Development, each
+    of at most ten pages (a flat list of twenty is not skimmable)."""
+    import yaml
+
+    nav = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"]
+    assert nav[0] == {"Home": "index.md"}
+    groups = {name: pages for entry in nav[1:] for name, pages in entry.items()}
+    assert list(groups) == ["Getting started", "Guides", "Reference", "Development"]
+    assert {name: len(pages) for name, pages in groups.items() if len(pages) > 10} == {}
