@@ -122,3 +122,16 @@ def test_navigation_is_grouped_and_no_group_is_long(site):  # site: the docs ext
     groups = {name: pages for entry in nav[1:] for name, pages in entry.items()}
     assert list(groups) == ["Getting started", "Guides", "Reference", "Development"]
     assert {name: len(pages) for name, pages in groups.items() if len(pages) > 10} == {}
+
+
+def test_nested_lists_are_indented_as_python_markdown_needs():
+    """A list item indented by 1-3 spaces is not nested under Python-Markdown (it needs 4): it
+    renders as one more item of the outer list, silently. The sources are read for it."""
+    found = []
+    for page in pages():
+        fence = False
+        for number, line in enumerate((ROOT / "docs" / page).read_text().splitlines(), 1):
+            fence ^= line.lstrip().startswith("```")
+            if not fence and re.match(r" {1,3}(?:[-*+]|\d+\.) ", line):
+                found.append(f"{page}:{number}: {line.strip()[:60]}")
+    assert found == []
