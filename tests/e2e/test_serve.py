@@ -353,6 +353,39 @@ def test_a_full_disk_stops_in_one_line_and_leaves_nothing_usable(tmp_path, model
     got = serve(tmp_path, spec, prefix=(*prefix, "sh", "-c", shell, "sh"))
     # The split's own check of the free space before writing, said in its terms and ours.
     assert " free but this run writes " in got.get("error", ""), got
-    assert f"the stage cache is set by {STAGE_CACHE_ENV}" in got["error"]
+    assert f"the stage cache ({STAGE_CACHE_ENV}) {cache}/" in got["error"], got
     assert got["error"].startswith("pipeline rank 3: ") and "\n" not in got["error"]
+    # in the server operator's terms: no parameter or command of the library's (issue 37)
+    assert "out_dir" not in got["error"] and "same command" not in got["error"], got
+    assert f"or point {STAGE_CACHE_ENV} at another disk" in got["error"], got
     assert "LEFT" not in got["stdout"]
+
+
+def test_a_wrong_token_stops_in_one_clear_line(tmp_path, hub):
+    """The Hub answers every request with a token it does not know 401 "Invalid credentials"
+    (public repos too): one line saying the token was refused, no HTTP-library text (issue 37)."""
+    hub.check_tokens("hf_valid")
+    got = serve(tmp_path, {"model": REPO, "rank": 0, "token": "hf_wrong"}, hub=hub)
+    error = got.get("error", "")
+    head = f"pipeline rank 0: {hub.url} refused the token (revision 'main' of {REPO}: 401"
+    assert error.startswith(head), got
+    assert "HfHubHTTPError" not in error and "http" not in error.removeprefix(head[:-len(" 401")]), got
+    assert "hf_wrong" not in got["stdout"], got
+
+
+def test_a_full_hugging_face_cache_names_its_directory(tmp_path, hub):
+    """HF_HOME on a 64 KiB tmpfs: the shards a rank needs whole do not fit there; the line names
+    the directory that is full and both caches' variables, in the server's terms (issue 37)."""
+    prefix = mount_namespace(tmp_path / "probe")
+    if prefix is None:
+        pytest.skip("cannot mount a tmpfs here (needs root or unprivileged user namespaces)")
+    hf_home = tmp_path / "hf-home"
+    hf_home.mkdir()
+    shell = f"mount -t tmpfs -o size=64k tmpfs {hf_home} || exit 9; exec \"$@\""
+    got = serve(tmp_path, {"model": REPO, "rank": 3}, hub=hub, prefix=(*prefix, "sh", "-c", shell, "sh"))
+    error = got.get("error", "")
+    print(error)
+    assert error.startswith("pipeline rank 3: ") and "\n" not in error, got
+    assert f"the Hugging Face cache {hf_home}/hub (set by HF_HOME): No space left on device" in error, got
+    assert "point HF_HOME at another" in error, got
+    assert "out_dir" not in error and "same command" not in error, got
