@@ -50,7 +50,7 @@ from ..format.names import CACHE_REPO_PREFIX, CLONE, STAGE_MANIFEST, TOOL_NAME, 
 from ..loader import Stage, StageError, open_stage
 from ..model.runtimes import runtime_of
 from ..plan.planner import make_plan
-from ..source.checkpoint import Checkpoint, source_identity
+from ..source.checkpoint import Checkpoint, downloaded_sha256, source_identity
 from ..source.header import read_header
 from ..source.hub.cache import HubSettings
 from ..source.hub.http import resolve
@@ -377,6 +377,12 @@ def _served_from_cache(stage: Stage, again: str) -> Stage:
     return replace(stage, on_damaged=damaged)
 
 
+def _shard_sha256(ckpt: Checkpoint, file: str) -> str | None:
+    """The whole shard's recorded sha256: a Hugging Face cache blob's name, or the record of
+    ``hf download --local-dir``; None where neither is known."""
+    return ckpt.blob_sha256.get(file) or downloaded_sha256(ckpt.root, file)
+
+
 def in_place_stage(ckpt: Checkpoint, runtime: str, partition: Sequence[int], rank: int) -> Stage:
     """Stage ``rank`` of the split of ``ckpt`` as a :class:`~qwen35_reshard.loader.Stage` whose tensors are
     read from the source shards themselves: the plan's tensors for the rank, at their offsets
@@ -425,9 +431,9 @@ def in_place_stage(ckpt: Checkpoint, runtime: str, partition: Sequence[int], ran
         side_files={},
         files={f: ckpt.file_sizes[f] for f in counts},
         file_tensors=counts,
-        # The whole shard's sha256, where known (a Hugging Face cache names its blobs by it):
-        # what a load checks the shard's bytes against; a plain directory records none.
-        layouts={f: FileLayout(CLONE, f, ckpt.blob_sha256[f]) for f in counts if f in ckpt.blob_sha256},
+        # The whole shard's sha256, where known (a Hugging Face cache names its blobs by it;
+        # hf download --local-dir records it): what a load checks the shard's bytes against.
+        layouts={f: FileLayout(CLONE, f, digest) for f in counts if (digest := _shard_sha256(ckpt, f))},
         tensors=tensors,
     )
     return Stage(
@@ -440,7 +446,10 @@ def in_place_stage(ckpt: Checkpoint, runtime: str, partition: Sequence[int], ran
             f"it is the checkpoint's own file, read in place: restore {file} where the checkpoint came "
             "from (download or copy it again); nothing was loaded"
         ),
-        unrecorded="a local directory records no sha256 of its shards; a Hugging Face cache folder does",
+        unrecorded=(
+            "a local directory records no sha256 of its shards, unless downloaded by hf download "
+            "--local-dir and unchanged since; a Hugging Face cache folder does"
+        ),
     )
 
 

@@ -33,6 +33,10 @@ AHEAD = 256 << 20  # bytes handed to the threads ahead of the reader: a few hund
 BEHIND = 1 << 30  # how far hashing may lag the reader before it waits (pages to keep cached)
 JOB_BYTES = 16 << 20  # ranges hashed by one thread in one go: few enough jobs, fine enough spread
 JOB_RANGES = 2048  # and at most this many (a stage of small tensors has tens of thousands)
+# Ranges under this are hashed by the reader's own thread: hashlib holds the GIL for buffers
+# under 2 KiB, so a thread hashing thousands of small tensors only takes turns with the
+# reader (who then waits for the GIL) for no parallelism; alone it costs ~1 us a tensor.
+SMALL = 16 << 10
 
 
 class Range(NamedTuple):
@@ -99,7 +103,11 @@ class DigestPool:
             mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         job: list[Range] = []
         for r in ranges:
-            if job and (r.offset + r.nbytes - job[0].offset > JOB_BYTES or len(job) >= JOB_RANGES):
+            if job and (
+                r.offset + r.nbytes - job[0].offset > JOB_BYTES
+                or len(job) >= JOB_RANGES
+                or (r.nbytes < SMALL) != (job[0].nbytes < SMALL)
+            ):
                 self._todo.append(_Job(self._base, path, mapped, job))
                 job = []
             job.append(r)
@@ -115,8 +123,7 @@ class DigestPool:
             return []
         found = []
         while self._todo and self._todo[0].start < pos + AHEAD:
-            job = self._todo.popleft()
-            self._running.append((job.end, self._threads.submit(job.check)))
+            self._start(self._todo.popleft())
         while self._running and (self._running[0][1].done() or self._running[0][0] < pos - BEHIND):
             found += self._running.popleft()[1].result()
         self._next = min(
@@ -125,12 +132,20 @@ class DigestPool:
         )
         return found
 
+    def _start(self, job: _Job) -> None:
+        """Hand ``job`` to a thread; one of small ranges (:data:`SMALL`) is hashed here, now."""
+        if job.ranges[0].nbytes < SMALL:
+            done: Future[list[Mismatch]] = Future()
+            done.set_result(job.check())
+            self._running.append((job.end, done))
+        else:
+            self._running.append((job.end, self._threads.submit(job.check)))
+
     def finish(self) -> list[Mismatch]:
         """Hash what is left; every mismatch not yet returned."""
         found = []
-        for job in self._todo:
-            self._running.append((job.end, self._threads.submit(job.check)))
-        self._todo.clear()
+        while self._todo:
+            self._start(self._todo.popleft())
         while self._running:
             found += self._running.popleft()[1].result()
         return found

@@ -19,6 +19,7 @@ def test_every_range_is_checked_once_and_each_mismatch_named(tmp_path, monkeypat
     monkeypatch.setattr(digestpool, "BEHIND", 128)
     monkeypatch.setattr(digestpool, "JOB_BYTES", 100)
     monkeypatch.setattr(digestpool, "JOB_RANGES", 3)
+    monkeypatch.setattr(digestpool, "SMALL", 10)  # some ranges hashed by threads, some inline
     rng = random.Random(0)
     files, want = [], []
     for n in range(3):
