@@ -89,9 +89,8 @@ class S3Repo:
 
     def engine(self) -> FetchEngine:
         """The fetch engine for this location's objects (their reads counted in ``traffic``)."""
-        policy = RetryPolicy(
-            retries=RETRIES, wait=float(os.environ.get(RETRY_WAIT_ENV, DEFAULT_RETRY_WAIT)), max_wait=MAX_RETRY_WAIT
-        )
+        wait = float(os.environ.get(RETRY_WAIT_ENV, DEFAULT_RETRY_WAIT))
+        policy = RetryPolicy(retries=RETRIES, wait=wait, max_wait=MAX_RETRY_WAIT)
         return FetchEngine(
             S3Transport(self.where, self.clients, self.traffic), streams=self.streams, policy=policy
         )
