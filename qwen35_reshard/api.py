@@ -27,9 +27,9 @@ from .plan.nodes import Node, Nodes, pick_node
 from .plan.planner import Plan, make_plan, recorded_plan
 from .source.checkpoint import Checkpoint, read_checkpoint, source_fingerprint
 from .source.hub.cache import HubRepo, HubSettings
-from .source.hub.fetch import HubFetcher
 from .source.hub.http import Traffic
-from .source.open import open_model
+from .source.open import open_model, remote_fetcher
+from .source.s3.checkpoint import S3Repo
 from .verify.check import verify
 from .verify.report import VerifyReport
 from .write.manifest import run_manifest
@@ -280,7 +280,7 @@ def _check_run(model: str | os.PathLike[str], out: Path | None, *, dry_run: bool
 
 def _open(
     model: str | os.PathLike[str], settings: HubSettings, traffic: Traffic, events: ReshardProgress
-) -> tuple[Checkpoint, HubRepo | None]:
+) -> tuple[Checkpoint, HubRepo | S3Repo | None]:
     """MODEL's checkpoint (and its Hub repo, for a repo id), its unlisted shard files warned of."""
     ckpt, repo = open_model(os.fspath(model), settings, traffic=traffic)
     for name in ckpt.unlisted:
@@ -292,22 +292,23 @@ def _open(
 
 
 def _preview(
-    planned: ReshardResult, repo: HubRepo | None, traffic: Traffic, *, overwrite: bool
+    planned: ReshardResult, repo: HubRepo | S3Repo | None, traffic: Traffic, *, overwrite: bool
 ) -> ReshardResult:
     """A dry run's result: what a split would fetch, and what it would do in OUT (the writer's
     own decision, refusals included)."""
     plan, out = planned.plan, planned.out_dir
     fetch = None
     if repo is not None:
-        fetcher = HubFetcher(repo, plan.checkpoint, needed_by(plan), traffic=traffic)
+        fetcher = remote_fetcher(repo, plan.checkpoint, needed_by(plan), traffic=traffic)
         fetch = fetch_report(plan, fetcher)
+        fetcher.close()
     state = assess_out(plan, out, overwrite=overwrite) if out is not None else None
     return replace(planned, out_state=state, fetch=fetch)
 
 
 def _write(
     planned: ReshardResult,
-    repo: HubRepo | None,
+    repo: HubRepo | S3Repo | None,
     traffic: Traffic,
     progress: Reporter | None,
     events: ReshardProgress,
@@ -318,8 +319,9 @@ def _write(
     started = time.monotonic()
     fetcher = None
     if repo is not None:
-        needed = needed_by(plan)
-        fetcher = HubFetcher(repo, plan.checkpoint, needed, traffic=traffic, on_fetched=events.fetched)
+        fetcher = remote_fetcher(
+            repo, plan.checkpoint, needed_by(plan), traffic=traffic, on_fetched=events.fetched
+        )
         events.expect_downloads(fetcher.download_bytes)
         fetcher.prepare()
     source = (

@@ -60,8 +60,12 @@ def own_stage(model_config: object, log: Callable[[str], None]) -> Stage:
 
     pp = get_pp_group()
     token = getattr(model_config, "hf_token", None)
+    # For an s3:// model vLLM fetches the config and tokenizer into a local folder
+    # (ModelConfig.maybe_pull_model_tokenizer_for_runai, Run:ai's streamer) and keeps the URI as
+    # ``model_weights``: the weights are read from there.
+    model = getattr(model_config, "model_weights", "") or model_config.model
     return rank_stage(
-        model_config.model, runtime=RUNTIME, group=get_world_group(), pp_rank=pp.rank_in_group,
+        model, runtime=RUNTIME, group=get_world_group(), pp_rank=pp.rank_in_group,
         pp_size=pp.world_size, layers=model_config.hf_text_config.num_hidden_layers,
         pp_indices=get_pp_indices, revision=getattr(model_config, "revision", None),
         token=token if isinstance(token, str) else None, log=log,

@@ -22,6 +22,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -251,6 +252,33 @@ def test_a_damaged_shard_read_in_place_stops_the_load(tmp_path, make_checkpoint,
     assert plain["how"] == "in place"
     said = "loaded unchecked: no sha256 is recorded for them (a local directory records no sha256"
     assert said in plain["log"]
+
+
+def test_a_damaged_shard_of_a_downloaded_directory_stops_the_load(tmp_path, model):
+    """A directory ``hf download --local-dir`` wrote records each file's sha256 (its LFS ETag)
+    and when: a shard damaged without being written (its time unchanged: a disk's doing) is
+    named; one modified since the record (by a writer) is no longer what it names: loaded
+    unchecked, and said."""
+    local = tmp_path / "downloaded"
+    shutil.copytree(model, local)
+    records = local / ".cache" / "huggingface" / "download"
+    records.mkdir(parents=True)
+    for shard in local.glob("*.safetensors"):
+        digest = hashlib.sha256(shard.read_bytes()).hexdigest()
+        (records / f"{shard.name}.metadata").write_text(f"{'c' * 40}\n{digest}\n{time.time()}\n")
+    intact = serve(tmp_path, {"model": str(local), "rank": 3})
+    assert intact["how"] == "in place" and "unchecked" not in intact["log"], intact.get("error")
+
+    shard = sorted(local.glob("*.safetensors"))[-1]
+    stamp = shard.stat()
+    flip_a_byte(shard)
+    os.utime(shard, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+    stopped = serve(tmp_path, {"model": str(local), "rank": 3})
+    assert f"{local}/{shard.name}: its bytes do not match the sha256" in stopped.get("error", ""), stopped
+
+    os.utime(shard)  # written after the download: the record no longer speaks for it
+    unchecked = serve(tmp_path, {"model": str(local), "rank": 3})
+    assert unchecked["how"] == "in place" and "loaded unchecked" in unchecked["log"], unchecked.get("error")
 
 
 def test_ranks_building_one_stage_at_once_fetch_it_once(tmp_path, hub, model):
