@@ -75,7 +75,7 @@ Model = Annotated[
     str,
     typer.Argument(
         metavar="MODEL",
-        help="checkpoint directory (plain or a Hugging Face cache snapshot) or Hub repo id",
+        help="checkpoint directory (plain or a Hugging Face cache snapshot), Hub repo id or s3://bucket/prefix",
         show_default=False,
     ),
 ]

@@ -35,7 +35,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..format.holder import LEASE_SECONDS, Owner, gone, me, read_holder
+from ..format.holder import LEASE_SECONDS, Owner, gone, left_by_gone_run, me, read_holder
 from ..format.names import (
     CLAIM,
     GONE_SUFFIX,
@@ -250,16 +250,21 @@ def locked(out: Path, on_wait: Callable[[str], None]) -> Iterator[int]:
 
 
 def wait_for_change(paths: list[Path]) -> None:
-    """Wait until one of the held files ``paths`` is released or changes hands, or a lease has
-    half run out (another host's holder may be gone by then: only OUT's lock can tell).
+    """Wait until one of the held files ``paths`` is released or changes hands, or its holder
+    is a process of this host that no longer runs (proven at once: only another host's holder
+    needs the lease), or a lease has half run out (another host's holder may be gone by then:
+    only OUT's lock can tell).
 
-    Looks only at the files themselves: a waiting run does not take OUT's lock (or read a
-    stage's manifest) every moment, for the hours another node may take to build its stage.
+    Looks only at the files themselves (and this host's process table): a waiting run does not
+    take OUT's lock (or read a stage's manifest) every moment, for the hours another node may
+    take to build its stage.
     """
     seen = [read_holder(p)[1] for p in paths]
     deadline = time.monotonic() + LEASE_SECONDS / 2
     waited = 0
     while time.monotonic() < deadline and [read_holder(p)[1] for p in paths] == seen:
+        if any(left_by_gone_run(p) for p in paths):
+            return
         time.sleep(pause(waited))
         waited += 1
 

@@ -27,6 +27,7 @@ LEAKS = {
     "link syntax": re.compile(r"\]\([^)]*\)|\]\[[^\]]*\]"),
     "emphasis marks": re.compile(r"\*\*\S"),
     "code fence": re.compile(r"```"),
+    "reST role": re.compile(r":(?:class|func|meth|mod|attr|exc|data|obj): CODE"),
 }
 
 
@@ -37,6 +38,8 @@ class Article(HTMLParser):
         super().__init__(convert_charrefs=True)
         self.depth = 0  # inside <article>
         self.code = 0  # inside <code> or <pre>
+        self.quotes = 0  # <blockquote> depth
+        self.nested_quote = False  # a quote in a quote: ">>>" lines of an example, not a quote
         self.text: list[str] = []
         self.tags: set[str] = set()
 
@@ -45,6 +48,9 @@ class Article(HTMLParser):
             self.depth += 1
         elif self.depth:
             self.tags.add(tag)
+            if tag == "blockquote":
+                self.quotes += 1
+                self.nested_quote |= self.quotes > 1
             if tag in ("code", "pre", "script", "style"):
                 self.code += 1
                 self.text.append(" CODE ")  # a word where the code was: not a marker's neighbour
@@ -56,6 +62,8 @@ class Article(HTMLParser):
             self.depth -= 1
         elif self.depth and tag in ("code", "pre", "script", "style"):
             self.code -= 1
+        elif self.depth and tag == "blockquote":
+            self.quotes -= 1
 
     def handle_data(self, data: str) -> None:
         if self.depth and not self.code:
@@ -82,6 +90,7 @@ def test_page_renders_without_leaked_markdown(site, page):
         (kind, block.strip()[:160]) for block in blocks for kind, rx in LEAKS.items() if rx.search(block)
     ]
     assert leaks == [], f"{page}: Markdown left as text"
+    assert not parsed.nested_quote, f"{page}: >>> lines rendered as nested quotes, not as code"
     unknown = parsed.tags - HTML_TAGS
     assert unknown == set(), f"{page}: angle brackets taken for HTML tags: {sorted(unknown)}"
 
@@ -97,5 +106,32 @@ def test_the_checks_find_what_they_look_for(tmp_path):
 
     collapsed = rendered("Where:\n- **Local directory**: read in place\n- **Hub**: fetched")
     assert any(LEAKS["list marker"].search(b) for b in "".join(collapsed.text).split("\x00"))
+    assert rendered("Example:\n\n>>> plan = make_plan(ckpt)\n>>> plan.pp\n4").nested_quote
     assert "commit" in rendered("a path `x` then A17B/<commit>/vllm-pp4").tags
+    assert LEAKS["reST role"].search("".join(rendered("returns a :class:`Plan`").text))
     assert LEAKS["link syntax"].search("".join(rendered("see [the page][nowhere] here").text))
+
+
+def test_navigation_is_grouped_and_no_group_is_long(site):  # site: the docs extra is there
+    """The nav: the home page, then Getting started, Guides, Reference and Development, each
+    of at most ten pages (a flat list of twenty is not skimmable)."""
+    import yaml
+
+    nav = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"]
+    assert nav[0] == {"Home": "index.md"}
+    groups = {name: pages for entry in nav[1:] for name, pages in entry.items()}
+    assert list(groups) == ["Getting started", "Guides", "Reference", "Development"]
+    assert {name: len(pages) for name, pages in groups.items() if len(pages) > 10} == {}
+
+
+def test_nested_lists_are_indented_as_python_markdown_needs():
+    """A list item indented by 1-3 spaces is not nested under Python-Markdown (it needs 4): it
+    renders as one more item of the outer list, silently. The sources are read for it."""
+    found = []
+    for page in pages():
+        fence = False
+        for number, line in enumerate((ROOT / "docs" / page).read_text().splitlines(), 1):
+            fence ^= line.lstrip().startswith("```")
+            if not fence and re.match(r" {1,3}(?:[-*+]|\d+\.) ", line):
+                found.append(f"{page}:{number}: {line.strip()[:60]}")
+    assert found == []

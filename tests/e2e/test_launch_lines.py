@@ -20,9 +20,10 @@ SERVERS = ("vllm serve", "sglang.launch_server")
 
 
 def docs_commands() -> list[str]:
-    """The launch commands in deploy.md's code blocks, one line each."""
+    """The launch commands in deploy.md's code blocks, each on one line (as the shell reads a
+    line continued with a backslash)."""
     text = (ROOT / "docs" / "deploy.md").read_text()
-    blocks = re.findall(r"^```bash\n(.*?)^```", text, re.S | re.M)
+    blocks = [b.replace(" \\\n    ", " ") for b in re.findall(r"^```bash\n(.*?)^```", text, re.S | re.M)]
     lines = [line for block in blocks for line in block.splitlines()]
     return [line for line in lines if any(s in line for s in SERVERS) and not line.startswith("#")]
 

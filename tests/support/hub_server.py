@@ -103,6 +103,9 @@ class _State:
     log: list[LogEntry] = field(default_factory=list)
     faults: list[Fault] = field(default_factory=list)
     ignore_range: bool = False
+    # Bearer tokens the Hub knows (None: any token passes, as before); an unknown one gets what
+    # the Hub answers to every request with it: 401 "Invalid credentials in Authorization header".
+    tokens: set[str] | None = None
     blobs: dict[str, Path] = field(default_factory=dict)  # sha256 -> path
     lock: threading.Lock = field(default_factory=threading.Lock)
     # Requests being answered: an entry is logged only after its answer was sent, so a client can
@@ -178,6 +181,10 @@ class HubServer:
         for ref in (branch, *tags):
             repo.refs[ref] = commit
         return commit
+
+    def check_tokens(self, *valid: str) -> None:
+        """From now on, refuse every request whose token is not one of ``valid`` (nor a repo's)."""
+        self.state.tokens = set(valid) | {r.token for r in self.state.repos.values() if r.token}
 
     def move(self, repo_id: str, commit: str, *, branch: str = "main") -> None:
         """Point ``branch`` of ``repo_id`` at ``commit`` (published before), as a push does."""
@@ -346,6 +353,10 @@ class _Handler(BaseHTTPRequestHandler):
         """The repo if this request may see it; otherwise the Hub's error is sent and None returned."""
         repo = self.owner.state.repos.get(repo_id)
         auth = self.headers.get("Authorization", "")
+        known = self.owner.state.tokens
+        if auth and known is not None and auth.removeprefix("Bearer ") not in known:
+            self._error(401, None, "Invalid credentials in Authorization header")
+            return None
         allowed = repo is not None and (not (repo.gated or repo.private) or auth == f"Bearer {repo.token}")
         if repo is None or (repo.private and not allowed):
             self._error(401 if not auth else 404, "RepoNotFound", "Repository not found")

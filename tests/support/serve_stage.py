@@ -24,7 +24,8 @@ def main() -> int:
     try:
         served = server_stage(
             spec["model"], runtime=spec["runtime"], partition=spec["partition"], rank=spec["rank"],
-            revision=spec.get("revision"), copy=spec.get("copy", False), user_agent=spec.get("user_agent"),
+            revision=spec.get("revision"), token=spec.get("token"), copy=spec.get("copy", False),
+            user_agent=spec.get("user_agent"),
         )
     except StageError as e:
         print(f"STAGEERROR {e}", flush=True)

@@ -144,3 +144,35 @@ def test_readme_sends_server_installs_to_the_install_page():
     assert "docs/install.md#into-a-servers-environment" in text
     for line in re.findall(r"^.*pip install.*$", text, re.M):
         assert "server" not in line, line
+
+
+def test_stages_figure_shows_the_plan_tables_sizes():
+    """docs/img/stages.svg is what docs/tools/gen_figures.py draws from the plan now, and each
+    stage's label is the size the plan table prints (the caption says so; it showed the tensor
+    bytes alone, verify's old figure)."""
+    import gen_figures
+
+    from qwen35_reshard.units import format_bytes
+
+    plan = gen_figures._plan()
+    drawn = (ROOT / "docs" / "img" / "stages.svg").read_text()
+    assert drawn == gen_figures.stage_chart(plan), "run: python docs/tools/gen_figures.py"
+    labels = re.findall(r">([0-9.]+ [KMG]?B)</text>", drawn)
+    assert labels == [format_bytes(s.size) for s in plan.stages]
+    assert "the plan table&#x27;s size column" in drawn
+    assert "the plan table's size column" in (ROOT / "docs" / "index.md").read_text()
+
+
+def test_commands_in_the_docs_name_a_model_that_can_exist():
+    """A model in a command of the docs (their code blocks, the command reference's --help
+    examples) is an ``org/name`` Hub id or a path: a bare ``Qwen3.5-35B-A3B`` is neither, and a
+    copied command fails on it."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    bare = re.compile(r"(?<![/\w.-])Qwen3\.5-\d")
+    command = re.compile(r"qwen35-reshard |vllm serve|sglang\.launch_server|hf download")
+    found = []
+    for page in pages:
+        for line in page.read_text().splitlines():
+            if command.search(line) and bare.search(line):
+                found.append(f"{page.name}: {line.strip()}")
+    assert found == []

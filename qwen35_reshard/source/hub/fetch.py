@@ -83,6 +83,11 @@ class HubFetcher:
         fetch_files(self.repo, self.ckpt.extra_files, self.traffic)
 
     @property
+    def checkpoint_bytes(self) -> int:
+        """Bytes of every file of the repo at the commit."""
+        return sum(repo_listing(self.repo).values())
+
+    @property
     def download_bytes(self) -> int:
         """Bytes of the shards this run downloads whole into the Hugging Face cache."""
         into_cache = self.repo.settings.hf_cache

@@ -184,6 +184,12 @@ def hub_error(e: BaseException, repo: HubRepo, *, what: str) -> ReshardError:
         return HubError(f"{repo.repo_id}: no revision {repo.revision!r} (branch, tag or commit) in the repo")
     if isinstance(e, hf.RemoteEntryNotFoundError):
         return HubError(f"{repo.describe()}: {what} is missing from the repo; the repo is incomplete")
+    if getattr(getattr(e, "response", None), "status_code", None) == 401:  # the Hub's "Invalid credentials"
+        return HubError(
+            f"{endpoint} refused the token ({what} of {repo.repo_id}: 401, invalid credentials): the "
+            "token in use (HF_TOKEN, the one `hf auth login` saved, or one passed) is not a valid token; "
+            "use a valid one, or none for a public repo"
+        )
     if repo.offline:
         return HubError(
             f"{repo.repo_id}: offline, and the Hugging Face cache lacks {what}; run once with network "
