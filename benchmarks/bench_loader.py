@@ -124,6 +124,7 @@ def measure(shape: str, work: Path, args: argparse.Namespace, caches: list[str])
         "open_stage": lambda: len(loader.open_stage(out, pp_rank=args.rank)),
     }
     times: dict[tuple[str, str], list[float]] = {}
+    cpu: dict[tuple[str, str], list[float]] = {}
     for r in range(args.rounds):
         for cache in caches:
             order = list(methods)
@@ -133,9 +134,10 @@ def measure(shape: str, work: Path, args: argparse.Namespace, caches: list[str])
                     drop_caches()
                 else:
                     warm(files)
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 count = methods[name]()
                 times.setdefault((cache, name), []).append(time.perf_counter() - t0)
+                cpu.setdefault((cache, name), []).append(time.process_time() - c0)  # all threads
                 assert count == len(stage), (name, count, len(stage))
 
     what = f"a {args.size / 1e9:.2f} GB checkpoint" if shape == "large" else "a per-expert FP8 checkpoint"
@@ -156,14 +158,18 @@ def measure(shape: str, work: Path, args: argparse.Namespace, caches: list[str])
                 f"| {cache} | {name} | {med:.3f} | {nbytes / med / 1e9:.2f} | "
                 f"{statistics.median(base) / med:.2f}x | {paired:.2f}x |"
             )
-    print("\n| cache | checked / unchecked (medians) | same, median of rounds | extra s (medians) |")
-    print("|---|---:|---:|---:|")
+    print(
+        "\n| cache | checked / unchecked (medians) | same, median of rounds | extra s (medians) "
+        "| CPU s unchecked | CPU s checked |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
     for cache in caches:
         on, off = times[(cache, "shim checked")], times[(cache, "shim unchecked")]
         paired = statistics.median(a / b for a, b in zip(on, off, strict=True))
         on_s, off_s = statistics.median(on), statistics.median(off)
         ratio, extra = on_s / off_s, on_s - off_s
-        print(f"| {cache} | {ratio:.2f}x | {paired:.2f}x | {extra:+.3f} |")
+        cpu_off, cpu_on = (statistics.median(cpu[(cache, m)]) for m in ("shim unchecked", "shim checked"))
+        print(f"| {cache} | {ratio:.2f}x | {paired:.2f}x | {extra:+.3f} | {cpu_off:.2f} | {cpu_on:.2f} |")
     print(
         "\n`open_stage` alone opens and checks the stage (manifest, index, config, schema and "
         "placement, headers; no tensor data), which the shim's time includes.\n"
