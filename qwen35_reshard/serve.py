@@ -44,7 +44,7 @@ from .errors import ReshardError
 from .format.names import CACHE_REPO_PREFIX, STAGE_MANIFEST, stage_dirname
 from .loader import Stage, StageError, open_stage
 from .model.runtimes import runtime_of
-from .plan.planner import make_plan
+from .plan.planner import stage_tensors
 from .source.checkpoint import Checkpoint, source_identity
 from .source.header import read_header
 from .source.hub.cache import HubSettings
@@ -242,9 +242,9 @@ def in_place_stage(ckpt: Checkpoint, runtime: str, partition: Sequence[int], ran
     Raises:
         StageError: a shard changed since the checkpoint was read.
     """
-    plan = make_plan(ckpt, pp=len(partition), runtime=runtime, partition=list(partition), ranks=[rank])
-    planned = plan.stages[rank]
-    sources = sorted((t.source for t in planned.tensors), key=lambda s: (s.file, s.offset))
+    pp, partition = len(partition), tuple(partition)
+    planned = stage_tensors(ckpt, pp=pp, runtime=runtime, partition=list(partition), rank=rank)
+    sources = sorted(planned.tensors, key=lambda s: (s.file, s.offset))
     headers = {}
     for file in sorted({s.file for s in sources}):
         header = read_header(ckpt.path(file), display=f"{ckpt.display}/{file}")
@@ -266,15 +266,15 @@ def in_place_stage(ckpt: Checkpoint, runtime: str, partition: Sequence[int], ran
     counts: dict[str, int] = {}
     for s in sources:
         counts[s.file] = counts.get(s.file, 0) + 1
-    start, end = planned.start_layer, planned.end_layer
+    start, end = _layers(partition, rank)
     manifest = StageManifest(
         rank=rank,
-        pp=plan.pp,
+        pp=pp,
         runtime=runtime,
-        partition=tuple(plan.partition),
+        partition=partition,
         start_layer=start,
         end_layer=end,
-        mtp=plan.mtp,
+        mtp=planned.mtp,
         identity=None,
         source=source_identity(ckpt),
         index_sha256=None,

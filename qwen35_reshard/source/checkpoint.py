@@ -13,7 +13,7 @@ import hashlib
 import json
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from itertools import repeat
 from operator import add, sub
@@ -179,11 +179,11 @@ def read_checkpoint(model_dir: str | os.PathLike[str]) -> Checkpoint:
         )
         raise BadInput(f"{root}: no {INDEX_NAME} and no {SINGLE_FILE_NAME}{hint}")
 
-    def read_headers(files: list[str]) -> dict[str, Header]:
+    def read_headers(files: list[str]) -> Iterator[Header]:
         # Every name is checked before any header is read: a name leaving the model directory
         # is reported as such, whatever other damage a shard sorted before it has.
-        paths = {file: _checked_path(root, file, allowed, what="shard") for file in files}
-        return {file: read_header(paths[file], display=str(root / file)) for file in files}
+        paths = [_checked_path(root, file, allowed, what="shard") for file in files]
+        return (read_header(path, display=str(path)) for path in paths)
 
     def other_files(files: list[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
         unlisted = [p.name for p in root.iterdir() if p.name.endswith(".safetensors") and p.name not in files]
@@ -220,7 +220,7 @@ def assemble_checkpoint(
     config: dict,
     config_bytes: bytes,
     index_bytes: bytes | None,
-    read_headers: Callable[[list[str]], dict[str, Header]],
+    read_headers: Callable[[list[str]], Iterable[Header]],
     other_files: Callable[[list[str]], tuple[tuple[str, ...], tuple[str, ...]]],
     hub: dict | None = None,
 ) -> Checkpoint:
@@ -228,7 +228,9 @@ def assemble_checkpoint(
 
     Shared by local directories and Hub repos: ``display`` names the source in messages,
     ``config`` is ``config_bytes`` as :func:`load_config` read it, ``read_headers(files)``
-    returns each data file's parsed header (called once the index is known good) and
+    returns each data file's parsed header in the order of ``files`` (called once the index is
+    known good; taken one at a time, each dropped once its tensors are made: a checkpoint's
+    headers together hold more than its tensors do, ~290,000 of them at the largest shapes) and
     ``other_files(files)`` the non-weight files every stage gets and the ``*.safetensors``
     the index does not list.
     """
@@ -238,15 +240,22 @@ def assemble_checkpoint(
     if index_bytes is not None:
         where = f"{display}/{INDEX_NAME}"
         weight_map, files = _weight_map(parse_json_object(index_bytes, where, load_index), where)
-    headers = read_headers(files)
-    if weight_map is not None:
-        for i, file in enumerate(files):
-            names = headers[file].columns.names
-            if names and set(map(weight_map.get, names)) != {file}:
-                _name_mismatch(display, files[:i], file, headers, weight_map)
     # Each tensor is in one shard: the index lists it in one file (without an index, there is
     # one shard), so all of them make one dict, in (file, offset) order.
-    tensors = dict(zip(*_source_columns(files, headers), strict=True))
+    tensors: dict[str, SourceTensor] = {}
+    sizes: dict[str, int] = {}
+    digests: list[str] = []
+    stamps: dict[str, tuple[int, ...]] = {}
+    shared = _Shared()
+    for file, header in zip(files, read_headers(files), strict=True):
+        names = header.columns.names
+        if weight_map is not None and names and set(map(weight_map.get, names)) != {file}:
+            _name_mismatch(display, file, header, tensors, weight_map)
+        tensors.update(zip(names, _source_tensors(file, header, shared), strict=True))
+        sizes[file] = header.file_size
+        digests.append(header.sha256)
+        if header.stamp is not None:
+            stamps[file] = header.stamp
     if weight_map is not None and len(tensors) != len(weight_map):  # all in it: is it all?
         missing = [n for n in weight_map if n not in tensors]
         if missing:
@@ -264,9 +273,9 @@ def assemble_checkpoint(
         num_layers=num_layers,
         tied_embeddings=schema.tied_embeddings(config),
         files=tuple(files),
-        file_sizes={file: headers[file].file_size for file in files},
-        headers_sha256=hashlib.sha256("".join(headers[f].sha256 for f in files).encode()).hexdigest(),
-        stamps={file: headers[file].stamp for file in files if headers[file].stamp is not None},
+        file_sizes=sizes,
+        headers_sha256=hashlib.sha256("".join(digests).encode()).hexdigest(),
+        stamps=stamps,
         tensors=tensors,
         extra_files=extra,
         unlisted=unlisted,
@@ -275,15 +284,16 @@ def assemble_checkpoint(
 
 
 def _name_mismatch(
-    display: str, earlier: list[str], file: str, headers: dict[str, Header], weight_map: dict[str, str]
+    display: str, file: str, header: Header, earlier: dict[str, SourceTensor], weight_map: dict[str, str]
 ) -> NoReturn:
-    """Name the first tensor of ``file`` that another shard (of ``earlier``) holds too or that
-    the index does not list in ``file``, which the bulk check found."""
-    seen = {name: f for f in earlier for name in headers[f].columns.names}
-    for t in headers[file].tensors:
-        if t.name in seen:
+    """Name the first tensor of ``file`` (its ``header``) that another shard (of those read
+    before, whose tensors are ``earlier``) holds too or that the index does not list in ``file``,
+    which the bulk check found."""
+    for t in header.tensors:
+        if t.name in earlier:
             raise BadInput(
-                f"tensor {t.name!r} appears in both {seen[t.name]} and {file}; the checkpoint is inconsistent"
+                f"tensor {t.name!r} appears in both {earlier[t.name].file} and {file}; "
+                "the checkpoint is inconsistent"
             )
         listed = weight_map.get(t.name)
         if listed != file:
@@ -295,25 +305,38 @@ def _name_mismatch(
     raise AssertionError(f"{file}: the bulk check found a tensor at fault, the exact one none")
 
 
-def _source_columns(files: list[str], headers: dict[str, Header]) -> tuple[list[str], list[SourceTensor]]:
-    """Every tensor's name and SourceTensor, shard by shard in offset order."""
-    names: list[str] = []
-    sources: list[SourceTensor] = []
-    for file in files:
-        header = headers[file]
-        file_names, dtypes, shapes, begins, ends = header.columns
-        names += file_names
-        columns = zip(
-            file_names,
-            repeat(file),
-            dtypes,
-            shapes,
-            map(add, repeat(header.data_start), begins),
-            map(sub, ends, begins),
-            strict=False,  # repeat() is endless
-        )
-        sources += make_tuples(SourceTensor, columns)
-    return names, sources
+class _Shared:
+    """One object for each distinct shape, dtype and size among a checkpoint's tensors.
+
+    Why: they repeat (a per-expert checkpoint has a few dozen shapes for ~290,000 tensors), yet
+    each header entry is parsed into objects of its own; keeping one of each makes every tensor
+    ~100 bytes smaller. ``dict.setdefault`` mapped over a column does it in C.
+    """
+
+    def __init__(self) -> None:
+        self.shape = {}.setdefault
+        self.dtype = {}.setdefault
+        self.size = {}.setdefault
+
+    def column(self, values: list, kind: str) -> map:
+        """``values`` (a column of one kind: "shape", "dtype" or "size"), each the shared one."""
+        return map(getattr(self, kind), values, values)
+
+
+def _source_tensors(file: str, header: Header, shared: _Shared) -> Iterator[SourceTensor]:
+    """The SourceTensor of each tensor of ``file`` (its ``header``), in offset order."""
+    file_names, dtypes, shapes, begins, ends = header.columns
+    sizes = list(map(sub, ends, begins))
+    columns = zip(
+        file_names,
+        repeat(file),
+        shared.column(dtypes, "dtype"),
+        shared.column(shapes, "shape"),
+        map(add, repeat(header.data_start), begins),
+        shared.column(sizes, "size"),
+        strict=False,  # repeat() is endless
+    )
+    return make_tuples(SourceTensor, columns)
 
 
 def load_quant_side(raw: bytes | None, where: str) -> dict | None:

@@ -3,6 +3,7 @@ huggingface_hub, each shard's header through :mod:`.headers`."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -43,7 +44,7 @@ def read_hub_checkpoint(repo: HubRepo, *, traffic: Traffic | None = None) -> Che
             "safetensors checkpoint"
         )
 
-    def read_headers(files: list[str]) -> dict[str, Header]:
+    def read_headers(files: list[str]) -> Iterator[Header]:
         # As for a local index: the kept header and the cached copy of a shard are found by
         # its name, which must not lead out of (or below) the repo's top level.
         for f in files:
@@ -59,7 +60,8 @@ def read_hub_checkpoint(repo: HubRepo, *, traffic: Traffic | None = None) -> Che
                 + (f" ({len(absent)} such files)" if len(absent) > 1 else "")
                 + "; the repo is incomplete"
             )
-        return parsed_headers(repo, files, listing, traffic)
+        # Popped as taken: each is dropped once its tensors are made.
+        return map(parsed_headers(repo, files, listing, traffic).pop, files)
 
     def other_files(files: list[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
         top = [n for n in sorted(listing) if "/" not in n and not n.startswith(".")]
