@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from functools import cache
 
 # Roles of non-layer tensors; "layer" is the role of decoder-layer tensors.
 LAYER = "layer"
@@ -71,12 +70,12 @@ def classify_all(tensor_names: list[str]) -> tuple[list[str], dict[str, Role | N
 
 
 _KIND_OF_PREFIX = dict(_ROLE_PREFIXES)
-_KIND_ROLES = {kind: Role(kind) for _, kind in _ROLE_PREFIXES}  # shared, as the layers' are
+_KIND_ROLES = {kind: Role(kind) for _, kind in _ROLE_PREFIXES}
 
 
-@cache
 def _key_role(key: str) -> Role | None:
-    # One Role per key, shared: callers work per distinct role.
+    # Not cached across calls: a cache would keep keys made amid a plan's ~290,000 transient
+    # ones, each pinning the block of memory around it once the plan frees the rest.
     if not key:
         return None
     kind = _KIND_OF_PREFIX.get(key)

@@ -220,10 +220,11 @@ def stage_tensors(
         ReshardError: as :func:`make_plan`.
 
     Example:
+        >>> from qwen35_reshard import read_checkpoint
         >>> from qwen35_reshard.plan.planner import stage_tensors
         >>> placed = stage_tensors(read_checkpoint(MODEL), pp=2, runtime="vllm", partition=[4, 4], rank=1)
         >>> len(placed.tensors), placed.mtp
-        (121, 'kept')
+        (134, 'kept')
     """
     placed = _place(
         ckpt, pp=pp, runtime=runtime, partition=partition, keep_mtp=True, ranks=[rank], stages=[rank],

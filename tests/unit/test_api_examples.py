@@ -9,6 +9,7 @@ import doctest
 import pytest
 
 import qwen35_reshard
+from qwen35_reshard.plan.planner import stage_tensors
 from qwen35_reshard.serve import server_stage
 from qwen35_reshard.verify import verify
 
@@ -22,6 +23,7 @@ PUBLIC = {
     "open_stage": qwen35_reshard.open_stage,
     "choose": qwen35_reshard.choose,
     "server_stage": server_stage,
+    "stage_tensors": stage_tensors,
 }
 
 
