@@ -56,7 +56,7 @@ print(n)
 
 STAGES = """
 import sys
-from qwen35_reshard.serve import server_stage
+from qwen35_reshard.servers.unsplit import server_stage
 served = server_stage(sys.argv[1], runtime=sys.argv[2], partition=[int(x) for x in sys.argv[3].split(",")],
                       rank=int(sys.argv[4]))
 print(sum(t.clone().numel() for _, t in served.stage.iter_weights()), served.how)

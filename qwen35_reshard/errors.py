@@ -12,7 +12,8 @@ the file, tensor or parameter at fault and what to do; the command line prints i
   permission, a read-only volume); raised ``from`` the OSError: the same command resumes.
 - :class:`HubError`: the Hugging Face Hub could not be reached, refused the request, or the
   repo is incomplete.
-- :class:`StageError`: a stage directory that must not be loaded (the loader shim).
+- :class:`StageError`: a stage directory that must not be loaded (the loader shim);
+  :class:`DamagedStage` when its bytes are not the ones its manifest records.
 A parameter is named through :func:`param`, so each caller sees its own spelling: ``str(e)``
 says ``pp`` or ``overwrite=True`` (the library's parameters), the CLI renders the same error
 with its flags (``--pp``, ``--overwrite``) through :meth:`ReshardError.render`.
@@ -90,3 +91,13 @@ class HubError(ReshardError):
 
 class StageError(ReshardError):
     """A stage directory that must not be loaded, with what to do about it in one line."""
+
+
+class DamagedStage(StageError):
+    """Bytes handed to a server that are not the ones the stage records: found while loading,
+    before the load finished. ``path``: the data file; ``tensor``: the tensor whose sha256
+    differs (None when only the whole file's digest is known)."""
+
+    def __init__(self, message: str, path: str, tensor: str | None) -> None:
+        super().__init__(message)
+        self.path, self.tensor = path, tensor

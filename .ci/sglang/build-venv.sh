@@ -8,7 +8,7 @@
 # stand-ins in stubs/: torchvision (imported by unrelated image processors and configs) and
 # vllm (a fallback kernel import on non-CUDA machines); neither is used by the code under test.
 # This checkout is installed in it (no deps) for the sglang.srt.plugins entry point that gives
-# each pipeline rank its stage (qwen35_reshard/loader/sglang.py, tests/engine/test_sglang_plugin.py).
+# each pipeline rank its stage (qwen35_reshard/servers/sglang.py, tests/engine/test_sglang_plugin.py).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 venv="${1:?usage: build-venv.sh VENV}"
@@ -20,5 +20,5 @@ cp -r "$here/stubs/torchvision" "$here/stubs/vllm" "$site/"
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps -e "$here/../.."
 # Fail here, not in the test, when the environment cannot import the model code.
 "$venv/bin/python" -c 'import sglang.srt.models.qwen3_5, sglang.srt.models.qwen3_5_mtp, sglang.srt.models.qwen3_5_text' 2>/dev/null
-"$venv/bin/python" -c 'import qwen35_reshard.loader.sglang'
+"$venv/bin/python" -c 'import qwen35_reshard.servers.sglang'
 echo "SGLang $("$venv/bin/python" -c 'import sglang; print(sglang.__version__)') ready in $venv"

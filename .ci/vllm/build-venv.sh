@@ -19,5 +19,5 @@ python3 -m venv "$venv"
 site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 cp -r "$here/../sglang/stubs/torchvision" "$site/"
 # Fail here, not in the test, when the environment cannot import the engine and the plugin.
-"$venv/bin/python" -c 'import vllm.model_executor.models.qwen3_5, qwen35_reshard.loader.vllm'
+"$venv/bin/python" -c 'import vllm.model_executor.models.qwen3_5, qwen35_reshard.servers.vllm'
 echo "vLLM $("$venv/bin/python" -c 'import vllm; print(vllm.__version__)') ready in $venv"

@@ -17,23 +17,29 @@ torch is imported only inside ``iter_weights``: the package stays importable wit
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
+import logging
 import os
 import struct
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..bulk import collector_paused
-from ..errors import StageError
+from ..errors import DamagedStage, StageError
 from ..format.dtypes import DTYPES
 from ..format.names import INDEX_NAME, RUN_MANIFEST, STAGE_MANIFEST, stage_dir_rank, stage_dirname
 from ..model.runtimes import launch_env, runtime_of
-from ..stage.findings import REBUILD, Finding
+from ..stage.digestpool import DigestPool, Mismatch, Range, cores
+from ..stage.findings import REBUILD, REPAIR, Finding, tensor_digest_finding
 from ..stage.manifest import StageManifest, StageTensor
 from ..stage.reader import RunRecord, read_run_record, read_stage
+from ..units import format_bytes, plural
+
+VERIFY_LOAD_ENV = "QWEN35_RESHARD_VERIFY_LOAD"  # 0: loads do not hash (checked elsewhere)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -45,6 +51,11 @@ class Stage:
     display: str  # the path as the caller spelled it, for messages
     manifest: StageManifest = field(repr=False)  # tensors in load order: file, then offset
     headers: dict[str, bytes] = field(repr=False)  # each data file's header JSON as validated
+    # Called with a data file found damaged while loading: may act (the stage cache sets the
+    # file aside, to be fetched again) and returns what to tell the user; None: repair advice.
+    on_damaged: Callable[[str], str] | None = field(default=None, repr=False)
+    unrecorded: str | None = None  # why tensors without a sha256 have none, where not a shared split
+    files_at: str | None = None  # the data files' directory in messages, where not ``display``
 
     @property
     def rank(self) -> int:
@@ -145,21 +156,43 @@ class Stage:
             )
         raise StageError(f"stage {self.display} was built for {mine} but the server expects {theirs}: {fix}")
 
-    def iter_weights(self, device: str = "cpu", verify: bool = False) -> Iterator[tuple[str, object]]:
-        """Yield ``(name, torch.Tensor)`` for exactly this stage's tensors, one at a time.
+    def iter_weights(self, device: str = "cpu", verify: bool | None = None) -> Iterator[tuple[str, object]]:
+        """Yield ``(name, torch.Tensor)`` for exactly this stage's tensors, one at a time, every
+        byte checked against the sha256 the stage records while it is loaded.
 
         Tensors come in file and offset order, each a view of the file's copy-on-write memory
         map (what ``safe_open(file, framework="pt")`` gives; see :func:`_mapped`) until the caller
         copies it, moved to ``device`` when that is not the CPU. Before a file is read, its size
         and header bytes are checked to be those validated by :func:`open_stage`, so every
-        tensor has the manifest's dtype, shape and place. With ``verify=True`` each tensor's
-        bytes are hashed and compared to the manifest's sha256 before it is yielded; that
-        hashing is the only extra cost. Tensors the split shared with the source record no
-        sha256 (``verify --source`` proves those).
+        tensor has the manifest's dtype, shape and place.
+
+        The check: the same bytes are hashed on every core beside the caller's copy
+        (:class:`~.stage.digestpool.DigestPool`) and compared with each tensor's sha256 in
+        the manifest (or, where the stage records only its file's, the whole file's). A tensor is
+        handed over before its hash is known, but the last one only once every hash is: a
+        damaged byte stops the iteration with :class:`~.errors.DamagedStage` before the caller's
+        load can finish. Tensors the split shared with the source record no sha256: loaded
+        unchecked, said in the log (``verify --source`` proves those).
+
+        Args:
+            device: where the tensors go (``"cpu"``: views of the files, no copy).
+            verify: check the bytes; None (the default): unless ``QWEN35_RESHARD_VERIFY_LOAD=0``
+                asks not to (for those who check elsewhere), which is logged.
+
+        Returns:
+            An iterator of ``(name, tensor)`` in load order.
 
         Raises:
-            StageError: torch is missing or lacks a dtype of the stage, or a file changed or
-                fails a digest check while loading.
+            StageError: torch is missing or lacks a dtype of the stage, or a file changed while
+                loading; DamagedStage: bytes that do not match their sha256, naming the tensor
+                and the file.
+
+        Example:
+            >>> from qwen35_reshard import open_stage, reshard
+            >>> _ = reshard(MODEL, OUT, pp=2)
+            >>> weights = dict(open_stage(OUT, pp_rank=1).iter_weights())
+            >>> len(weights) > 0
+            True
         """
         try:
             import torch
@@ -185,32 +218,102 @@ class Stage:
         by_file: dict[str, list[StageTensor]] = {}
         for t in self.tensors.values():
             by_file.setdefault(t.file, []).append(t)
+        checked = load_checked() if verify is None else verify
+        ranges = {file: self._digest_ranges(file, by_file[file]) for file in self.files} if checked else {}
+        if checked:
+            self._say_unchecked(by_file, ranges)
+        elif verify is None:
+            said = "qwen35-reshard: %s: loaded without checking its bytes' sha256 (%s=0)"
+            log.warning(said, self.display, VERIFY_LOAD_ENV)
         move = torch.device(device).type != "cpu"
-        for file in self.files:
-            path = self.path / file
-            where = f"{self.display}/{file}"
-            try:
-                storage = _mapped(torch, path, self.manifest.files[file], self.headers[file])
-            except OSError as e:
-                raise StageError(f"{where}: cannot open ({e.strerror or e}); {REBUILD}") from e
-            except _Changed as e:
-                raise StageError(
-                    f"{where}: {e}, not what it was when the stage was opened; the stage changed "
-                    f"while loading: {REBUILD}"
-                ) from None
-            tensors = by_file[file]
-            # A shard read in place (``serve.in_place_stage``) also holds other stages' tensors.
-            with _Readahead(path, tensors[0].offset, tensors[-1].offset + tensors[-1].nbytes) as readahead:
-                for t in tensors:
-                    readahead.through(t.offset + t.nbytes)
-                    tensor = _tensor_at(torch, storage, t.offset, dtypes[t.dtype], t.shape)
-                    recorded = t.sha256 if verify else None  # None: shared, no digest recorded
-                    if recorded is not None and hashlib.sha256(_bytes_of(tensor)).hexdigest() != recorded:
-                        raise StageError(
-                            f"{where}: tensor {t.name!r} does not match its sha256 in "
-                            f"{STAGE_MANIFEST}; the file is damaged: {REBUILD}"
-                        )
-                    yield t.name, tensor.to(device) if move else tensor
+        with DigestPool(cores()) if checked else nullcontext() as pool:
+            for file in self.files:
+                path = self.path / file
+                where = f"{self.display}/{file}"
+                try:
+                    storage = _mapped(torch, path, self.manifest.files[file], self.headers[file])
+                    if pool is not None:
+                        pool.feed(path, ranges[file], self.manifest.files[file])
+                except OSError as e:
+                    raise StageError(f"{where}: cannot open ({e.strerror or e}); {REBUILD}") from e
+                except _Changed as e:
+                    raise StageError(
+                        f"{where}: {e}, not what it was when the stage was opened; the stage changed "
+                        f"while loading: {REBUILD}"
+                    ) from None
+                tensors = by_file[file]
+                # A shard read in place (``in_place_stage``) also holds other stages' tensors.
+                last = tensors[-1].offset + tensors[-1].nbytes
+                with _Readahead(path, tensors[0].offset, last) as readahead:
+                    for t in tensors:
+                        readahead.through(t.offset + t.nbytes)
+                        if pool is not None and (bad := pool.reached(t.offset)):
+                            raise self._damaged(bad[0])
+                        tensor = _tensor_at(torch, storage, t.offset, dtypes[t.dtype], t.shape)
+                        yield t.name, tensor.to(device) if move else tensor
+            if pool is not None and (bad := pool.finish()):
+                raise self._damaged(bad[0])
+
+    def _digest_ranges(self, file: str, tensors: list[StageTensor]) -> list[Range]:
+        """What of ``file`` is hashed as it is loaded: each of its ``tensors`` against its
+        recorded sha256; where some have none (blocks shared with the source when split, or a
+        shard read in place), the whole file against the file's, if recorded; else nothing."""
+        if all(t.sha256 is not None for t in tensors):
+            return [Range(t.name, t.offset, t.nbytes, t.sha256) for t in tensors]
+        layout = self.manifest.layouts.get(file)
+        if layout is not None and layout.sha256 is not None:
+            return [Range(None, 0, self.manifest.files[file], layout.sha256)]
+        return [Range(t.name, t.offset, t.nbytes, t.sha256) for t in tensors if t.sha256 is not None]
+
+    def _say_unchecked(self, by_file: dict[str, list[StageTensor]], ranges: dict[str, list[Range]]) -> None:
+        """Log how many tensors no sha256 is recorded for (neither theirs nor their file's), if any."""
+        unchecked = [
+            t
+            for file, tensors in by_file.items()
+            if not (ranges[file] and ranges[file][0].key is None)  # not checked as a whole file
+            for t in tensors
+            if t.sha256 is None
+        ]
+        if unchecked:
+            why = self.unrecorded or "their blocks were shared with the source when split"
+            size = format_bytes(sum(t.nbytes for t in unchecked))
+            log.warning(
+                "qwen35-reshard: %s: %s (%s) loaded unchecked: no sha256 is recorded for them (%s)",
+                self.display, plural(len(unchecked), "tensor"), size, why,
+            )  # fmt: skip
+
+    def _damaged(self, found: Mismatch) -> DamagedStage:
+        """The error for the first mismatch found; the stage's ``on_damaged`` says what to do."""
+        file = found.path.name
+        where = f"{self.files_at or self.display}/{file}"
+        if found.key is not None:
+            what = tensor_digest_finding(where, file, found.key).message
+        else:
+            recorded = self.manifest.layouts[file].sha256
+            what = (
+                f"{where}: its bytes do not match the sha256 {recorded[:12]}... recorded for the whole "
+                "file; the file is damaged"
+            )
+        advice = self.on_damaged(file) if self.on_damaged is not None else REPAIR
+        return DamagedStage(f"{what}: {advice}", str(found.path), found.key)
+
+
+def load_checked(env: Mapping[str, str] | None = None) -> bool:
+    """Whether a load checks its bytes: unless ``QWEN35_RESHARD_VERIFY_LOAD`` is 0 (or false,
+    no, off), for those who check the files elsewhere.
+
+    Args:
+        env: the environment (default ``os.environ``).
+
+    Returns:
+        False when the variable turns the check off.
+
+    Example:
+        >>> load_checked({"QWEN35_RESHARD_VERIFY_LOAD": "0"}), load_checked({})
+        (False, True)
+    """
+    value = (os.environ if env is None else env).get(VERIFY_LOAD_ENV, "")
+    return value.strip().lower() not in ("0", "false", "no", "off")
 
 
 class _Changed(Exception):
@@ -280,14 +383,6 @@ class _Readahead:
     def __exit__(self, *exc: object) -> None:
         if self.fd is not None:
             os.close(self.fd)
-
-
-def _bytes_of(tensor: object) -> memoryview | bytes:
-    """The bytes of a contiguous CPU tensor, without a copy (and without numpy)."""
-    n = tensor.numel() * tensor.element_size()
-    if n == 0:
-        return b""
-    return memoryview((ctypes.c_ubyte * n).from_address(tensor.data_ptr())).cast("B")
 
 
 def _no_stage_dir(root: Path, given: str, pp_rank: int) -> str:

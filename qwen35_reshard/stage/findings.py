@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..format.names import TOOL_NAME
+from ..format.names import STAGE_MANIFEST, TOOL_NAME
 
 # Kinds of problem.
 MISSING = "missing"  # something that must be there is not
@@ -29,3 +29,13 @@ class Finding:
     file: str | None = None
     tensor: str | None = None
     stage: str | None = None  # stage directory name (pp0); None for the run directory
+
+
+def tensor_digest_finding(where: str, file: str, tensor: str) -> Finding:
+    """What verify and the loader say of tensor ``tensor`` of data file ``file`` (``where``: the
+    file as the user spells it) whose bytes do not hash to the sha256 its manifest records."""
+    why = (
+        f"{where}: the bytes of tensor {tensor!r} do not match its sha256 in {STAGE_MANIFEST}; the file "
+        "is damaged"
+    )
+    return Finding(DIFFERENT, why, file, tensor)

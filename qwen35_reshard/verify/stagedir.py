@@ -15,7 +15,7 @@ from ..model.names import LAYER, classify
 from ..model.quant import unchecked_message
 from ..source.checkpoint import Checkpoint
 from ..source.header import Header
-from ..stage.findings import CORRUPT, DIFFERENT, EXTRA, INCOMPLETE, MISSING, RERUN
+from ..stage.findings import CORRUPT, DIFFERENT, EXTRA, INCOMPLETE, MISSING, RERUN, tensor_digest_finding
 from ..stage.manifest import StageManifest, damaged_side_files
 from ..stage.reader import read_stage
 from ..transfer.copier import CHUNK_BYTES, Segment, copy_segments
@@ -129,13 +129,8 @@ def _check_data_file(
     for name, digest in digests.items():
         stage.digests[name] = digest
         if recorded.get(name) is not None and recorded[name] != digest:
-            add(
-                DIFFERENT,
-                f"{where}: the bytes of tensor {name!r} do not match its sha256 in {STAGE_MANIFEST}; "
-                "the file is damaged",
-                file=file,
-                tensor=name,
-            )
+            found = tensor_digest_finding(where, file, name)
+            add(found.kind, found.message, file=found.file, tensor=found.tensor)
 
 
 def _check_file_digest(path: Path, recorded: str, where: str, add: Add, file: str) -> None:

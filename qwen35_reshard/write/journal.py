@@ -17,12 +17,16 @@ shares the source's blocks) is rewritten.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from ..errors import JSON_ERRORS
 from ..format.names import CLONE, JOURNAL
 from ..plan.planner import Plan, StagePlan
+from ..stage.findings import Finding
+from ..stage.reader import read_manifest
 from .datafile import Digests, file_digests, header, matches, stamp
+from .durability import fsync_dir, remove
 from .sources import SourceAccess
 
 
@@ -76,3 +80,52 @@ def keepable(plan: Plan, stage_dir: Path, stage: StagePlan) -> dict[str, Digests
         if unchanged or (None not in digests.values() and file_digests(path, f) == digests):
             kept[f.name] = digests
     return kept
+
+
+def set_aside(stage_dir: Path, damaged: str) -> None:
+    """Turn the finished stage in ``stage_dir`` into an unfinished one without its data file
+    ``damaged`` (found damaged while loading), so that the same split run again rewrites that
+    file alone.
+
+    The stage's other data files are journaled with the digests its manifest records and no
+    stamp: a run keeps each only once its bytes hash to them (:func:`keepable`); a file with
+    tensors its manifest records no digest for is not journaled (rewritten). Then ``damaged``
+    is deleted, which leaves the stage incomplete (a data file missing). Killed in between,
+    the stage still holds the damaged file: the next load finds it again.
+
+    Args:
+        stage_dir: a finished stage directory (OUT/ppN) the caller owns, e.g. the stage cache's.
+        damaged: the name of its data file to rewrite.
+
+    Raises:
+        OSError: the journal cannot be written or the file deleted (a read-only cache).
+
+    Example:
+        >>> import os
+        >>> from pathlib import Path
+        >>> from qwen35_reshard import reshard
+        >>> from qwen35_reshard.write.journal import set_aside
+        >>> from qwen35_reshard.write.options import WriteOptions
+        >>> small = WriteOptions(max_file_bytes=200_000)  # several data files a stage
+        >>> _ = reshard(MODEL, OUT, pp=2, write=small)
+        >>> stage = os.path.join(OUT, "pp1")
+        >>> data = sorted(f for f in os.listdir(stage) if f.endswith(".safetensors"))
+        >>> set_aside(Path(stage), data[0])
+        >>> reshard(MODEL, OUT, pp=2, write=small).written.files_kept == len(data) - 1
+        True
+    """
+    m = read_manifest(stage_dir, str(stage_dir))
+    if isinstance(m, Finding):
+        remove(stage_dir / damaged)  # no manifest to journal from: the stage is rebuilt whole
+        return
+    digests: dict[str, Digests] = {}
+    for t in m.tensors.values():
+        digests.setdefault(t.file, {})[t.name] = t.sha256
+    kept = {f: d for f, d in digests.items() if f != damaged and None not in d.values()}
+    records = [{"file": f, "digests": d, "stamp": None} for f, d in sorted(kept.items())]
+    with open(stage_dir / JOURNAL, "a") as j:
+        j.write("".join(json.dumps(r) + "\n" for r in records))
+        j.flush()
+        os.fsync(j.fileno())
+    remove(stage_dir / damaged)
+    fsync_dir(stage_dir)

@@ -1,4 +1,4 @@
-"""A pipeline rank's stage of an UNSPLIT checkpoint (qwen35_reshard/serve.py, issue 33): what
+"""A pipeline rank's stage of an UNSPLIT checkpoint (qwen35_reshard/servers/unsplit.py, issue 33): what
 the servers' qwen35-stages loaders call for a Hub repo id or a local directory.
 
 Each call runs ``serve_stage.py`` in its own process with a private ``HF_HOME``, ``HF_ENDPOINT``
@@ -27,8 +27,9 @@ from pathlib import Path
 import pytest
 
 import qwen35_reshard
-from qwen35_reshard.serve import STAGE_CACHE_ENV
+from qwen35_reshard.servers.unsplit import STAGE_CACHE_ENV
 from qwen35_reshard.source.checkpoint import source_identity
+from qwen35_reshard.source.header import read_header
 
 from support.helpers import ROOT, SUPPORT, mount_namespace
 from support.hub_server import Fault, HubServer
@@ -85,8 +86,11 @@ def torch_uint8():
     return torch.uint8
 
 
-def serve(tmp_path, spec: dict, *, hub=None, background: bool = False, prefix: tuple = ()):
-    """server_stage in its own process (started by ``prefix``); its RESULT, or the STAGEERROR line."""
+def serve(
+    tmp_path, spec: dict, *, hub=None, background: bool = False, prefix: tuple = (), extra: dict | None = None
+):
+    """server_stage in its own process (started by ``prefix``, ``extra`` added to its environment);
+    its RESULT, or the STAGEERROR line; with its stderr (the log) as ``"log"``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
     env.update(
         PYTHONPATH=str(ROOT),
@@ -96,6 +100,7 @@ def serve(tmp_path, spec: dict, *, hub=None, background: bool = False, prefix: t
         HF_HUB_DISABLE_TELEMETRY="1",
         QWEN35_RESHARD_RETRY_WAIT="0.01",
         **{STAGE_CACHE_ENV: str(tmp_path / "stages")},
+        **(extra or {}),
     )
     spec = {"runtime": "sglang", "partition": PARTITION, **spec}
     cmd = [*prefix, sys.executable, str(DRIVER), json.dumps(spec)]
@@ -109,10 +114,10 @@ def parse(code: int, stdout: str, stderr: str) -> dict:
     for line in stdout.splitlines():
         if line.startswith("RESULT "):
             assert code == 0, stderr
-            return json.loads(line[len("RESULT "):])
+            return {**json.loads(line[len("RESULT "):]), "log": stderr}
         if line.startswith("STAGEERROR "):
             assert code == 3 and "Traceback" not in stdout, stderr
-            return {"error": line[len("STAGEERROR "):], "stdout": stdout}
+            return {"error": line[len("STAGEERROR "):], "stdout": stdout, "log": stderr}
     raise AssertionError(f"exit {code}\n{stdout}\n{stderr}")
 
 
@@ -173,6 +178,71 @@ def test_hub_fetches_only_its_stage_once_and_keys_the_cache(tmp_path, hub, model
     other = serve(tmp_path, {"model": REPO, "rank": 1, "partition": [1, 3, 2, 2]}, hub=hub)
     assert other["how"] == "fetched" and other["where"].endswith("sglang-pp4-1-3-2-2")
     assert other["digests"] == split([1, 3, 2, 2], 1)
+
+
+def flip_a_byte(path: Path) -> str:
+    """Flip one byte of the middle tensor of the safetensors file ``path``; that tensor's name."""
+    header = read_header(path)
+    victim = header.tensors[len(header.tensors) // 2]
+    at = header.data_start + victim.begin + victim.nbytes // 2
+    with open(path, "r+b") as f:
+        byte = os.pread(f.fileno(), 1, at)
+        os.pwrite(f.fileno(), bytes([byte[0] ^ 0x01]), at)
+    return victim.name
+
+
+def test_a_damaged_cached_stage_stops_the_load_and_the_next_start_mends_it(tmp_path, hub, model, split):
+    first = serve(tmp_path, {"model": REPO, "rank": 0}, hub=hub)
+    assert first["how"] == "fetched" and first["digests"] == split(PARTITION, 0)
+    stage_dir = Path(first["where"]) / "pp0"
+    files = json.loads((stage_dir / "reshard-stage.json").read_text())["files"]
+    assert len(files) >= 2, files  # one damaged, the others kept
+    # A file of byte ranges fetched (a shard needed whole is also in the Hugging Face cache).
+    damaged = stage_dir / next(f for f, info in files.items() if info["layout"] == "gathered")
+    victim = flip_a_byte(damaged)
+    hub.clear_log()
+
+    # Whoever checks elsewhere opts out: loaded as it is, and the log says it was not checked.
+    opt_out = {"QWEN35_RESHARD_VERIFY_LOAD": "0"}
+    unchecked = serve(tmp_path, {"model": REPO, "rank": 0}, hub=hub, extra=opt_out)
+    assert unchecked["how"] == "cached" and unchecked["digests"][victim] != first["digests"][victim]
+    assert "loaded without checking its bytes' sha256 (QWEN35_RESHARD_VERIFY_LOAD=0)" in unchecked["log"]
+
+    # Checked (the default): the load stops in one line naming the tensor and the file.
+    stopped = serve(tmp_path, {"model": REPO, "rank": 0}, hub=hub)
+    error = stopped.get("error", "")
+    where = f"{stage_dir}/{damaged.name}"
+    assert f"{where}: the bytes of tensor {victim!r} do not match its sha256" in error, stopped
+    assert "removed from the stage cache" in error and "next start" in error and "\n" not in error
+    assert safetensors_bytes(hub) == 0  # nothing fetched: it was cached
+    assert not damaged.exists()
+
+    # The next start fetches that file again, and only it; the one after finds the stage cached.
+    mended = serve(tmp_path, {"model": REPO, "rank": 0}, hub=hub)
+    assert mended["how"] == "repaired" and mended["digests"] == first["digests"], mended.get("error")
+    headers = header_bytes(model) + whole_shard_headers(model, PARTITION, 0)
+    assert 0 < safetensors_bytes(hub) - headers <= damaged.stat().st_size
+    assert serve(tmp_path, {"model": REPO, "rank": 0}, hub=hub)["how"] == "cached"
+
+
+def test_a_damaged_shard_read_in_place_stops_the_load(tmp_path, make_checkpoint, model):
+    """Read in place from a Hugging Face cache folder, whose blobs are named by their sha256:
+    a flipped byte stops the load naming the checkpoint's file, with no advice to delete it.
+    A plain directory records no sha256: said in the log."""
+    snapshot = make_checkpoint(shard_bytes=SHARD_BYTES, hf_cache=True, fresh=True)
+    intact = serve(tmp_path, {"model": str(snapshot), "rank": 3})
+    assert intact["how"] == "in place" and "unchecked" not in intact["log"], intact.get("error")
+    shard = sorted(snapshot.glob("*.safetensors"))[-1]  # held by the last stage (lm_head, norm)
+    flip_a_byte(shard.resolve())
+    stopped = serve(tmp_path, {"model": str(snapshot), "rank": 3})
+    error = stopped.get("error", "")
+    assert f"{snapshot}/{shard.name}: its bytes do not match the sha256" in error, stopped
+    assert "restore" in error and "delete" not in error and "\n" not in error
+
+    plain = serve(tmp_path, {"model": str(model), "rank": 3})
+    assert plain["how"] == "in place"
+    said = "loaded unchecked: no sha256 is recorded for them (a local directory records no sha256"
+    assert said in plain["log"]
 
 
 def test_ranks_building_one_stage_at_once_fetch_it_once(tmp_path, hub, model):

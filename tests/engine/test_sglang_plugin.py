@@ -1,4 +1,4 @@
-"""The SGLang plugin (qwen35_reshard/loader/sglang.py, issue 24) inside SGLang's own loader.
+"""The SGLang plugin (qwen35_reshard/servers/sglang.py, issue 24) inside SGLang's own loader.
 
 The checkpoints of test_sglang_loading.py (per-expert and fused experts, MTP kept and dropped,
 text-only and multimodal, tied embeddings) and a block-FP8 one (weights with their scales) are
@@ -153,7 +153,7 @@ def test_plugin_imports_without_sglang(tmp_path):
     path; only registering needs SGLang."""
     (tmp_path / "pp0").mkdir()
     code = (
-        "from qwen35_reshard.loader import sglang as plugin\n"
+        "from qwen35_reshard.servers import sglang as plugin\n"
         f"print(plugin.is_split({str(tmp_path)!r}), plugin.is_split({str(tmp_path / 'pp0')!r}))\n"
         "try:\n"
         "    plugin.register()\n"

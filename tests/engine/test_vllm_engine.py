@@ -36,7 +36,7 @@ import torch
 from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
 
 import qwen35_reshard
-from qwen35_reshard.loader.vllm import LOAD_FORMAT
+from qwen35_reshard.servers.vllm import LOAD_FORMAT
 
 from support.helpers import SUPPORT, partition_exchange
 
@@ -310,7 +310,7 @@ import socket, sys, types
 import torch.distributed as dist
 from vllm.distributed.utils import get_pp_indices
 from qwen35_reshard.loader import StageError
-from qwen35_reshard.loader.vllm import agreed_partition
+from qwen35_reshard.servers.vllm import agreed_partition
 dist.init_process_group("gloo", init_method=sys.argv[1], rank=int(sys.argv[2]), world_size=2)
 try:
     print("AGREED", agreed_partition(types.SimpleNamespace(world_size=2, cpu_group=None), 8, get_pp_indices))

@@ -1,7 +1,7 @@
-"""Run ``qwen35_reshard.serve.server_stage`` in its own process (HF_HOME, HF_ENDPOINT and the
+"""Run ``qwen35_reshard.servers.unsplit.server_stage`` in its own process (HF_HOME, HF_ENDPOINT and the
 stage cache are the caller's environment, read by huggingface_hub at import) and print what
 it gave: ``RESULT {how, fetched_bytes, where, files, path, digests: {name: sha256 of bytes}}``,
-or ``STAGEERROR <message>`` and exit 3. Used by tests/e2e/test_serve.py.
+or ``STAGEERROR <message>`` (opening or loading the stage) and exit 3. Used by tests/e2e/test_serve.py.
 
     python serve_stage.py '{"model": ..., "runtime": "vllm", "partition": [2, 2, 2, 2], "rank": 1}'
 """
@@ -13,7 +13,7 @@ import sys
 import torch
 
 from qwen35_reshard.loader import StageError
-from qwen35_reshard.serve import server_stage
+from qwen35_reshard.servers.unsplit import server_stage
 
 
 def main() -> int:
@@ -27,10 +27,14 @@ def main() -> int:
         print(f"STAGEERROR {e}", flush=True)
         return 3
     stage = served.stage
-    digests = {
-        name: hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
-        for name, t in stage.iter_weights()
-    }
+    try:  # the load checks every byte: a damaged one stops it
+        digests = {
+            name: hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+            for name, t in stage.iter_weights()
+        }
+    except StageError as e:
+        print(f"STAGEERROR {e}", flush=True)
+        return 3
     print("RESULT " + json.dumps({
         "how": served.how, "fetched_bytes": served.fetched_bytes,
         "where": None if served.where is None else str(served.where), "files": list(stage.files),

@@ -82,14 +82,14 @@ def run_job(job: dict) -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from qwen35_reshard import loader
-    from qwen35_reshard.loader import sglang as plugin
+    from qwen35_reshard.servers import sglang as plugin
 
     pp, rank = set_up_rank(job)
 
     debug: list[str] = []  # the plugin's debug records
     handler = logging.Handler(logging.DEBUG)
     handler.emit = lambda record: debug.append(record.getMessage())
-    plugin_log = logging.getLogger("qwen35_reshard.loader.sglang")
+    plugin_log = logging.getLogger("qwen35_reshard.servers.sglang")
     plugin_log.addHandler(handler)
     plugin_log.setLevel(logging.DEBUG)
 

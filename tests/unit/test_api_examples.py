@@ -10,7 +10,7 @@ import pytest
 
 import qwen35_reshard
 from qwen35_reshard.plan.planner import stage_tensors
-from qwen35_reshard.serve import server_stage
+from qwen35_reshard.servers.unsplit import server_stage
 from qwen35_reshard.verify import verify
 
 PUBLIC = {

@@ -37,7 +37,7 @@ LAYERS = [
                  "plan.nodes"]),
     (5, "transfer", ["transfer", "transfer.reflink", "transfer.segments", "transfer.pages", "transfer.hasher",
                      "transfer.copier"]),
-    (6, "stage", ["stage", "stage.findings", "stage.manifest", "stage.reader"]),
+    (6, "stage", ["stage", "stage.findings", "stage.manifest", "stage.reader", "stage.digestpool"]),
     (7, "verify", ["verify", "verify.report", "verify.rundir", "verify.stagedir", "verify.source",
                    "verify.selection", "verify.check"]),
     (7, "loader", ["loader"]),
@@ -47,11 +47,12 @@ LAYERS = [
                   "write.manifest", "write.options",
                   "write.writer", "write.repair"]),
     (8, "api", ["", "api"]),  # "": the package itself, whose names load on first use
-    (9, "cli", ["cli", "cli.progress", "cli.report", "cli.flags", "cli.process", "cli.app", "__main__"]),
-    # A server's rank building its own stage from the unsplit model (issue 33) goes through the
-    # library; the server plugins sit on top, importing it only when a rank is handed no split.
-    (9, "serve", ["serve"]),
-    (10, "plugins", ["loader.vllm", "loader.sglang"]),
+    # The server integrations (issue 37): a rank building its own stage from the unsplit model
+    # (issue 33) goes through the library; the load format and the plugin import it only when a
+    # rank is handed no split.
+    (9, "servers", ["servers", "servers.unsplit", "servers.vllm", "servers.sglang"]),
+    # The CLI sits on top: it may show what the servers keep (the stage cache).
+    (10, "cli", ["cli", "cli.progress", "cli.report", "cli.flags", "cli.process", "cli.app", "__main__"]),
 ]  # fmt: skip
 LAYER = {
     f"qwen35_reshard.{m}".rstrip("."): (rank, group) for rank, group, modules in LAYERS for m in modules
@@ -188,7 +189,8 @@ def under(modules: set[str], prefixes: tuple[str, ...]) -> list[str]:
     "statement",
     [
         "import qwen35_reshard.loader",
-        "from qwen35_reshard.loader import vllm",
+        "from qwen35_reshard.servers import vllm",
+        "from qwen35_reshard.servers import sglang",
         "import qwen35_reshard.stage.reader",
     ],
 )

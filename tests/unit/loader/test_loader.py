@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import struct
@@ -15,7 +16,7 @@ from safetensors import safe_open
 
 import qwen35_reshard
 from qwen35_reshard import loader
-from qwen35_reshard.errors import ReshardError
+from qwen35_reshard.errors import DamagedStage, ReshardError
 from qwen35_reshard.format.dtypes import DTYPE_SIZES, DTYPES
 from qwen35_reshard.source.header import encode_header, read_header
 from qwen35_reshard.write import writer as write
@@ -195,7 +196,7 @@ def test_package_imports_and_validates_without_torch(out):
 def test_vllm_plugin_imports_without_vllm():
     """The load format's module is importable without vllm; only registering needs it."""
     code = (
-        "from qwen35_reshard.loader import vllm as vllm_plugin\n"
+        "from qwen35_reshard.servers import vllm as vllm_plugin\n"
         "print(vllm_plugin.LOAD_FORMAT)\n"
         "try:\n"
         "    vllm_plugin.register()\n"
@@ -408,8 +409,10 @@ def test_refuses_what_is_not_a_stage(out, source, tmp_path):
         loader.open_stage(out, pp_rank=-1)
 
 
-def test_verify_catches_a_flipped_data_byte(out):
-    path = _data_file(out / "pp2")
+def _flip_a_byte(out: Path, rank: int) -> tuple[Path, str]:
+    """Flip one byte in the middle tensor of ``out``'s stage ``rank``'s first data file: the
+    file and the tensor."""
+    path = _data_file(out / f"pp{rank}")
     header = read_header(path)
     victim = header.tensors[len(header.tensors) // 2]
     with open(path, "r+b") as f:
@@ -417,13 +420,41 @@ def test_verify_catches_a_flipped_data_byte(out):
         b = f.read(1)
         f.seek(header.data_start + victim.begin)
         f.write(bytes([b[0] ^ 0xFF]))
+    return path, victim.name
+
+
+def test_a_flipped_data_byte_stops_the_load_naming_tensor_and_file(out, monkeypatch, caplog):
+    path, victim = _flip_a_byte(out, 2)
     stage = loader.open_stage(out, pp_rank=2)  # sizes and headers still match
-    assert sum(1 for _ in stage.iter_weights()) == len(stage)  # digests are not checked by default
-    with pytest.raises(loader.StageError) as e:
-        for _ in stage.iter_weights(verify=True):
+    with pytest.raises(DamagedStage) as e:
+        for _ in stage.iter_weights():  # checked by default: the load never finishes
             pass
     msg = one_line(e)
-    assert repr(victim.name) in msg and "sha256" in msg and path.name in msg
+    assert repr(victim) in msg and f"{out / 'pp2'}/{path.name}" in msg and "sha256" in msg, msg
+    assert "--repair" in msg, msg  # a split's stage: mended from its source
+    assert (e.value.path, e.value.tensor) == (str(path), victim)
+
+    # Asked not to check (verify=False, or the opt-out for those who check elsewhere): it loads,
+    # and the opt-out says so in the log.
+    assert sum(1 for _ in stage.iter_weights(verify=False)) == len(stage)
+    assert not caplog.records
+    monkeypatch.setenv(loader.VERIFY_LOAD_ENV, "0")
+    with caplog.at_level(logging.WARNING, logger="qwen35_reshard.loader"):
+        assert sum(1 for _ in stage.iter_weights()) == len(stage)
+    said = [r.getMessage() for r in caplog.records]
+    opt_out = "loaded without checking its bytes' sha256 (QWEN35_RESHARD_VERIFY_LOAD=0)"
+    assert said == [f"qwen35-reshard: {out / 'pp2'}: {opt_out}"]
+    monkeypatch.setenv(loader.VERIFY_LOAD_ENV, "1")
+    with pytest.raises(DamagedStage):
+        list(stage.iter_weights())
+
+
+def test_an_intact_stage_loads_checked_with_nothing_logged(out, caplog):
+    with caplog.at_level(logging.INFO, logger="qwen35_reshard.loader"):
+        for rank in range(3):
+            stage = loader.open_stage(out, pp_rank=rank)
+            assert [n for n, _ in stage.iter_weights()] == stage.names
+    assert not caplog.records
 
 
 # --------------------------------------------------------------------------- a stage at the real scale

@@ -1,4 +1,4 @@
-"""The vLLM loader's agreement on the partition (qwen35_reshard/loader/vllm.py), without vLLM:
+"""The vLLM loader's agreement on the partition (qwen35_reshard/servers/vllm.py), without vLLM:
 the comparison of the ranks' views, and the exchange over a real two-process gloo group with a
 ``pp_indices`` that reads VLLM_PP_LAYER_PARTITION as vLLM's ``get_pp_indices`` does (the
 engine tests run it with vLLM's own)."""
@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from qwen35_reshard.loader import StageError
-from qwen35_reshard.loader.vllm import one_partition
+from qwen35_reshard.servers.vllm import one_partition
 
 from support.helpers import partition_exchange
 
@@ -39,7 +39,7 @@ AGREE = """
 import os, sys, types
 import torch.distributed as dist
 from qwen35_reshard.loader import StageError
-from qwen35_reshard.loader.vllm import agreed_partition
+from qwen35_reshard.servers.vllm import agreed_partition
 
 def pp_indices(layers, rank, size):  # vLLM's get_pp_indices: the variable, else an even split
     var = os.environ.get("VLLM_PP_LAYER_PARTITION")

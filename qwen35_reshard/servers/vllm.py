@@ -19,7 +19,7 @@ takes them) or a local directory:
 Then each rank builds its own stage, fetching only its byte ranges, into the stage cache
 (``QWEN35_RESHARD_STAGE_CACHE``, default ``$HF_HOME/qwen35-stages``; the next start fetches
 nothing), or reads it in place from a local directory (``QWEN35_RESHARD_STAGE_COPY=1``: built in
-the cache first), and loads it as a split's stage (:mod:`qwen35_reshard.serve`). Every rank first
+the cache first), and loads it as a split's stage (:mod:`qwen35_reshard.servers.unsplit`). Every rank first
 checks that all ranks compute the same layers per rank (``VLLM_PP_LAYER_PARTITION`` is read on
 each node).
 
@@ -33,7 +33,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 
-from . import StageError
+from ..loader import StageError
 
 LOAD_FORMAT = "qwen35-stages"
 RUNTIME = "vllm"
@@ -71,7 +71,7 @@ def _loader_class() -> type:
         if loader.is_split(path):
             stage = loader.open_stage(path, pp_rank=rank)
         else:
-            from ..serve import for_server  # the writer's side, only where a stage is built
+            from .unsplit import for_server  # the writer's side, only where a stage is built
 
             token = getattr(model_config, "hf_token", None)
             stage = for_server(

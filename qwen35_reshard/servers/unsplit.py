@@ -3,7 +3,7 @@
     served = server_stage("Qwen/Qwen3.5-397B-A17B", runtime="vllm", partition=[15, 15, 15, 15], rank=2)
     model.load_weights(served.stage.iter_weights())
 
-What the servers' ``qwen35-stages`` loaders (:mod:`.loader.vllm`, :mod:`.loader.sglang`) call
+What the servers' ``qwen35-stages`` loaders (:mod:`.vllm`, :mod:`.sglang`) call
 when the model they are given is not a split. ``partition`` is the layers per stage the server
 itself computed (its ``get_pp_indices``, partition variable included), so the stage is the one
 a split with the same settings would hold, placed by the same planner:
@@ -23,7 +23,7 @@ a split with the same settings would hold, placed by the same planner:
   checked against the source by the split, kept when unchanged, replaced when not.
 
 Several ranks of one node share the cache as several runs share one OUT (see
-:mod:`.write.claims`): each builds its own stage, a stage another rank is building is waited
+:mod:`qwen35_reshard.write.claims`): each builds its own stage, a stage another rank is building is waited
 for and not built twice; a stage is opened only once its manifest is written, so nothing a
 killed or failed start left is ever loaded.
 
@@ -39,19 +39,20 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .api import reshard
-from .errors import ReshardError
-from .format.names import CACHE_REPO_PREFIX, STAGE_MANIFEST, stage_dirname
-from .loader import Stage, StageError, open_stage
-from .model.runtimes import runtime_of
-from .plan.planner import stage_tensors
-from .source.checkpoint import Checkpoint, source_identity
-from .source.header import read_header
-from .source.hub.cache import HubSettings
-from .source.hub.http import resolve
-from .source.open import is_repo_id, open_model
-from .stage.manifest import StageManifest, StageTensor
-from .write.options import WriteOptions
+from ..api import reshard
+from ..errors import ReshardError
+from ..format.names import CACHE_REPO_PREFIX, CLONE, STAGE_MANIFEST, stage_dirname
+from ..loader import Stage, StageError, open_stage
+from ..model.runtimes import runtime_of
+from ..plan.planner import stage_tensors
+from ..source.checkpoint import Checkpoint, source_identity
+from ..source.header import read_header
+from ..source.hub.cache import HubSettings
+from ..source.hub.http import resolve
+from ..source.open import is_repo_id, open_model
+from ..stage.manifest import FileLayout, StageManifest, StageTensor
+from ..write.journal import set_aside
+from ..write.options import WriteOptions
 
 STAGE_CACHE_ENV = "QWEN35_RESHARD_STAGE_CACHE"
 STAGE_COPY_ENV = "QWEN35_RESHARD_STAGE_COPY"
@@ -62,7 +63,7 @@ FINGERPRINT_CHARS = 16
 USER_AGENT = "qwen35-stages/pp{rank}"  # each rank's Hub requests, told apart in the Hub's logs
 
 # How a stage was obtained, as ServedStage.how says it.
-FETCHED, CACHED, IN_PLACE, BUILT = "fetched", "cached", "in place", "built"
+FETCHED, CACHED, IN_PLACE, BUILT, REPAIRED = "fetched", "cached", "in place", "built", "repaired"
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ class ServedStage:
     def describe(self) -> str:
         """One line for the server's log."""
         where = f" in {self.where}" if self.where is not None else ""
-        got = f", {self.fetched_bytes:,} bytes fetched" if self.how == FETCHED else ""
+        got = f", {self.fetched_bytes:,} bytes fetched" if self.how in (FETCHED, REPAIRED) else ""
         return f"{self.source}: stage {self.stage.rank} {self.how}{where}{got} ({self.seconds:.1f} s)"
 
 
@@ -136,14 +137,14 @@ def server_stage(
         user_agent: appended to the User-Agent of every Hub request.
 
     Returns:
-        A :class:`ServedStage`: the :class:`~.loader.Stage` and how it was obtained.
+        A :class:`ServedStage`: the :class:`~qwen35_reshard.loader.Stage` and how it was obtained.
 
     Raises:
         StageError: in one line: the Hub's error, a full disk, a stage cache another run
             holds, a damaged stage; nothing half-written is ever opened.
 
     Example:
-        >>> from qwen35_reshard.serve import server_stage
+        >>> from qwen35_reshard.servers.unsplit import server_stage
         >>> served = server_stage(MODEL, runtime="vllm", partition=[4, 4], rank=1)
         >>> served.how, served.stage.start_layer, served.stage.end_layer
         ('in place', 4, 8)
@@ -200,20 +201,27 @@ def _cached_or_built(
 ) -> ServedStage:
     """The stage of the Hub repo ``model`` at ``commit`` in the cache's run directory ``out``
     (whose key names the commit): opened if complete, else built there first (only this
-    rank's stage; a stage another rank is building is waited for)."""
-    how, fetched = CACHED, 0
-    if not (out / stage_dirname(rank) / STAGE_MANIFEST).is_file():
+    rank's stage; a stage another rank is building is waited for). A stage that does not open
+    (a data file a load found damaged and set aside, or one deleted) is REPAIRED: the split
+    run again keeps its intact files and fetches the rest."""
+    how, fetched, stage = FETCHED, 0, None
+    if (out / stage_dirname(rank) / STAGE_MANIFEST).is_file():
+        try:
+            stage, how = open_stage(out, pp_rank=rank), CACHED
+        except StageError:
+            how = REPAIRED
+    if stage is None:
         result = reshard(
             model, out, pp=len(partition), runtime=runtime, partition=partition, ranks=[rank], hub=hub
         )
-        how = FETCHED
         fetched = (result.fetch or {}).get("fetched_bytes", 0)
-    stage = open_stage(out, pp_rank=rank)
+        stage = open_stage(out, pp_rank=rank)
     recorded = stage.manifest.source.get("commit")
     if recorded != commit:  # the key names the commit: only a moved directory
         raise StageError(
             f"{stage.display} was built from commit {recorded}, not {commit}: remove it from the stage cache"
         )
+    stage = _mended_when_damaged(stage, f"fetches it again from {model}")
     return ServedStage(stage, how, model, out, fetched)
 
 
@@ -230,11 +238,30 @@ def _built_from_local(model: str, out: Path, runtime: str, partition: list[int],
         write=WriteOptions(overwrite=True),
     )
     built = result.written is not None and rank in result.written.built
-    return ServedStage(open_stage(out, pp_rank=rank), BUILT if built else CACHED, model, out)
+    stage = _mended_when_damaged(open_stage(out, pp_rank=rank), f"copies it again from {model}")
+    return ServedStage(stage, BUILT if built else CACHED, model, out)
+
+
+def _mended_when_damaged(stage: Stage, again: str) -> Stage:
+    """``stage`` of the stage cache, set to have a data file its load finds damaged set aside
+    (:func:`~qwen35_reshard.write.journal.set_aside`), so that the next start ``again`` (says
+    how: fetches it from the Hub, copies it) rewrites that file alone."""
+
+    def damaged(file: str) -> str:
+        try:
+            set_aside(stage.path, file)
+        except OSError as e:
+            return (
+                f"it could not be removed from the stage cache ({e.strerror or e}): remove "
+                f"{stage.path} (the stage cache is set by {STAGE_CACHE_ENV}) and start the server again"
+            )
+        return f"it was removed from the stage cache, and the next start of the server {again}"
+
+    return replace(stage, on_damaged=damaged)
 
 
 def in_place_stage(ckpt: Checkpoint, runtime: str, partition: Sequence[int], rank: int) -> Stage:
-    """Stage ``rank`` of the split of ``ckpt`` as a :class:`~.loader.Stage` whose tensors are
+    """Stage ``rank`` of the split of ``ckpt`` as a :class:`~qwen35_reshard.loader.Stage` whose tensors are
     read from the source shards themselves: the plan's tensors for the rank, at their offsets
     in the shards whose headers are read again here (what ``iter_weights`` checks each shard
     against before reading it).
@@ -281,7 +308,9 @@ def in_place_stage(ckpt: Checkpoint, runtime: str, partition: Sequence[int], ran
         side_files={},
         files={f: ckpt.file_sizes[f] for f in counts},
         file_tensors=counts,
-        layouts={},
+        # The whole shard's sha256, where known (a Hugging Face cache names its blobs by it):
+        # what a load checks the shard's bytes against; a plain directory records none.
+        layouts={f: FileLayout(CLONE, f, ckpt.blob_sha256[f]) for f in counts if f in ckpt.blob_sha256},
         tensors=tensors,
     )
     return Stage(
@@ -289,6 +318,12 @@ def in_place_stage(ckpt: Checkpoint, runtime: str, partition: Sequence[int], ran
         display=f"{ckpt.display} (stage {rank}, read in place)",
         manifest=manifest,
         headers=headers,
+        files_at=ckpt.display,
+        on_damaged=lambda file: (
+            f"it is the checkpoint's own file, read in place: restore {file} where the checkpoint came "
+            "from (download or copy it again); nothing was loaded"
+        ),
+        unrecorded="a local directory records no sha256 of its shards; a Hugging Face cache folder does",
     )
 
 

@@ -21,7 +21,7 @@ that is a split it returns ``Qwen35StagesLoader``, a ``DefaultModelLoader`` that
 With ``QWEN35_RESHARD_SGLANG_UNSPLIT=1`` (the opt-in, said in the log when the plugin loads), a
 model path that is not a split but an unsplit Qwen3.5 MoE checkpoint (a Hub repo id or a local
 directory) is loaded the same way, each rank's stage fetched into the stage cache or read in
-place (:mod:`qwen35_reshard.serve`):
+place (:mod:`qwen35_reshard.servers.unsplit`):
 
     QWEN35_RESHARD_SGLANG_UNSPLIT=1 python -m sglang.launch_server --model-path Qwen/Qwen3.5-35B-A3B \
         --pp-size 4
@@ -39,7 +39,7 @@ import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from . import STAGE_MANIFEST, Stage, StageError, is_split, open_stage, stage_dirname
+from ..loader import STAGE_MANIFEST, Stage, StageError, is_split, open_stage, stage_dirname
 
 RUNTIME = "sglang"
 # What the plugin wraps (sglang 0.5.23, srt/model_loader/loader.py): every model load of a
@@ -130,7 +130,7 @@ def target_stage(model_config: object, pp_rank: int, partition: list[int]) -> St
     start = sum(partition[:pp_rank])
     end = start + partition[pp_rank]
     if not is_split(path):
-        from ..serve import for_server  # the writer's side, only where a stage is built
+        from .unsplit import for_server  # the writer's side, only where a stage is built
 
         stage = for_server(
             path,

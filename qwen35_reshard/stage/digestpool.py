@@ -1,0 +1,165 @@
+"""Hash byte ranges of files on every core while another thread reads the same bytes.
+
+The loader shim hands a server each tensor as a view of its file's memory map; the server
+copies it into its parameters. :class:`DigestPool` hashes those same ranges in a pool of
+threads (``hashlib`` releases the GIL for any buffer over 2 KiB, so the threads run on as
+many cores) and compares them with the digests recorded for them. It reads through its own
+read-only ``mmap`` of each file: the same page-cache pages the server's copy reads, so a
+byte comes from the disk once whichever reader touches it first, and the pool never sees
+what a server may do to the copy-on-write view it was handed.
+
+The reader says how far it got (:meth:`DigestPool.reached`); hashing stays within
+``WINDOW`` bytes of it both ways: ranges are handed to the threads up to ``WINDOW`` ahead
+(asked of the kernel with ``MADV_WILLNEED``, so cold reads start before either reader
+faults on them), and the reader waits for ranges more than ``WINDOW`` behind it, so the
+pages both read are still cached when the slower one gets there, whatever the file's size.
+Findings are data: the ranges whose bytes differ, by the key the caller gave them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+WINDOW = 256 << 20  # bytes hashed ahead of and behind the reader: a few hundred ms of disk
+JOB_BYTES = 16 << 20  # ranges hashed by one thread in one go: few enough jobs, fine enough spread
+JOB_RANGES = 2048  # and at most this many (a stage of small tensors has tens of thousands)
+
+
+@dataclass(frozen=True)
+class Range:
+    """``nbytes`` bytes at ``offset`` of a file whose sha256 must be ``sha256``; ``key`` says
+    which (a tensor's name; None for a whole file)."""
+
+    key: str | None
+    offset: int
+    nbytes: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """A range whose bytes are not the recorded ones: the file and the range's key."""
+
+    path: Path
+    key: str | None
+
+
+def cores() -> int:
+    """The cores this process may run on (its affinity), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+class DigestPool:
+    """Threads that hash ranges of files beside a reader that goes through them in order.
+
+    Positions are counted in the reader's order over every file fed (:meth:`feed`), so a file's
+    last ranges are still hashed while the reader is in the next file; ``workers`` threads.
+
+    Example:
+        >>> import hashlib, pathlib, tempfile
+        >>> p = pathlib.Path(tempfile.mkdtemp()) / "f"
+        >>> _ = p.write_bytes(b"abcd")
+        >>> with DigestPool(2) as pool:
+        ...     pool.feed(p, [Range("ab", 0, 2, hashlib.sha256(b"ab").hexdigest()),
+        ...                   Range("cd", 2, 2, hashlib.sha256(b"xx").hexdigest())], size=4)
+        ...     pool.finish()
+        [Mismatch(path=PosixPath('...f'), key='cd')]
+    """
+
+    def __init__(self, workers: int) -> None:
+        self._threads = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="qwen35-reshard-sha256")
+        self._base = self._end = 0  # where the file fed last starts and ends, in the reader's order
+        self._todo: deque[_Job] = deque()
+        self._running: deque[tuple[int, Future[list[Mismatch]]]] = deque()  # (end, job)
+        self._found: list[Mismatch] = []
+
+    def feed(self, path: Path, ranges: Sequence[Range], size: int) -> None:
+        """Hash ``ranges`` of ``path`` (``size`` bytes; the ranges in offset order) as the
+        reader goes through it, after the files fed before.
+
+        Raises:
+            OSError: the file cannot be opened or mapped.
+        """
+        self._base, self._end = self._end, self._end + size
+        if not ranges:
+            return
+        with open(path, "rb") as f:
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        job: list[Range] = []
+        for r in ranges:
+            if job and (r.offset + r.nbytes - job[0].offset > JOB_BYTES or len(job) >= JOB_RANGES):
+                self._todo.append(_Job(self._base, path, mapped, job))
+                job = []
+            job.append(r)
+        if job:
+            self._todo.append(_Job(self._base, path, mapped, job))
+
+    def reached(self, offset: int) -> list[Mismatch]:
+        """The reader is at ``offset`` of the file fed last: hand out the ranges up to ``WINDOW``
+        past it, wait for those more than ``WINDOW`` behind. Returns the mismatches found so
+        far (each once)."""
+        pos = self._base + offset
+        while self._todo and self._todo[0].start < pos + WINDOW:
+            job = self._todo.popleft()
+            self._running.append((job.end, self._threads.submit(job.check)))
+        while self._running and (self._running[0][1].done() or self._running[0][0] < pos - WINDOW):
+            self._found += self._running.popleft()[1].result()
+        found, self._found = self._found, []
+        return found
+
+    def finish(self) -> list[Mismatch]:
+        """Hash what is left; every mismatch not yet returned."""
+        found = self.reached(self._end - self._base + WINDOW)
+        while self._running:
+            found += self._running.popleft()[1].result()
+        return found
+
+    def __enter__(self) -> DigestPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        # Stopped early (a mismatch, the server's error): ranges not started are dropped.
+        self._todo.clear()
+        self._threads.shutdown(wait=True, cancel_futures=True)
+
+
+@dataclass(frozen=True)
+class _Job:
+    """Ranges of one file hashed by one thread in one go; ``base``: where the file starts in
+    the reader's order."""
+
+    base: int
+    path: Path
+    mapped: mmap.mmap
+    ranges: list[Range]
+
+    @property
+    def start(self) -> int:
+        return self.base + self.ranges[0].offset
+
+    @property
+    def end(self) -> int:
+        return self.base + self.ranges[-1].offset + self.ranges[-1].nbytes
+
+    def check(self) -> list[Mismatch]:
+        """Hash each range; those whose digest is not the recorded one."""
+        first, last = self.ranges[0].offset, self.ranges[-1].offset + self.ranges[-1].nbytes
+        aligned = first - first % mmap.PAGESIZE
+        if hasattr(mmap, "MADV_WILLNEED") and last > aligned:
+            self.mapped.madvise(mmap.MADV_WILLNEED, aligned, last - aligned)
+        found = []
+        with memoryview(self.mapped) as view:
+            for r in self.ranges:
+                if hashlib.sha256(view[r.offset : r.offset + r.nbytes]).hexdigest() != r.sha256:
+                    found.append(Mismatch(self.path, r.key))
+        return found
