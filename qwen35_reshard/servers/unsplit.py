@@ -40,6 +40,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..api import reshard
+from ..bulk import return_freed_memory
 from ..errors import ReshardError
 from ..format.names import CACHE_REPO_PREFIX, CLONE, STAGE_MANIFEST, stage_dirname
 from ..loader import Stage, StageError, open_stage
@@ -164,13 +165,7 @@ def server_stage(
             key = out / cache_key(runtime, partition)
             served = _cached_or_built(name, key, runtime, partition, rank, hub=pinned, commit=repo.commit)
         else:
-            ckpt, _ = open_model(name, settings)
-            if copy:
-                fingerprint = source_identity(ckpt)["fingerprint"][:FINGERPRINT_CHARS]
-                out = root / LOCAL_DIRNAME / fingerprint / cache_key(runtime, partition)
-                served = _built_from_local(os.fspath(ckpt.root), out, runtime, partition, rank)
-            else:
-                served = ServedStage(in_place_stage(ckpt, runtime, partition, rank), IN_PLACE, name, None)
+            served = _from_local(name, settings, root, runtime, partition, rank, copy=copy)
     except StageError:
         raise
     except ReshardError as e:
@@ -179,6 +174,7 @@ def server_stage(
     except OSError as e:  # the stage cache cannot be created or written (a full disk, permissions)
         raise StageError(f"pipeline rank {rank}: {name}: the stage cache {root}: {e.strerror or e}") from e
     served.stage.check(len(partition), *_layers(partition, rank), pp_rank=rank, runtime=runtime)
+    return_freed_memory()  # what planning held, freed by now, before the server loads the weights
     return ServedStage(
         served.stage, served.how, name, served.where, served.fetched_bytes, time.monotonic() - started
     )
@@ -187,6 +183,29 @@ def server_stage(
 def _layers(partition: Sequence[int], rank: int) -> tuple[int, int]:
     start = sum(partition[:rank])
     return start, start + partition[rank]
+
+
+def _from_local(
+    model: str,
+    settings: HubSettings,
+    root: Path,
+    runtime: str,
+    partition: list[int],
+    rank: int,
+    *,
+    copy: bool,
+) -> ServedStage:
+    """The stage of the local checkpoint ``model``: read in place, or (``copy``) built into the
+    stage cache ``root`` first. Its own function so that the checkpoint read here (a few
+    hundred bytes a tensor, ~290,000 tensors at the largest shapes) is freed on return."""
+    ckpt, _ = open_model(model, settings)
+    if not copy:
+        return ServedStage(in_place_stage(ckpt, runtime, partition, rank), IN_PLACE, model, None)
+    fingerprint = source_identity(ckpt)["fingerprint"][:FINGERPRINT_CHARS]
+    out = root / LOCAL_DIRNAME / fingerprint / cache_key(runtime, partition)
+    source = os.fspath(ckpt.root)
+    del ckpt  # the split reads the checkpoint again: not held twice
+    return _built_from_local(source, out, runtime, partition, rank)
 
 
 def _cached_or_built(
