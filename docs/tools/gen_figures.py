@@ -90,25 +90,34 @@ def split_diagram(plan) -> str:  # noqa: ANN001
 
 
 def stage_chart(plan) -> str:  # noqa: ANN001
-    """The plan table's sizes as bars, split by role."""
+    """The plan table's size column as bars: each stage's tensor bytes by role, the rest of its
+    files (their headers) in grey, labelled with the size the table prints."""
+    from qwen35_reshard.units import format_bytes
+
     sizes = [{} for _ in plan.stages]
     for r, stage in enumerate(plan.stages):
         for f in stage.files:
             for t in f.tensors:
                 kind = _role(t.source.name)
                 sizes[r][kind] = sizes[r].get(kind, 0) + t.source.nbytes
-    top = max(sum(s.values()) for s in sizes)
-    body = [_text(10, 20, "Bytes per stage, by role (the plan's size column)", font_weight="bold")]
+        sizes[r]["headers"] = stage.size - sum(sizes[r].values())
+    top = max(stage.size for stage in plan.stages)
+    colors = {**COLORS, "headers": "#cccccc"}
+    body = [_text(10, 20, "Bytes per stage, by role: the plan table's size column", font_weight="bold")]
     for r, (stage, parts) in enumerate(zip(plan.stages, sizes, strict=True)):
         y, x = 40 + r * 30, 60
         body.append(_text(10, y + 15, stage.dirname))
-        for kind in COLORS:
-            w = 480 * parts.get(kind, 0) / top
+        for kind, color in colors.items():
+            w = 440 * parts.get(kind, 0) / top
             if w:
-                body.append(f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="20" fill="{COLORS[kind]}"/>')
+                body.append(f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="20" fill="{color}"/>')
                 x += w
-        body.append(_text(x + 5, y + 15, f"{sum(parts.values()) / 1e3:.0f} KB"))
-    return _svg(620, 40 + len(sizes) * 30 + 10, body)
+        body.append(_text(x + 5, y + 15, format_bytes(stage.size)))
+    y = 40 + len(sizes) * 30
+    for k, (kind, color) in enumerate(colors.items()):
+        body.append(f'<rect x="{10 + k * 85}" y="{y}" width="12" height="12" fill="{color}"/>')
+        body.append(_text(26 + k * 85, y + 11, kind))
+    return _svg(620, y + 25, body)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ import difflib
 import json
 import os
 import sys
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +26,7 @@ from ..plan.capacity import capacity_from
 from ..plan.nodes import Nodes
 from ..source.hub.cache import HubSettings
 from ..write.options import DEFAULT_WORKERS, WriteOptions
-from . import process
+from . import cache, process
 from .flags import (
     FLAGS,
     MAX_FILE_DEFAULT,
@@ -36,6 +35,7 @@ from .flags import (
     ContextLength,
     Debug,
     GpuMemory,
+    HfCache,
     Json,
     MaxFileSize,
     MemFraction,
@@ -52,6 +52,7 @@ from .flags import (
     Revision,
     Runtime,
     RuntimeOpt,
+    Streams,
     Token,
     Tp,
     VerifyNnodes,
@@ -59,6 +60,7 @@ from .flags import (
     Version,
     ranks_of,
 )
+from .process import Output, run_guarded
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -126,15 +128,6 @@ def _usage_message(e: ClickException) -> str:
 
 
 @dataclass(frozen=True)
-class Output:
-    """How a command shows its results: ``--quiet``, ``--json``, ``--debug``."""
-
-    quiet: bool
-    json: bool
-    debug: bool
-
-
-@dataclass(frozen=True)
 class VerifyArgs:
     """``verify``'s arguments."""
 
@@ -146,53 +139,31 @@ class VerifyArgs:
     nnodes: int | None = None
 
 
-def _run_guarded(
-    command: Callable[[], int],
-    output: Output,
-    interrupted: str,
-    flags: dict[str, str] = FLAGS,
-) -> None:
-    """Run ``command()``; errors become one line and an exit code, ``interrupted`` is what an
-    interrupt (Ctrl-C, SIGINT, SIGTERM) says."""
-    try:
-        with process.interrupts_raised():
-            code = command()
-    except ReshardError as e:
-        if output.debug:  # the traceback, then the same line and exit code as without --debug
-            traceback.print_exc()
-        process.fail(output.json, f"error: {e.render(flags)}")
-        code = e.exit_code
-    except KeyboardInterrupt:
-        process.fail(output.json, f"interrupted: {interrupted}")
-        code = 130
-    raise typer.Exit(code)
-
-
 _SPLIT_EXAMPLES = f"""Examples:
 
 \b
-  {PROG} split --pp 4 Qwen3.5-35B-A3B out
-  {PROG} --pp 4 Qwen3.5-35B-A3B out        # the same: split is the default
+  {PROG} split --pp 4 Qwen/Qwen3.5-35B-A3B out
+  {PROG} --pp 4 Qwen/Qwen3.5-35B-A3B out        # the same: split is the default
   {PROG} split --pp 8 --runtime vllm --rank 3 Qwen/Qwen3.5-397B-A17B-FP8 out
-  {PROG} split --pp 4 --partition balanced --dry-run Qwen3.5-35B-A3B out
-  export $({PROG} split -q --pp 4 Qwen3.5-35B-A3B out)   # the partition"""
+  {PROG} split --pp 4 --partition balanced --dry-run Qwen/Qwen3.5-35B-A3B out
+  export $({PROG} split -q --pp 4 Qwen/Qwen3.5-35B-A3B out)   # the partition"""
 
 _PLAN_EXAMPLES = f"""Examples:
 
 \b
-  {PROG} plan --pp 4 Qwen3.5-35B-A3B
-  {PROG} plan --pp 4 Qwen3.5-35B-A3B out   # and what a split would do in out
+  {PROG} plan --pp 4 Qwen/Qwen3.5-35B-A3B
+  {PROG} plan --pp 4 Qwen/Qwen3.5-35B-A3B out   # and what a split would do in out
   {PROG} plan --pp 16 --partition balanced --gpu-memory 80GB --tp 8 \\
       --context-length 262144 Qwen/Qwen3.5-397B-A17B-FP8
-  {PROG} plan --pp 4 Qwen3.5-35B-A3B > plan.txt
-  export $({PROG} plan -q --pp 4 Qwen3.5-35B-A3B)   # the partition"""
+  {PROG} plan --pp 4 Qwen/Qwen3.5-35B-A3B > plan.txt
+  export $({PROG} plan -q --pp 4 Qwen/Qwen3.5-35B-A3B)   # the partition"""
 
 _VERIFY_EXAMPLES = f"""Examples:
 
 \b
   {PROG} verify out
-  {PROG} verify out --source Qwen3.5-35B-A3B
-  {PROG} verify out/pp2 --source Qwen3.5-35B-A3B --repair
+  {PROG} verify out --source Qwen/Qwen3.5-35B-A3B
+  {PROG} verify out/pp2 --source Qwen/Qwen3.5-35B-A3B --repair
   {PROG} verify out --rank 2 --rank 3
   {PROG} verify out --json > report.json"""
 
@@ -201,16 +172,20 @@ app = typer.Typer(
     epilog=f"""Examples:
 
 \b
-  {PROG} split --pp 4 Qwen3.5-35B-A3B out
-  {PROG} --pp 4 Qwen3.5-35B-A3B out        # the same: split is the default
-  {PROG} plan --pp 4 Qwen3.5-35B-A3B
-  {PROG} verify out --source Qwen3.5-35B-A3B
+  {PROG} split --pp 4 Qwen/Qwen3.5-35B-A3B out
+  {PROG} --pp 4 Qwen/Qwen3.5-35B-A3B out        # the same: split is the default
+  {PROG} plan --pp 4 Qwen/Qwen3.5-35B-A3B
+  {PROG} verify out --source Qwen/Qwen3.5-35B-A3B
+  {PROG} cache ls                          # the stages servers built from unsplit models
   {PROG} --install-completion              # Tab completion in your shell""",
     rich_markup_mode=None,
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-COMMANDS = ("split", "plan", "verify")
+COMMANDS = ("split", "plan", "verify", "cache")
+
+
+app.add_typer(cache.app, name="cache")
 
 
 @app.callback()
@@ -255,6 +230,8 @@ def split(
     revision: Revision = None,
     token: Token = None,
     offline: Offline = False,
+    streams: Streams = None,
+    hf_cache: HfCache = False,
     quiet: Quiet = False,
     json_: Json = False,
     debug: Debug = False,
@@ -283,7 +260,9 @@ def split(
             ),
             ranks=ranks,
             nodes=None if nnodes is None and node_rank is None else Nodes(nnodes, node_rank),
-            hub=HubSettings(revision=revision, token=token, offline=offline),
+            hub=HubSettings(
+                revision=revision, token=token, offline=offline, streams=streams, hf_cache=hf_cache
+            ),
             write=WriteOptions(
                 overwrite=overwrite,
                 workers=workers,
@@ -296,12 +275,13 @@ def split(
         )
 
     output = Output(quiet, json_, debug)
-    _run_guarded(
+    run_guarded(
         lambda: _reshard(run, out, output),
         output,
         "nothing was written"
         if dry_run
         else "unfinished files were removed; run the same command again to resume",
+        FLAGS,
     )
 
 
@@ -331,6 +311,7 @@ def plan(
     revision: Revision = None,
     token: Token = None,
     offline: Offline = False,
+    streams: Streams = None,
     quiet: Quiet = False,
     json_: Json = False,
     debug: Debug = False,
@@ -341,7 +322,7 @@ def plan(
     split(
         model, out, pp, runtime, partition, gpu_memory, tp, context_length, mem_fraction, rank, nnodes,
         node_rank, no_mtp, max_file_size, dry_run=True, revision=revision, token=token, offline=offline,
-        quiet=quiet, json_=json_, debug=debug,
+        streams=streams, quiet=quiet, json_=json_, debug=debug,
     )  # fmt: skip
 
 
@@ -370,6 +351,7 @@ def verify(
     revision: Revision = None,
     token: Token = None,
     offline: Offline = False,
+    streams: Streams = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="print only the problems found")] = False,
     json_: Annotated[
         bool, typer.Option("--json", help="print the full report as JSON on stdout (human output on stderr)")
@@ -381,10 +363,10 @@ def verify(
     and every tensor's bytes. With --source, also that every source tensor is exactly where the
     plan puts it, with identical bytes. Exit 0 when all is well, 1 when something is missing,
     extra, different, corrupt or incomplete, 2 for bad input."""
-    hub = HubSettings(revision=revision, token=token, offline=offline)
+    hub = HubSettings(revision=revision, token=token, offline=offline, streams=streams)
     args = VerifyArgs(out, source, repair, hub, ranks_of(rank), nnodes)
     output = Output(quiet, json_, debug)
-    _run_guarded(
+    run_guarded(
         lambda: _verify(args, output),
         output,
         "files rewritten so far are complete; run the same command again to finish the repair"
@@ -475,7 +457,7 @@ def _verify(args: VerifyArgs, output: Output) -> int:
             raise ReshardError("--repair mends the stages found damaged: drop --rank")
         result = repair(args.out, args.source, on_wait=lambda message: print(message, file=sys.stderr))
         if not result.before.ok:
-            for line in verify_lines(result.before, problems_only=output.quiet)[:-1]:
+            for line in verify_lines(result.before, problems_only=output.quiet, verdict=False):
                 print(line, file=out)
             for path in result.rewritten:
                 print(f"repaired: {path}", file=out)

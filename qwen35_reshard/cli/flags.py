@@ -13,6 +13,7 @@ from .._version import __version__
 from ..format.names import TOOL_NAME
 from ..model.runtimes import RUNTIMES
 from ..plan.planner import DEFAULT_MAX_FILE_BYTES
+from ..source.remote.engine import DEFAULT_STREAMS, STREAMS_ENV
 from ..units import parse_size
 from ..write.options import REFLINK_MODES
 
@@ -38,6 +39,7 @@ FLAGS = {
     "model_dir": "MODEL",
     "model": "MODEL",
     "revision": "--revision",
+    "streams": "--streams",
     "out_dir": "OUT",
 }
 
@@ -73,7 +75,7 @@ Model = Annotated[
     str,
     typer.Argument(
         metavar="MODEL",
-        help="checkpoint directory (plain or a Hugging Face cache snapshot) or Hub repo id",
+        help="checkpoint directory (plain or a Hugging Face cache snapshot), Hub repo id or s3://bucket/prefix",
         show_default=False,
     ),
 ]
@@ -187,6 +189,23 @@ Token = Annotated[
     ),
 ]
 Offline = Annotated[bool, typer.Option("--offline", help="use only the Hugging Face cache")]
+Streams = Annotated[
+    int | None,
+    typer.Option(
+        "--streams",
+        metavar="N",
+        help="reads from a Hub repo in flight at once, across and within shards  "
+        f"[default: {STREAMS_ENV}, else {DEFAULT_STREAMS}]",
+    ),
+]
+HfCache = Annotated[
+    bool,
+    typer.Option(
+        "--hf-cache",
+        help="download the shards a stage needs whole into the Hugging Face cache (reused by other "
+        "tools; twice the disk) instead of straight into the stage",
+    ),
+]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="print only the launch line")]
 Json = Annotated[
     bool, typer.Option("--json", help="print a machine-readable summary on stdout (human output on stderr)")

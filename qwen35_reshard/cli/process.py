@@ -16,8 +16,12 @@ import os
 import re
 import signal
 import sys
-from collections.abc import Callable, Iterator
+import traceback
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, NoReturn, TextIO
+
+import typer
 
 from ..errors import ReshardError
 
@@ -181,3 +185,34 @@ def _exit(code: int) -> NoReturn:
         except (OSError, ValueError):  # closed or unwritable: nothing more to say there
             pass
     os._exit(code)
+
+
+@dataclass(frozen=True)
+class Output:
+    """How a command shows its results: ``--quiet``, ``--json``, ``--debug``."""
+
+    quiet: bool
+    json: bool
+    debug: bool
+
+
+def run_guarded(
+    command: Callable[[], int],
+    output: Output,
+    interrupted: str,
+    flags: Mapping[str, str],
+) -> None:
+    """Run ``command()``; errors become one line and an exit code, ``interrupted`` is what an
+    interrupt (Ctrl-C, SIGINT, SIGTERM) says, parameters are spelt as ``flags`` maps them."""
+    try:
+        with interrupts_raised():
+            code = command()
+    except ReshardError as e:
+        if output.debug:  # the traceback, then the same line and exit code as without --debug
+            traceback.print_exc()
+        fail(output.json, f"error: {e.render(flags)}")
+        code = e.exit_code
+    except KeyboardInterrupt:
+        fail(output.json, f"interrupted: {interrupted}")
+        code = 130
+    raise typer.Exit(code)

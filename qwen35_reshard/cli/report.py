@@ -131,9 +131,7 @@ class SplitView(QuietView):
     balanced choice) on ``results`` once made, then the copy's progress through ``bar`` (a
     :class:`RichReporter` in a terminal, a :class:`LogReporter` in a log)."""
 
-    def __init__(
-        self, results: Console, bar: RichReporter | LogReporter, flags: Mapping[str, str]
-    ) -> None:
+    def __init__(self, results: Console, bar: RichReporter | LogReporter, flags: Mapping[str, str]) -> None:
         super().__init__(flags)
         self.results = results
         self.bar = bar
@@ -186,18 +184,49 @@ def dry_run_lines(result: ReshardResult) -> list[tuple[str, bool | None]]:
     return lines
 
 
-def launch_lines(plan: Plan, out: str) -> list[str]:
-    """The commands that start the server on the split, one stage per node: shell words, the
-    stage directory quoted (OUT may hold spaces, ``$``, quotes) around the node's ``$R``."""
-    stage = f"{shlex.quote(f'{out}/pp')}$R"
-    return [runtime_of(plan.runtime).launch(plan.launch_env, plan.pp, stage)]
+def launch_lines(plan: Plan, out: str, node: Node | None = None) -> list[tuple[str, str]]:
+    """The commands that serve the split in ``out``, each after what it is for: on one machine,
+    and on one node per stage (``$R``, the stage directory quoted around it: OUT may hold spaces,
+    ``$``, quotes); for ``node``, that node's own command. docs/deploy.md states the same
+    commands (tests/e2e/test_launch_lines.py compares them)."""
+    runtime, env, pp = runtime_of(plan.runtime), plan.launch_env, plan.pp
+    if node is not None:
+        stages = list(node.stages)
+        stage = str(stages[0]) if len(stages) == 1 else None
+        label = f"this node runs {', '.join(map(stage_dirname, stages))}" + (
+            f" from {out}, each pipeline rank's stage loaded by qwen35-reshard's plugin"
+            if stage is None
+            else ""
+        )
+        return [(f"{label}:", runtime.node_serve(env, pp, out, str(node.rank), node.nnodes, stage))]
+    lines = [
+        (
+            "on one machine, every stage (qwen35-reshard installed beside the server):",
+            runtime.serve(env, pp, out),
+        )
+    ]
+    if pp == 1:
+        return lines
+    if runtime.head_apart:
+        return [
+            *lines,
+            (
+                f"on {pp} nodes, one stage each: the head node (HEAD_IP) runs",
+                runtime.node_serve(env, pp, out, "0", pp, "0"),
+            ),
+            (f"and node R = {_ranks(1, pp)}:", runtime.node_serve(env, pp, out, "$R", pp, "$R")),
+        ]
+    return [
+        *lines,
+        (
+            f"on {pp} nodes, one stage each, node R = {_ranks(0, pp)}:",
+            runtime.node_serve(env, pp, out, "$R", pp, "$R"),
+        ),
+    ]
 
 
-def node_launch_lines(plan: Plan, out: str, node: Node) -> list[str]:
-    """The command that starts the server on ``node``: its stage directory, its ``--node-rank``;
-    for a node of several stages, the command that loads each from OUT."""
-    launch = runtime_of(plan.runtime).node_launch
-    return launch(plan.launch_env, plan.pp, out, node.rank, node.nnodes, list(node.stages))
+def _ranks(first: int, pp: int) -> str:
+    return str(first) if first == pp - 1 else f"{first}..{pp - 1}"
 
 
 def space_line(plan: Plan) -> str:
@@ -247,24 +276,28 @@ def summary(
             soft_wrap=True,
         )
     else:
-        rate = result.bytes_copied / seconds if seconds > 0 else 0.0
+        # The source bytes, as the progress announced and counted them; the stage files hold
+        # more (headers, and a tensor several stages need once in each).
+        rate = result.source_bytes / seconds if seconds > 0 else 0.0
         kept = f", {plural(result.files_kept, 'file')} kept from an earlier run" if result.files_kept else ""
         shared = f", {format_bytes(result.bytes_shared)} shared with the source" if result.sharing else ""
         built = ", ".join(f"pp{r}" for r in result.built) or f"{out}'s own files and {RUN_MANIFEST} again"
         console.print(
             f"[bold green]wrote[/] {built} in {seconds:.1f} s: "
-            f"{format_bytes(result.bytes_copied)} copied at {format_bytes(rate)}/s{shared}{kept}"
+            f"{format_bytes(result.source_bytes)} of source bytes into "
+            f"{format_bytes(result.bytes_copied + result.bytes_shared)} of stage files, "
+            f"{format_bytes(rate)}/s{shared}{kept}"
         )
     if plan.dropped:
         console.print(f"left out on purpose (--no-mtp): {plural(len(plan.dropped), 'mtp.* tensor')}")
     if node is None:
-        console.print("Launch each stage R on its node with exactly this partition:")
+        console.print("Launch with exactly this partition (every way to serve: docs/deploy.md):")
     else:
         console.print(f"Launch this node (rank {node.rank} of {node.nnodes}) with exactly this partition:")
     console.print(f"  [bold]{plan.launch_env}[/]", soft_wrap=True, highlight=False)
-    lines = launch_lines(plan, out) if node is None else node_launch_lines(plan, out, node)
-    for line in lines:
-        console.print(f"  {line}", soft_wrap=True, highlight=False)
+    for label, line in launch_lines(plan, out, node):
+        console.print(label, soft_wrap=True, highlight=False)
+        console.print(f"  {line}", soft_wrap=True, highlight=False, markup=False)
 
 
 def fetch_line(fetch: dict, *, planned: bool = False) -> str:
@@ -283,9 +316,13 @@ def fetch_line(fetch: dict, *, planned: bool = False) -> str:
 _HOWS = (("whole", "downloaded whole"), ("ranges", "by byte ranges"), ("cache", "from the cache"))
 
 
-def verify_lines(report: VerifyReport, *, per_stage: int = 20, problems_only: bool = False) -> list[str]:
+def verify_lines(
+    report: VerifyReport, *, per_stage: int = 20, problems_only: bool = False, verdict: bool = True
+) -> list[str]:
     """One line per stage, up to ``per_stage`` findings each, and a closing verdict; with
-    ``problems_only``, only the findings, their stages and the verdict of a failed check."""
+    ``problems_only``, only the findings, their stages and the verdict of a failed check.
+    Without ``verdict`` (what a repair found before mending it), a count of the problems in its
+    place: the repair's own report then gives the verdict."""
     lines = []
     by_stage: dict[str | None, list[Finding]] = {}
     for f in report.findings:
@@ -305,7 +342,7 @@ def verify_lines(report: VerifyReport, *, per_stage: int = 20, problems_only: bo
         )
         lines.append(
             f"{s.path}: {state} ({plural(s.tensors, 'tensor')} in {plural(s.files, 'file')}, "
-            f"{format_bytes(s.bytes_hashed)} hashed{unrecorded})"
+            f"{format_bytes(s.bytes)}{unrecorded})"
         )
         lines += [f"  {f.kind}: {f.message}" for f in found[:per_stage]]
         if len(found) > per_stage:
@@ -317,14 +354,15 @@ def verify_lines(report: VerifyReport, *, per_stage: int = 20, problems_only: bo
         others = ", ".join(map(stage_dirname, report.not_built))
         lines.append(f"not checked (not asked for with --rank): {others}")
     against = f" against {report.source}" if report.source else ""
+    counts = ", ".join(f"{n} {k}" for k, n in report.counts().items() if n)
+    found = f"{plural(len(report.findings), 'problem')}: {counts}"
+    if not verdict:
+        return [*lines, f"found {found}"]
     if report.ok:
         if not problems_only:
             lines.append(f"verify OK: {report.target}{against}, {plural(len(report.stages), 'stage')}")
     else:
-        counts = ", ".join(f"{n} {k}" for k, n in report.counts().items() if n)
-        lines.append(
-            f"verify FAILED: {report.target}{against}: {plural(len(report.findings), 'problem')}: {counts}"
-        )
+        lines.append(f"verify FAILED: {report.target}{against}: {found}")
         if report.repairable:
             lines.append(f"to rebuild the damaged files from the source: {repair_command(report)}")
         elif report.not_from_source and report.identity is not None and report.source:

@@ -42,6 +42,9 @@ LOCAL_SOURCE = "local"
 # holds, and, in a stage directory, while a run builds that stage.
 LOCK = ".reshard-lock"
 CLAIM = ".reshard-claim"
+# A server using a stage of the stage cache (see write/claims.py, ``in_use``): one record per
+# process, IN_USE plus its token, held while it runs; LAST_USED touched at each start.
+IN_USE, LAST_USED = ".qwen35-stages-in-use.", ".qwen35-stages-used"
 # A lock or claim taken from a gone run is moved aside under its name plus this first (see
 # write/claims.py), so that it is never removed from under a run that took it meanwhile.
 GONE_SUFFIX = ".gone"

@@ -235,11 +235,11 @@ class Stage:
                     if pool is not None:
                         pool.feed(path, ranges[file], self.manifest.files[file])
                 except OSError as e:
-                    raise StageError(f"{where}: cannot open ({e.strerror or e}); {REBUILD}") from e
+                    raise StageError(f"{where}: cannot open ({e.strerror or e}); {self._advice(file)}") from e
                 except _Changed as e:
                     raise StageError(
                         f"{where}: {e}, not what it was when the stage was opened; the stage changed "
-                        f"while loading: {REBUILD}"
+                        f"while loading: {self._advice(file)}"
                     ) from None
                 tensors = by_file[file]
                 # A shard read in place (``in_place_stage``) also holds other stages' tensors.
@@ -281,6 +281,11 @@ class Stage:
                 "qwen35-reshard: %s: %s (%s) loaded unchecked: no sha256 is recorded for them (%s)",
                 self.display, plural(len(unchecked), "tensor"), size, why,
             )  # fmt: skip
+
+    def _advice(self, file: str) -> str:
+        """What to do about ``file`` that cannot be loaded: the stage's ``on_damaged`` (never to
+        delete a checkpoint's own file read in place), else rebuild the stage."""
+        return self.on_damaged(file) if self.on_damaged is not None else REBUILD
 
     def _damaged(self, found: Mismatch) -> DamagedStage:
         """The error for the first mismatch found; the stage's ``on_damaged`` says what to do."""

@@ -14,7 +14,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..errors import BadInput, param
-from ..format.names import stage_dirname
 from ..units import plural
 from . import names
 
@@ -38,10 +37,17 @@ class Runtime:
             rank (vLLM); else on the first (and the last, for a tied lm_head or MTP: SGLang).
         full_attention_per_stage: every stage needs a full-attention layer for the engine to
             start (vLLM: see :func:`servable`).
-        launch: ``(env, pp, stage)``: the command that serves the quoted ``stage`` directory
-            (holding ``$R``) on node ``$R`` of one stage per node.
-        node_launch: ``(env, pp, out, rank, nnodes, stages)``: the lines that start node
-            ``rank`` of ``nnodes``, which runs ``stages``.
+        serve: ``(env, pp, model)``: the command that serves every stage of ``model`` (a split's
+            OUT, or the unsplit model) on one machine, through the installed plugin.
+        node_serve: ``(env, pp, out, rank, nnodes, stage)``: the command node ``rank`` (a
+            number, or ``$R`` for any node but the head, 0) of ``nnodes`` runs to serve the
+            split ``out`` with the others; ``stage``: the node's one stage (a number or ``$R``),
+            None when it runs several.
+        head_apart: the head node's ``node_serve`` differs from the other nodes' (vLLM's
+            serves the API; the others run its workers, ``--headless``).
+
+    docs/deploy.md states each launch command once; tests/e2e/test_launch_lines.py holds the
+    commands printed after a split to it.
     """
 
     name: str
@@ -51,54 +57,42 @@ class Runtime:
     state_dtype: str
     embed_on_every_rank: bool
     full_attention_per_stage: bool
-    launch: Callable[[str, int, str], str]
-    node_launch: Callable[[str, int, str, int, int, Sequence[int]], list[str]]
+    serve: Callable[[str, int, str], str]
+    node_serve: Callable[[str, int, str, str, int, str | None], str]
+    head_apart: bool
 
 
-def _sglang_launch(env: str, pp: int, stage: str) -> str:
+def _stage_path(out: str, rank: str) -> str:
+    """``OUT/pp{rank}`` as one shell word; ``rank`` a number or ``$R`` (left outside the quotes)."""
+    return shlex.quote(f"{out}/pp{rank}") if rank.isdigit() else f"{shlex.quote(f'{out}/pp')}{rank}"
+
+
+def _sglang_serve(env: str, pp: int, model: str) -> str:
+    return f"{env} python -m sglang.launch_server --model-path {shlex.quote(model)} --pp-size {pp}"
+
+
+def _sglang_node_serve(env: str, pp: int, out: str, rank: str, nnodes: int, stage: str | None) -> str:
+    # One stage on the node: the stock loader on its stage directory. Several: OUT itself, where
+    # the plugin gives each pipeline rank its stage.
+    model = shlex.quote(out) if stage is None else _stage_path(out, stage)
     return (
-        f"{env} python -m sglang.launch_server --model-path {stage} --pp-size {pp} "
-        f"--nnodes {pp} --node-rank $R --dist-init-addr HEAD_IP:PORT"
+        f"{env} python -m sglang.launch_server --model-path {model} --pp-size {pp} "
+        f"--nnodes {nnodes} --node-rank {rank} --dist-init-addr HEAD_IP:PORT"
     )
 
 
-def _sglang_node_launch(
-    env: str, pp: int, out: str, rank: int, nnodes: int, stages: Sequence[int]
-) -> list[str]:
-    nodes = f"--nnodes {nnodes} --node-rank {rank}"
-    if len(stages) == 1:
-        stage = shlex.quote(f"{out}/{stage_dirname(stages[0])}")
-        return [
-            f"{env} python -m sglang.launch_server --model-path {stage} --pp-size {pp} {nodes} "
-            "--dist-init-addr HEAD_IP:PORT"
-        ]
-    # Several stages in one sglang.launch_server: the plugin gives each pipeline rank its own.
-    return [
-        f"{env} python -m sglang.launch_server --model-path {shlex.quote(out)} --pp-size {pp} {nodes} "
-        "--dist-init-addr HEAD_IP:PORT",
-        f"(this node runs {', '.join(stage_dirname(r) for r in stages)}: with qwen35-reshard installed in "
-        "SGLang's environment its plugin loads each pipeline rank's stage from OUT; docs/deploy.md)",
-    ]
+def _vllm_serve(env: str, pp: int, model: str) -> str:
+    return f"{env} vllm serve {shlex.quote(model)} --load-format qwen35-stages --pipeline-parallel-size {pp}"
 
 
-def _vllm_launch(env: str, pp: int, stage: str) -> str:
-    return (
-        f"{env} vllm serve {stage} --pipeline-parallel-size {pp}"
-        "   # each node must see its own stage at the model path: docs/deploy.md"
-    )
-
-
-def _vllm_node_launch(
-    env: str, pp: int, out: str, rank: int, nnodes: int, stages: Sequence[int]
-) -> list[str]:
+def _vllm_node_serve(env: str, pp: int, out: str, rank: str, nnodes: int, stage: str | None) -> str:
     # vLLM's multiprocessing executor across nodes: node 0 serves, the others run headless;
     # qwen35-stages opens OUT/pp{rank} for each of the node's pipeline ranks.
-    headless = " --headless" if rank else ""
-    return [
-        f"{env} vllm serve {shlex.quote(out)} --load-format qwen35-stages --pipeline-parallel-size {pp} "
-        f"--distributed-executor-backend mp --nnodes {nnodes} --node-rank {rank} --master-addr "
-        f"HEAD_IP{headless}"
-    ]
+    headless = "" if rank == "0" else " --headless"
+    return (
+        f"{_vllm_serve(env, pp, out)} --distributed-executor-backend mp --nnodes {nnodes} "
+        f"--node-rank {rank} --master-addr HEAD_IP{headless}"
+    )
 
 
 SGLANG = Runtime(
@@ -109,8 +103,9 @@ SGLANG = Runtime(
     state_dtype="float32",
     embed_on_every_rank=False,
     full_attention_per_stage=False,
-    launch=_sglang_launch,
-    node_launch=_sglang_node_launch,
+    serve=_sglang_serve,
+    node_serve=_sglang_node_serve,
+    head_apart=False,
 )
 VLLM = Runtime(
     name="vllm",
@@ -120,8 +115,9 @@ VLLM = Runtime(
     state_dtype="bfloat16",
     embed_on_every_rank=True,
     full_attention_per_stage=True,
-    launch=_vllm_launch,
-    node_launch=_vllm_node_launch,
+    serve=_vllm_serve,
+    node_serve=_vllm_node_serve,
+    head_apart=True,
 )
 _BY_NAME = {r.name: r for r in (SGLANG, VLLM)}
 RUNTIMES = tuple(_BY_NAME)

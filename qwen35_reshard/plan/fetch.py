@@ -1,9 +1,10 @@
-"""What a plan's selected stages need from a Hub source, and how it came: pure summaries."""
+"""What a plan's selected stages need from a remote source (a Hub repo, an object store), and how
+it came: pure summaries."""
 
 from __future__ import annotations
 
 from ..source.hub.fetch import FETCH_CACHE, FETCH_WHOLE, HubFetcher, ShardFetch
-from ..source.hub.listing import repo_listing
+from ..source.s3.checkpoint import S3Fetcher
 from .planner import Plan
 
 
@@ -38,7 +39,7 @@ def stage_summary(plan: Plan, fetches: dict[str, ShardFetch]) -> list[dict]:
     return out
 
 
-def fetch_report(plan: Plan, fetcher: HubFetcher) -> dict:
+def fetch_report(plan: Plan, fetcher: HubFetcher | S3Fetcher) -> dict:
     """The ``fetch`` section of the summary: what this process fetched against the whole
     checkpoint, how each shard came, and per stage built the bytes fetched and from the cache."""
     traffic = fetcher.traffic
@@ -47,7 +48,7 @@ def fetch_report(plan: Plan, fetcher: HubFetcher) -> dict:
         "commit": fetcher.repo.commit,
         "fetched_bytes": traffic.bytes,
         "requests": traffic.requests,
-        "checkpoint_bytes": sum(repo_listing(fetcher.repo).values()),
+        "checkpoint_bytes": fetcher.checkpoint_bytes,
         "shard_bytes_to_fetch": sum(
             s.size if s.how == FETCH_WHOLE else s.needed
             for s in fetcher.fetches.values()

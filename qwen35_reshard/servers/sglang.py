@@ -7,7 +7,9 @@ SGLang loads the entry point (group ``sglang.srt.plugins``, see pyproject.toml) 
 scheduler process; ``register`` wraps SGLang's ``get_model_loader``, so that for a model path
 that is a split it returns ``Qwen35StagesLoader``, a ``DefaultModelLoader`` that:
 
-- before the rank's model is built (so before any weight is read) opens ``OUT/pp{rank}``
+- before the rank's model is built (so before any weight is read) agrees with every rank of
+  the deployment on the layers per rank and, for a Hub repo, the commit
+  (:mod:`qwen35_reshard.servers.deployment`), then opens ``OUT/pp{rank}``
   through the loader shim (manifest, index, headers and the split's placement rules) and
   checks it against the layers SGLang gives the rank (its own ``get_pp_indices``, which
   honours ``SGLANG_PP_LAYER_PARTITION``) and against SGLang's layer naming: a stage of another
@@ -37,9 +39,9 @@ import functools
 import logging
 import os
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
-from ..loader import STAGE_MANIFEST, Stage, StageError, is_split, open_stage, stage_dirname
+from ..loader import Stage, StageError, is_split, stage_dirname
+from .deployment import rank_stage
 
 RUNTIME = "sglang"
 # What the plugin wraps (sglang 0.5.23, srt/model_loader/loader.py): every model load of a
@@ -118,35 +120,24 @@ def is_unsplit_asked(model_config: object) -> bool:
     return True
 
 
-def target_stage(model_config: object, pp_rank: int, partition: list[int]) -> Stage:
-    """The stage pipeline rank ``pp_rank`` must load, checked against the layers SGLang gives it
-    (``partition``: layers per rank, as SGLang computes them); only headers are read. For a
-    model path that is not a split (``UNSPLIT_ENV``), the rank's stage of the unsplit checkpoint.
+def target_stage(
+    model_config: object, group: object, pp_rank: int, pp_size: int, pp_indices: Callable
+) -> Stage:
+    """The stage pipeline rank ``pp_rank`` must load, once every rank agreed on the partition
+    (SGLang's ``pp_indices``, which reads SGLANG_PP_LAYER_PARTITION on each node) and the commit,
+    checked against the layers SGLang gives the rank (:func:`~.deployment.rank_stage`): a split's,
+    or for a model path that is not a split (``UNSPLIT_ENV``) the rank's stage of the unsplit
+    checkpoint; only headers are read.
 
     Raises:
         StageError: the stage is damaged, incomplete, or not the one this rank needs.
     """
     path = model_config.model_path
-    start = sum(partition[:pp_rank])
-    end = start + partition[pp_rank]
-    if not is_split(path):
-        from .unsplit import for_server  # the writer's side, only where a stage is built
-
-        stage = for_server(
-            path,
-            runtime=RUNTIME,
-            partition=partition,
-            rank=pp_rank,
-            revision=getattr(model_config, "revision", None),
-            token=None,
-            log=log.info,
-        )
-        _stages[path] = stage
-        return stage
-    # A stage directory is opened as itself, so that a wrong rank is told which directory is its own.
-    given = None if (Path(path) / STAGE_MANIFEST).is_file() else pp_rank
-    stage = open_stage(path, pp_rank=given)
-    stage.check(pp_size=len(partition), start_layer=start, end_layer=end, pp_rank=pp_rank, runtime=RUNTIME)
+    stage = rank_stage(
+        path, runtime=RUNTIME, group=group, pp_rank=pp_rank, pp_size=pp_size,
+        layers=model_config.hf_text_config.num_hidden_layers, pp_indices=pp_indices,
+        revision=getattr(model_config, "revision", None), token=None, log=log.info,
+    )
     _stages[path] = stage
     return stage
 
@@ -222,10 +213,9 @@ def loader_class() -> type:
                 self._stage, self._takes = draft_stage(model_config), is_draft_tensor
             else:
                 parallel = get_parallel()
-                rank, size = parallel.pp_rank, parallel.pp_size
-                layers = model_config.hf_text_config.num_hidden_layers
-                ranges = [get_pp_indices(layers, r, size) for r in range(size)]
-                self._stage = target_stage(model_config, rank, [end - start for start, end in ranges])
+                self._stage = target_stage(
+                    model_config, parallel.world_group, parallel.pp_rank, parallel.pp_size, get_pp_indices
+                )
                 check_layer_names(self._stage, get_layer_id)
                 self._takes = lambda name: not name.startswith(MTP_PREFIX)  # those are the draft's
             return super().load_model(model_config=model_config, device_config=device_config)

@@ -14,6 +14,9 @@ a split with the same settings would hold, placed by the same planner:
   the shards' headers), and opened and checked as any split's stage (``open_stage``). The
   next start finds it complete and fetches nothing but the revision's commit. Commit and
   partition are in the key: a stage of another commit or partition is never opened.
+- an object-storage URI (``s3://bucket/prefix``): the same, the listing's identity (the sha256
+  of every object's ETag) in the place of the commit:
+  ``CACHE/s3/<bucket>/<prefix>/<listing>/<runtime>-pp<N>-<partition>/pp<rank>``.
 - a local directory (or Hugging Face cache folder): read in place, only the stage's tensors,
   from the source shards' own memory maps (no copy); each shard's size and header are checked
   again before it is read. With ``copy=True`` (a network filesystem) the stage is built into
@@ -33,7 +36,9 @@ huggingface/qwen35-stages``); ``QWEN35_RESHARD_STAGE_COPY=1`` asks for ``copy``.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -42,16 +47,20 @@ from pathlib import Path
 from ..api import reshard
 from ..bulk import return_freed_memory
 from ..errors import ReshardError
-from ..format.names import CACHE_REPO_PREFIX, CLONE, STAGE_MANIFEST, stage_dirname
+from ..format.names import CACHE_REPO_PREFIX, CLONE, STAGE_MANIFEST, TOOL_NAME, stage_dirname
 from ..loader import Stage, StageError, open_stage
 from ..model.runtimes import runtime_of
 from ..plan.planner import stage_tensors
-from ..source.checkpoint import Checkpoint, source_identity
+from ..source.checkpoint import Checkpoint, downloaded_sha256, source_identity
 from ..source.header import read_header
 from ..source.hub.cache import HubSettings
 from ..source.hub.http import resolve
 from ..source.open import is_repo_id, open_model
+from ..source.s3.checkpoint import open_s3
+from ..source.s3.store import is_s3_uri
 from ..stage.manifest import FileLayout, StageManifest, StageTensor
+from ..units import format_bytes
+from ..write.claims import in_use
 from ..write.journal import set_aside
 from ..write.options import WriteOptions
 
@@ -127,8 +136,8 @@ def server_stage(
     """Pipeline rank ``rank``'s stage of the unsplit ``model``, opened and checked.
 
     Args:
-        model: a Hub repo id (``org/name``), a checkpoint directory or a Hugging Face cache
-            folder (``models--org--name``).
+        model: a Hub repo id (``org/name``), an ``s3://bucket/prefix`` URI, a checkpoint
+            directory or a Hugging Face cache folder (``models--org--name``).
         runtime: ``"vllm"`` or ``"sglang"``: whose placement rules apply.
         partition: decoder layers per stage, as the server computed them.
         rank: the server's pipeline rank.
@@ -158,7 +167,20 @@ def server_stage(
     name = os.fspath(model)
     settings = HubSettings(revision=revision, token=token, user_agent=user_agent)
     try:
-        if is_repo_id(name):
+        if is_s3_uri(name):
+            listed = open_s3(name, user_agent=user_agent)
+            if revision is not None and revision != listed.commit:
+                raise StageError(
+                    f"pipeline rank {rank}: {name}: the objects changed since pipeline rank 0 listed them "
+                    f"(listing {revision[:12]} there, {listed.commit[:12]} here); start the deployment "
+                    "again once the upload is complete"
+                )
+            where, commit = listed.where, listed.commit
+            out = root / "s3" / where.bucket / (where.prefix or "_") / commit
+            unpinned = replace(settings, revision=None)  # the listing pins the objects: their ETags
+            key = out / cache_key(runtime, partition)
+            served = _cached_or_built(name, key, runtime, partition, rank, hub=unpinned, commit=commit)
+        elif is_repo_id(name):
             repo = resolve(name, settings)
             out = root / f"{CACHE_REPO_PREFIX}{repo.repo_id.replace('/', '--')}" / repo.commit
             pinned = replace(settings, revision=repo.commit)
@@ -169,15 +191,106 @@ def server_stage(
     except StageError:
         raise
     except ReshardError as e:
-        where = f"; the stage cache is set by {STAGE_CACHE_ENV}" if os.fspath(root) in str(e) else ""
-        raise StageError(f"pipeline rank {rank}: {e}{where}") from e
-    except OSError as e:  # the stage cache cannot be created or written (a full disk, permissions)
-        raise StageError(f"pipeline rank {rank}: {name}: the stage cache {root}: {e.strerror or e}") from e
+        raise StageError(f"pipeline rank {rank}: {server_terms(e)}") from e
+    except OSError as e:  # a cache cannot be created or written (a full disk, permissions): say which
+        raise StageError(f"pipeline rank {rank}: {name}: {cache_error(e, root)}") from e
     served.stage.check(len(partition), *_layers(partition, rank), pp_rank=rank, runtime=runtime)
     return_freed_memory()  # what planning held, freed by now, before the server loads the weights
     return ServedStage(
         served.stage, served.how, name, served.where, served.fetched_bytes, time.monotonic() - started
     )
+
+
+# The library's errors in a server operator's terms: its parameters are the stage cache the
+# server chose (the variable sets it) and the model the server was given; its advice to run the
+# command again or choose another OUT is the server's next start, or another stage cache.
+SERVER_PARAMS = {"out_dir": f"the stage cache ({STAGE_CACHE_ENV})", "model_dir": "the model"}
+SERVER_ADVICE = {
+    f"run the same {TOOL_NAME} command again": "start the server again",
+    "run the same command again": "start the server again",
+    "choose another directory": f"point {STAGE_CACHE_ENV} at another disk",
+}
+
+
+def server_terms(error: ReshardError) -> str:
+    """``error``'s line as a server's log says it (``SERVER_PARAMS``, ``SERVER_ADVICE``).
+
+    Example:
+        >>> from qwen35_reshard.errors import OutError, param
+        >>> from qwen35_reshard.servers.unsplit import server_terms
+        >>> print(server_terms(OutError(f"{param('out_dir')} /c full; choose another directory")))
+        the stage cache (QWEN35_RESHARD_STAGE_CACHE) /c full; point QWEN35_RESHARD_STAGE_CACHE at another disk
+    """
+    text = error.render(SERVER_PARAMS)
+    for library, server in SERVER_ADVICE.items():
+        text = text.replace(library, server)
+    return text
+
+
+def cache_error(error: OSError, root: Path) -> str:
+    """What an OSError while a rank built its stage says, naming the directory at fault: the
+    file the error names, else (a write names none, e.g. a full disk) the fuller of the two
+    caches a rank writes, the stage cache ``root`` and the Hugging Face cache (shards a stage
+    needs whole, downloaded by huggingface_hub), each with the variable that moves it.
+
+    Example:
+        >>> import errno
+        >>> cache_error(OSError(errno.EACCES, "Permission denied", "/c/x"), Path("/c"))
+        'cannot write /c/x: Permission denied (the stage cache /c is set by QWEN35_RESHARD_STAGE_CACHE)'
+    """
+    from huggingface_hub import constants as hf
+
+    what = error.strerror or str(error)
+    if error.filename is not None:
+        return f"cannot write {error.filename}: {what} (the stage cache {root} is set by {STAGE_CACHE_ENV})"
+    caches = {
+        root: ("the stage cache", STAGE_CACHE_ENV),
+        Path(hf.HF_HUB_CACHE): ("the Hugging Face cache", "HF_HOME"),
+    }
+    free = {path: _free_bytes(path) for path in caches}
+    path = min(caches, key=free.__getitem__)
+    label, var = caches[path]
+    return (
+        f"{label} {path} (set by {var}): {what}, {format_bytes(free[path])} free there: free space on "
+        f"that disk or point {var} at another"
+    )
+
+
+def _free_bytes(path: Path) -> int:
+    """Free bytes on the disk of ``path`` (its nearest existing ancestor)."""
+    for at in (path, *path.parents):
+        try:
+            return shutil.disk_usage(at).free
+        except OSError:
+            continue
+    return 0
+
+
+def pinned_commit(model: str, revision: str | None, token: str | None) -> str | None:
+    """The commit that ``revision`` (default ``main``) of the Hub repo ``model`` points to now,
+    which every rank of a deployment serves; for an ``s3://`` URI the identity of its objects'
+    listing (rank 0 lists once; every other rank's listing must be the same); None for a local
+    directory or cache folder.
+
+    Raises:
+        StageError: the Hub's answer (an unknown repo or revision, a refused token), in one line.
+
+    Example:
+        >>> pinned_commit("Qwen/Qwen3.5-35B-A3B", "main", None)  # doctest: +SKIP
+        '0a1b2c...'
+    """
+    if is_s3_uri(model):
+        try:
+            return open_s3(model, user_agent=USER_AGENT.format(rank=0)).commit
+        except ReshardError as e:
+            raise StageError(str(e)) from e
+    if not is_repo_id(model):
+        return None
+    settings = HubSettings(revision=revision, token=token, user_agent=USER_AGENT.format(rank=0))
+    try:
+        return resolve(model, settings).commit
+    except ReshardError as e:
+        raise StageError(server_terms(e)) from e
 
 
 def _layers(partition: Sequence[int], rank: int) -> tuple[int, int]:
@@ -240,7 +353,7 @@ def _cached_or_built(
         raise StageError(
             f"{stage.display} was built from commit {recorded}, not {commit}: remove it from the stage cache"
         )
-    stage = _mended_when_damaged(stage, f"fetches it again from {model}")
+    stage = _served_from_cache(stage, f"fetches it again from {model}")
     return ServedStage(stage, how, model, out, fetched)
 
 
@@ -257,14 +370,18 @@ def _built_from_local(model: str, out: Path, runtime: str, partition: list[int],
         write=WriteOptions(overwrite=True),
     )
     built = result.written is not None and rank in result.written.built
-    stage = _mended_when_damaged(open_stage(out, pp_rank=rank), f"copies it again from {model}")
+    stage = _served_from_cache(open_stage(out, pp_rank=rank), f"copies it again from {model}")
     return ServedStage(stage, BUILT if built else CACHED, model, out)
 
 
-def _mended_when_damaged(stage: Stage, again: str) -> Stage:
-    """``stage`` of the stage cache, set to have a data file its load finds damaged set aside
-    (:func:`~qwen35_reshard.write.journal.set_aside`), so that the next start ``again`` (says
-    how: fetches it from the Hub, copies it) rewrites that file alone."""
+def _served_from_cache(stage: Stage, again: str) -> Stage:
+    """``stage`` of the stage cache, recorded as used by this server while it runs (so that
+    ``qwen35-reshard cache rm`` leaves it: :func:`~qwen35_reshard.write.claims.in_use`; not
+    where the cache is read-only), and set to have a data file its load finds damaged set
+    aside (:func:`~qwen35_reshard.write.journal.set_aside`), so that the next start ``again``
+    (says how: fetches it from the Hub, copies it) rewrites that file alone."""
+    with contextlib.suppress(OSError):
+        in_use(stage.path)
 
     def damaged(file: str) -> str:
         try:
@@ -277,6 +394,12 @@ def _mended_when_damaged(stage: Stage, again: str) -> Stage:
         return f"it was removed from the stage cache, and the next start of the server {again}"
 
     return replace(stage, on_damaged=damaged)
+
+
+def _shard_sha256(ckpt: Checkpoint, file: str) -> str | None:
+    """The whole shard's recorded sha256: a Hugging Face cache blob's name, or the record of
+    ``hf download --local-dir``; None where neither is known."""
+    return ckpt.blob_sha256.get(file) or downloaded_sha256(ckpt.root, file)
 
 
 def in_place_stage(ckpt: Checkpoint, runtime: str, partition: Sequence[int], rank: int) -> Stage:
@@ -327,9 +450,9 @@ def in_place_stage(ckpt: Checkpoint, runtime: str, partition: Sequence[int], ran
         side_files={},
         files={f: ckpt.file_sizes[f] for f in counts},
         file_tensors=counts,
-        # The whole shard's sha256, where known (a Hugging Face cache names its blobs by it):
-        # what a load checks the shard's bytes against; a plain directory records none.
-        layouts={f: FileLayout(CLONE, f, ckpt.blob_sha256[f]) for f in counts if f in ckpt.blob_sha256},
+        # The whole shard's sha256, where known (a Hugging Face cache names its blobs by it;
+        # hf download --local-dir records it): what a load checks the shard's bytes against.
+        layouts={f: FileLayout(CLONE, f, digest) for f in counts if (digest := _shard_sha256(ckpt, f))},
         tensors=tensors,
     )
     return Stage(
@@ -342,7 +465,10 @@ def in_place_stage(ckpt: Checkpoint, runtime: str, partition: Sequence[int], ran
             f"it is the checkpoint's own file, read in place: restore {file} where the checkpoint came "
             "from (download or copy it again); nothing was loaded"
         ),
-        unrecorded="a local directory records no sha256 of its shards; a Hugging Face cache folder does",
+        unrecorded=(
+            "a local directory records no sha256 of its shards, unless downloaded by hf download "
+            "--local-dir and unchanged since; a Hugging Face cache folder does"
+        ),
     )
 
 

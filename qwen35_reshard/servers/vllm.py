@@ -12,7 +12,8 @@ layer the rank does not build is an error, and so is a parameter of the rank tha
 reached.
 
 OUT may also be the unsplit checkpoint, a Hub repo id (``--revision`` and ``--hf-token`` as vLLM
-takes them) or a local directory:
+takes them), an ``s3://bucket/prefix`` URI (vLLM fetches its config through Run:ai's streamer,
+``pip install 'vllm[runai]'``; the weights come through this format) or a local directory:
 
     vllm serve Qwen/Qwen3.5-397B-A17B --load-format qwen35-stages --pipeline-parallel-size 4
 
@@ -20,8 +21,9 @@ Then each rank builds its own stage, fetching only its byte ranges, into the sta
 (``QWEN35_RESHARD_STAGE_CACHE``, default ``$HF_HOME/qwen35-stages``; the next start fetches
 nothing), or reads it in place from a local directory (``QWEN35_RESHARD_STAGE_COPY=1``: built in
 the cache first), and loads it as a split's stage (:mod:`qwen35_reshard.servers.unsplit`). Every rank first
-checks that all ranks compute the same layers per rank (``VLLM_PP_LAYER_PARTITION`` is read on
-each node).
+agrees with all the others (:mod:`qwen35_reshard.servers.deployment`) on the layers per rank
+(``VLLM_PP_LAYER_PARTITION`` is read on each node) and, for a Hub repo, on the commit, which the
+first rank resolves once for the deployment.
 
 vLLM loads the entry point (group ``vllm.general_plugins``, see pyproject.toml) in every
 process that may load weights. vllm is imported only inside ``register``: this module, like
@@ -30,14 +32,13 @@ the rest of the package, imports without it.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
-from ..loader import StageError
+from ..loader import Stage
+from .deployment import rank_stage
 
 LOAD_FORMAT = "qwen35-stages"
 RUNTIME = "vllm"
-PARTITION_VAR = "VLLM_PP_LAYER_PARTITION"  # read by vLLM's get_pp_indices on each node
 
 
 def register() -> None:
@@ -45,12 +46,73 @@ def register() -> None:
     from vllm.model_executor.model_loader import register_model_loader
 
     register_model_loader(LOAD_FORMAT)(_loader_class())
+    _accept_object_storage()
+
+
+# The load formats vLLM 0.32 allows for an object-storage model (VllmConfig.
+# try_verify_and_update_config): its Run:ai streamer's. The check runs once per engine.
+RUNAI_LOAD_FORMAT = "runai_streamer"
+
+
+def _accept_object_storage() -> None:
+    """Let an ``s3://`` model through vLLM's check of the load format with ours.
+
+    vLLM 0.32 fetches an object-storage model's config and tokenizer into a local folder and
+    then refuses any load format but its Run:ai streamer's, which would read every weight of
+    the checkpoint on every rank; ours reads the URI (``model_weights``) itself, each rank only
+    its stage. The check is run with the Run:ai name in place of ours, which is put back at once
+    (nothing else of the check reads it). Installed once per process, before any config is made
+    (vLLM loads general plugins first).
+    """
+    from vllm.config import VllmConfig
+
+    check = VllmConfig.try_verify_and_update_config
+    if getattr(check, "qwen35_stages", False):
+        return
+
+    def checked(self: object) -> None:
+        load = getattr(self, "load_config", None)
+        weights = getattr(getattr(self, "model_config", None), "model_weights", "") or ""
+        ours = load is not None and load.load_format == LOAD_FORMAT and "://" in weights
+        if ours:
+            load.load_format = RUNAI_LOAD_FORMAT
+        try:
+            check(self)
+        finally:
+            if ours:
+                load.load_format = LOAD_FORMAT
+
+    checked.qwen35_stages = True
+    VllmConfig.try_verify_and_update_config = checked
+
+
+def own_stage(model_config: object, log: Callable[[str], None]) -> Stage:
+    """This rank's stage of ``model_config.model``, once every rank of the deployment (vLLM's
+    world group) agreed on the partition and the commit, checked against the rank's view of the
+    split (:func:`~qwen35_reshard.servers.deployment.rank_stage`). Called before the model is built.
+
+    Raises:
+        StageError: on every rank for a disagreement; else this rank's stage cannot be loaded.
+    """
+    from vllm.distributed import get_pp_group, get_world_group
+    from vllm.distributed.utils import get_pp_indices
+
+    pp = get_pp_group()
+    token = getattr(model_config, "hf_token", None)
+    # For an s3:// model vLLM fetches the config and tokenizer into a local folder
+    # (ModelConfig.maybe_pull_model_tokenizer_for_runai, Run:ai's streamer) and keeps the URI as
+    # ``model_weights``: the weights are read from there.
+    model = getattr(model_config, "model_weights", "") or model_config.model
+    return rank_stage(
+        model, runtime=RUNTIME, group=get_world_group(), pp_rank=pp.rank_in_group,
+        pp_size=pp.world_size, layers=model_config.hf_text_config.num_hidden_layers,
+        pp_indices=get_pp_indices, revision=getattr(model_config, "revision", None),
+        token=token if isinstance(token, str) else None, log=log,
+    )
 
 
 def _loader_class() -> type:
     """Build the loader class; its base class is vLLM's, so it exists only where vLLM does."""
-    from vllm.distributed import get_pp_group
-    from vllm.distributed.utils import get_pp_indices
     from vllm.logger import init_logger
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
     from vllm.model_executor.models.utils import PPMissingLayer, StageMissingLayer
@@ -59,28 +121,6 @@ def _loader_class() -> type:
     from ..units import plural
 
     log = init_logger(f"vllm.{__name__}")  # vLLM configures loggers under "vllm." in every process
-
-    def open_own_stage(model_config: object) -> loader.Stage:
-        """This rank's stage, checked against the rank's view of the split, or StageError."""
-        group = get_pp_group()
-        rank, size = group.rank_in_group, group.world_size
-        partition = agreed_partition(group, model_config.hf_text_config.num_hidden_layers, get_pp_indices)
-        start = sum(partition[:rank])
-        end = start + partition[rank]
-        path = model_config.model
-        if loader.is_split(path):
-            stage = loader.open_stage(path, pp_rank=rank)
-        else:
-            from .unsplit import for_server  # the writer's side, only where a stage is built
-
-            token = getattr(model_config, "hf_token", None)
-            stage = for_server(
-                path, runtime=RUNTIME, partition=partition, rank=rank,
-                revision=getattr(model_config, "revision", None),
-                token=token if isinstance(token, str) else None, log=log.info,
-            )
-        stage.check(pp_size=size, start_layer=start, end_layer=end, pp_rank=rank, runtime=RUNTIME)
-        return stage
 
     def placeholder_on_path(model: object, name: str) -> type | None:
         """The placeholder type (PPMissingLayer, StageMissingLayer) on the way to the module
@@ -101,11 +141,11 @@ def _loader_class() -> type:
             """Nothing to download: the stages are directories every worker reads itself."""
 
         def load_model(self, vllm_config: object, model_config: object, prefix: str = "") -> object:
-            self._stage = open_own_stage(model_config)  # before the model is built
+            self._stage = own_stage(model_config, log.info)  # before the model is built
             return super().load_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
 
         def load_weights(self, model: object, model_config: object) -> None:
-            stage = getattr(self, "_stage", None) or open_own_stage(model_config)
+            stage = getattr(self, "_stage", None) or own_stage(model_config, log.info)
             mapper = getattr(model, "hf_to_vllm_mapper", None)
             take, unbuilt = set(), []
             for name in stage.names:
@@ -144,59 +184,3 @@ def _loader_class() -> type:
 
     return Qwen35StagesLoader
 
-
-def agreed_partition(
-    group: object, layers: int, pp_indices: Callable[[int, int, int], tuple[int, int]]
-) -> list[int]:
-    """The layers per rank as this rank computes them (``pp_indices``: vLLM's ``get_pp_indices``,
-    which reads VLLM_PP_LAYER_PARTITION), once every rank of the pipeline computed the same.
-
-    Why: each node reads its own environment, and ranks that differ would build a pipeline with
-    layers missing or twice (each rank loading what its own view says). Exchanged over the
-    pipeline group (``group``: ``world_size``, ``cpu_group``) before anything can fail on one
-    rank alone, which the others would wait for.
-
-    Raises:
-        StageError: on every rank, naming each rank's partition and variable.
-    """
-    import torch.distributed as dist
-
-    var = os.environ.get(PARTITION_VAR)
-    try:
-        ranges = [pp_indices(layers, r, group.world_size) for r in range(group.world_size)]
-        mine: tuple[object, str | None] = ([end - start for start, end in ranges], var)
-    except Exception as e:  # a bad variable on this node: said by every rank below
-        mine = (f"{type(e).__name__}: {e}", var)
-    views: list[tuple[object, str | None]] = [mine] * group.world_size
-    if group.world_size > 1:
-        dist.all_gather_object(views, mine, group=group.cpu_group)
-    return one_partition(views)
-
-
-def one_partition(views: Sequence[tuple[object, str | None]]) -> list[int]:
-    """The partition every rank's view (its layers per rank, or the error computing them, and
-    its raw partition variable) names. Only the partitions are compared: a node with
-    ``VLLM_PP_LAYER_PARTITION=4,4`` and one without it (vLLM's default, the same 4,4) agree;
-    the variables are for the message.
-
-    Raises:
-        StageError: the partitions differ, or one is an error.
-
-    Example:
-        >>> one_partition([([4, 4], "4,4"), ([4, 4], None)])
-        [4, 4]
-    """
-    partitions = [p for p, _ in views]
-    if any(not isinstance(p, list) or p != partitions[0] for p in partitions):
-        seen = "; ".join(f"rank {r}: {_partition_view(p, v)}" for r, (p, v) in enumerate(views))
-        raise StageError(
-            f"the pipeline ranks' layers per rank ({seen}) are not one valid partition: launch every "
-            f"node with the same valid {PARTITION_VAR} (or none)"
-        )
-    return list(partitions[0])
-
-
-def _partition_view(partition: object, var: str | None) -> str:
-    """One rank's view for a message: ``4,4 (VLLM_PP_LAYER_PARTITION unset)``."""
-    shown = ",".join(map(str, partition)) if isinstance(partition, list) else partition
-    return f"{shown} ({PARTITION_VAR}={var})" if var is not None else f"{shown} ({PARTITION_VAR} unset)"

@@ -213,6 +213,36 @@ def _blob_sha256(path: Path) -> str | None:
     return target.name
 
 
+# Where ``hf download --local-dir`` records what it downloaded: per file, the commit, the ETag
+# (for an LFS file, its sha256) and when (huggingface_hub's _local_folder.py).
+DOWNLOAD_RECORDS = Path(".cache", "huggingface", "download")
+
+
+def downloaded_sha256(root: Path, file: str) -> str | None:
+    """The sha256 ``hf download --local-dir`` recorded for ``file`` of the directory ``root``
+    (its LFS ETag), where the file is unchanged since by huggingface_hub's own rule (modified
+    at most 1 s after the record); None when there is no such record. Reads only.
+
+    Args:
+        root: a checkpoint directory.
+        file: a shard's name in it.
+
+    Returns:
+        The recorded sha256, or None.
+
+    Example:
+        >>> downloaded_sha256(Path("/nonexistent"), "model.safetensors") is None
+        True
+    """
+    try:
+        lines = (root / DOWNLOAD_RECORDS / f"{file}.metadata").read_text().splitlines()
+        recorded, when = lines[1].strip(), float(lines[2])
+        modified = (root / file).stat().st_mtime
+    except (OSError, ValueError, IndexError, UnicodeDecodeError):
+        return None
+    return recorded if is_sha256(recorded) and modified - 1 <= when else None
+
+
 def assemble_checkpoint(
     *,
     root: Path,

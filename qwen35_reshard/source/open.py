@@ -1,10 +1,11 @@
 """MODEL as the user wrote it: a local checkpoint directory, a cache repo folder, a single
-``model.safetensors``, or a Hub repo id."""
+``model.safetensors``, a Hub repo id, or an object-storage URI (``s3://bucket/prefix``)."""
 
 from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -12,7 +13,10 @@ from ..errors import BadInput, param
 from ..format.names import CACHE_REPO_PREFIX, COMMIT, INDEX_NAME, SINGLE_FILE_NAME
 from .hub.cache import HubRepo, HubSettings, inside, read_ref
 from .hub.checkpoint import read_hub_checkpoint
+from .hub.fetch import HubFetcher
 from .hub.http import Traffic, resolve
+from .s3.checkpoint import S3Fetcher, S3Repo, open_s3, read_s3_checkpoint
+from .s3.store import is_s3_uri
 
 if TYPE_CHECKING:
     from .checkpoint import Checkpoint
@@ -46,20 +50,28 @@ def cache_repo_snapshot(path: Path, revision: str | None) -> Path | None:
     if not snapshot.is_dir():
         raise BadInput(f"{path}: refs/{rev} names commit {commit} but snapshots/{commit} is missing")
     if not inside(snapshot, path / "snapshots"):
-        raise BadInput(
-            f"{snapshot}: a symlink out of the cache repo folder {path}; refusing to follow it"
-        )
+        raise BadInput(f"{snapshot}: a symlink out of the cache repo folder {path}; refusing to follow it")
     return snapshot
 
 
 def open_model(
     model: str, settings: HubSettings, *, traffic: Traffic | None = None
-) -> tuple[Checkpoint, HubRepo | None]:
+) -> tuple[Checkpoint, HubRepo | S3Repo | None]:
     """MODEL as the user wrote it: a local checkpoint directory, a cache repo folder
     (``models--org--name``, resolved through ``refs/``), the ``model.safetensors`` of a
-    single-file checkpoint (read as its directory) or a Hub repo id. Returns the checkpoint
-    and, for a repo id, the pinned repo (None for local sources)."""
+    single-file checkpoint (read as its directory), a Hub repo id or an ``s3://bucket/prefix``
+    URI. Returns the checkpoint and, for a repo id or a URI, the pinned repo or listed
+    location (None for local sources)."""
     from .checkpoint import read_checkpoint
+
+    if is_s3_uri(model):
+        if settings.revision is not None:
+            raise BadInput(
+                f"{model}: {param('revision')} applies to a Hub repo id; an object-storage URI is read as "
+                "its objects are now"
+            )
+        s3 = open_s3(model, streams=settings.streams, user_agent=settings.user_agent)
+        return read_s3_checkpoint(s3), s3
 
     path = Path(model)
     if path.is_file() and path.name.endswith(".safetensors"):
@@ -76,9 +88,38 @@ def open_model(
         repo = resolve(model, settings)
         return read_hub_checkpoint(repo, traffic=traffic), repo
     raise BadInput(
-        f"{model}: not a directory, and not a Hugging Face Hub repo id (org/name); pass the checkpoint's "
-        f"directory or its repo id as {param('model')}"
+        f"{model}: not a directory, a Hugging Face Hub repo id (org/name) or an s3://bucket/prefix URI; "
+        f"pass the checkpoint's directory, its repo id or its URI as {param('model')}"
     )
+
+
+def remote_fetcher(
+    repo: HubRepo | S3Repo,
+    ckpt: Checkpoint,
+    needed: dict[str, set[str]],
+    *,
+    traffic: Traffic | None = None,
+    on_fetched: Callable[[int], None] = lambda n: None,
+) -> HubFetcher | S3Fetcher:
+    """How the shards ``needed`` (file -> tensors) of a remote source come: from a Hub repo
+    (its cache, or the fetch engine) or an object store (the fetch engine).
+
+    Args:
+        repo: the pinned repo or listed location :func:`open_model` returned.
+        ckpt: its checkpoint.
+        needed: per source shard, the tensors wanted from it.
+        traffic, on_fetched: a Hub repo's request counter and download progress.
+
+    Returns:
+        The fetcher: ``open``/``remote`` per shard, ``close`` to stop its engine.
+
+    Example:
+        >>> ckpt, repo = open_model("s3://acc-models/qwen/tiny", HubSettings())  # doctest: +SKIP
+        >>> fetcher = remote_fetcher(repo, ckpt, {ckpt.files[0]: set()})  # doctest: +SKIP
+    """
+    if isinstance(repo, S3Repo):
+        return S3Fetcher(repo, ckpt, needed)
+    return HubFetcher(repo, ckpt, needed, traffic=traffic, on_fetched=on_fetched)
 
 
 def _single_file_dir(path: Path, model: str) -> Path:

@@ -8,11 +8,12 @@ read-only ``mmap`` of each file: the same page-cache pages the server's copy rea
 byte comes from the disk once whichever reader touches it first, and the pool never sees
 what a server may do to the copy-on-write view it was handed.
 
-The reader says how far it got (:meth:`DigestPool.reached`); hashing stays within
-``WINDOW`` bytes of it both ways: ranges are handed to the threads up to ``WINDOW`` ahead
-(asked of the kernel with ``MADV_WILLNEED``, so cold reads start before either reader
-faults on them), and the reader waits for ranges more than ``WINDOW`` behind it, so the
-pages both read are still cached when the slower one gets there, whatever the file's size.
+The reader says how far it got (:meth:`DigestPool.reached`): ranges are handed to the
+threads up to ``AHEAD`` bytes ahead of it (asked of the kernel with ``MADV_WILLNEED``, so
+cold reads start before either reader faults on them), and the reader waits for ranges
+more than ``BEHIND`` behind it, so the pages both read are still cached when the slower one
+gets there, whatever the file's size. Between those points a call costs one comparison:
+the reader calls it once per tensor.
 Findings are data: the ranges whose bytes differ, by the key the caller gave them.
 """
 
@@ -26,16 +27,21 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
-WINDOW = 256 << 20  # bytes hashed ahead of and behind the reader: a few hundred ms of disk
+AHEAD = 256 << 20  # bytes handed to the threads ahead of the reader: a few hundred ms of disk
+BEHIND = 1 << 30  # how far hashing may lag the reader before it waits (pages to keep cached)
 JOB_BYTES = 16 << 20  # ranges hashed by one thread in one go: few enough jobs, fine enough spread
 JOB_RANGES = 2048  # and at most this many (a stage of small tensors has tens of thousands)
+# Ranges under this are hashed by the reader's own thread: hashlib holds the GIL for buffers
+# under 2 KiB, so a thread hashing thousands of small tensors only takes turns with the
+# reader (who then waits for the GIL) for no parallelism; alone it costs ~1 us a tensor.
+SMALL = 16 << 10
 
 
-@dataclass(frozen=True)
-class Range:
+class Range(NamedTuple):
     """``nbytes`` bytes at ``offset`` of a file whose sha256 must be ``sha256``; ``key`` says
-    which (a tensor's name; None for a whole file)."""
+    which (a tensor's name; None for a whole file). A tuple: one is made per tensor."""
 
     key: str | None
     offset: int
@@ -81,7 +87,7 @@ class DigestPool:
         self._base = self._end = 0  # where the file fed last starts and ends, in the reader's order
         self._todo: deque[_Job] = deque()
         self._running: deque[tuple[int, Future[list[Mismatch]]]] = deque()  # (end, job)
-        self._found: list[Mismatch] = []
+        self._next = 0  # the reader's next position where there is something to do
 
     def feed(self, path: Path, ranges: Sequence[Range], size: int) -> None:
         """Hash ``ranges`` of ``path`` (``size`` bytes; the ranges in offset order) as the
@@ -97,7 +103,11 @@ class DigestPool:
             mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         job: list[Range] = []
         for r in ranges:
-            if job and (r.offset + r.nbytes - job[0].offset > JOB_BYTES or len(job) >= JOB_RANGES):
+            if job and (
+                r.offset + r.nbytes - job[0].offset > JOB_BYTES
+                or len(job) >= JOB_RANGES
+                or (r.nbytes < SMALL) != (job[0].nbytes < SMALL)
+            ):
                 self._todo.append(_Job(self._base, path, mapped, job))
                 job = []
             job.append(r)
@@ -105,21 +115,37 @@ class DigestPool:
             self._todo.append(_Job(self._base, path, mapped, job))
 
     def reached(self, offset: int) -> list[Mismatch]:
-        """The reader is at ``offset`` of the file fed last: hand out the ranges up to ``WINDOW``
-        past it, wait for those more than ``WINDOW`` behind. Returns the mismatches found so
-        far (each once)."""
+        """The reader is at ``offset`` of the file fed last: hand out the ranges up to ``AHEAD``
+        past it, wait for those more than ``BEHIND`` behind. Returns the mismatches found
+        since the last call that returned any (each once)."""
         pos = self._base + offset
-        while self._todo and self._todo[0].start < pos + WINDOW:
-            job = self._todo.popleft()
-            self._running.append((job.end, self._threads.submit(job.check)))
-        while self._running and (self._running[0][1].done() or self._running[0][0] < pos - WINDOW):
-            self._found += self._running.popleft()[1].result()
-        found, self._found = self._found, []
+        if pos < self._next:
+            return []
+        found = []
+        while self._todo and self._todo[0].start < pos + AHEAD:
+            self._start(self._todo.popleft())
+        while self._running and (self._running[0][1].done() or self._running[0][0] < pos - BEHIND):
+            found += self._running.popleft()[1].result()
+        self._next = min(
+            self._todo[0].start - AHEAD if self._todo else self._end,
+            self._running[0][0] + BEHIND if self._running else self._end,
+        )
         return found
+
+    def _start(self, job: _Job) -> None:
+        """Hand ``job`` to a thread; one of small ranges (:data:`SMALL`) is hashed here, now."""
+        if job.ranges[0].nbytes < SMALL:
+            done: Future[list[Mismatch]] = Future()
+            done.set_result(job.check())
+            self._running.append((job.end, done))
+        else:
+            self._running.append((job.end, self._threads.submit(job.check)))
 
     def finish(self) -> list[Mismatch]:
         """Hash what is left; every mismatch not yet returned."""
-        found = self.reached(self._end - self._base + WINDOW)
+        found = []
+        while self._todo:
+            self._start(self._todo.popleft())
         while self._running:
             found += self._running.popleft()[1].result()
         return found
@@ -157,9 +183,9 @@ class _Job:
         aligned = first - first % mmap.PAGESIZE
         if hasattr(mmap, "MADV_WILLNEED") and last > aligned:
             self.mapped.madvise(mmap.MADV_WILLNEED, aligned, last - aligned)
-        found = []
         with memoryview(self.mapped) as view:
-            for r in self.ranges:
-                if hashlib.sha256(view[r.offset : r.offset + r.nbytes]).hexdigest() != r.sha256:
-                    found.append(Mismatch(self.path, r.key))
-        return found
+            return [
+                Mismatch(self.path, key)
+                for key, offset, nbytes, digest in self.ranges
+                if hashlib.sha256(view[offset : offset + nbytes]).hexdigest() != digest
+            ]

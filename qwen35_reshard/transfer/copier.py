@@ -42,15 +42,17 @@ two workers filling one file would race on.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import errno
 import hashlib
 import mmap
 import os
 from collections.abc import Callable
-from typing import Protocol
 
 from ..errors import BadInput
+from ..source.remote.engine import RemoteSource
+from ..source.remote.parts import plan_parts
 from . import pages, reflink
 from .hasher import RING_BUFFERS, Hasher
 from .pages import advise_sequential, close_window, drop_pages, pwrite_all
@@ -72,20 +74,50 @@ _EMPTY_SHA256 = hashlib.sha256().hexdigest()
 _NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL}
 
 
-class RangeSource(Protocol):
-    """A source read by byte ranges rather than from a local file (a shard on the Hub)."""
+def fetch_in_place(sources: list[tuple[RemoteSource, list[Segment]]]) -> None:
+    """Queue every remote source's segments on its fetch engine, in this order (the first
+    stages' shards first), the parts planned over all of them together: each chunk that
+    arrives is written at its offsets in every output that needs it (no buffer holds a part),
+    and :func:`copy_segments` then hashes each window once it has landed.
 
-    display: str
+    Args:
+        sources: each remote shard with the segments the copy takes from it (each with its
+            destinations).
 
-    def expect(self, spans: list[tuple[int, int]]) -> None:
-        """The runs ``[begin, end)`` about to be read, in order."""
+    Example:
+        >>> fetch_in_place([(src, segments)])  # doctest: +SKIP
+        >>> copy_segments(src, segments)  # doctest: +SKIP
+    """
+    if not sources:
+        return
+    runs = {src.file.name: source_spans(sorted(segs, key=lambda s: s.offset)) for src, segs in sources}
+    parts = plan_parts(runs, sources[0][0].engine.streams)
+    for src, segs in sources:
+        src.start(parts[src.file.name], _InPlace(segs))
 
-    def readinto(self, view: memoryview, pos: int) -> int:
-        """Fill ``view`` with the bytes at ``pos``."""
+
+class _InPlace:
+    """The sink of a remote shard's transfer: each chunk's bytes written (pwrite) at their
+    offsets in every output of the segments it overlaps; bytes of no segment (a small gap
+    read through) are dropped."""
+
+    def __init__(self, segments: list[Segment]) -> None:
+        self.segments = sorted((s for s in segments if s.nbytes), key=lambda s: s.offset)
+        self.starts = [s.offset for s in self.segments]
+
+    def __call__(self, pos: int, chunk: memoryview) -> None:
+        end = pos + len(chunk)
+        i = max(0, bisect.bisect_right(self.starts, pos) - 1)
+        while i < len(self.segments) and self.segments[i].offset < end:
+            seg = self.segments[i]
+            a, b = max(pos, seg.offset), min(end, seg.offset + seg.nbytes)
+            for out_fd, out_off in seg.dests if a < b else ():
+                pwrite_all(out_fd, chunk[a - pos : b - pos], out_off + a - seg.offset)
+            i += 1
 
 
 def copy_segments(
-    src_path: str | RangeSource,
+    src_path: str | RemoteSource,
     segments: list[Segment],
     *,
     on_progress: Callable[[int], None] = lambda n: None,
@@ -103,8 +135,10 @@ def copy_segments(
     each window (hashing may trail by a few windows; all digests are final when this
     returns). Runs adjacent in both the source and an output file are copied as one.
     ``kernel=False`` moves the bytes through buffers, as is done anyway when nothing is
-    written or the source cannot be mapped. A ``RangeSource`` instead of a path is read the
-    buffer way, one ranged read per run of adjacent segments. Runs going to an output in
+    written or the source cannot be mapped. A ``RemoteSource`` whose transfer was started
+    (:func:`fetch_in_place`) has its bytes written in place by the fetch engine: each window is
+    hashed once landed, read back from its first output; one not started (nothing to write:
+    a verification) is read a window at a time. Runs going to an output in
     ``share_fds`` share the source's blocks where the filesystem allows (``on_shared`` gets
     the bytes shared); tensors going only there get None, not a digest. ``on_read`` gets the
     bytes of each window's hashed segments as they are hashed, in source order (from the
@@ -118,9 +152,10 @@ def copy_segments(
     fd = -1 if remote else os.open(src_path, os.O_RDONLY)
     hasher = Hasher(fd, [s for s in segments if s.nbytes and s.name not in unhashed], digests, on_read)
     try:
-        if remote:
-            src_path.expect(source_spans(segments))
-            mover: _Mover = _RemoteMover(src_path, chunk_bytes=chunk_bytes)
+        if remote and src_path.transfer is not None:
+            mover: _Mover = _ReadBack(src_path, chunk_bytes=chunk_bytes, should_stop=should_stop)
+        elif remote:
+            mover = _RemoteMover(src_path, chunk_bytes=chunk_bytes)
         else:
             advise_sequential(fd)
             mover = _Mover(
@@ -339,10 +374,10 @@ class _Mover:
 
 
 class _RemoteMover(_Mover):
-    """Moves windows read from a ``RangeSource`` through the buffer ring: no file to map,
+    """Moves windows read from a ``RemoteSource`` through the buffer ring: no file to map,
     to copy from in the kernel or to drop from the page cache."""
 
-    def __init__(self, source: RangeSource, *, chunk_bytes: int) -> None:
+    def __init__(self, source: RemoteSource, *, chunk_bytes: int) -> None:
         super().__init__(-1, source.display, kernel=False, chunk_bytes=chunk_bytes)
         self.source = source
 
@@ -352,4 +387,30 @@ class _RemoteMover(_Mover):
         view = self._buffer(n)
         self.source.readinto(view, pos)
         self._write_from(view, pos, piece_runs(pieces))
+        return None, view
+
+
+class _ReadBack(_Mover):
+    """Hands the hasher each window of a remote source whose bytes the fetch engine writes in
+    place: once the window has landed, its pieces are read back from their first output (from
+    the page cache: just written), then the window is handed to writeback and dropped as a
+    local copy's would be."""
+
+    def __init__(self, source: RemoteSource, *, chunk_bytes: int, should_stop: Callable[[], bool]) -> None:
+        super().__init__(-1, source.display, kernel=False, chunk_bytes=chunk_bytes)
+        self.transfer = source.transfer
+        self.should_stop = should_stop
+
+    def move(
+        self, pos: int, n: int, pieces: list[Piece], *, hash_needed: bool = True
+    ) -> tuple[mmap.mmap | None, memoryview | None]:
+        self.transfer.wait_landed(pos + n, self.should_stop)
+        view = self._buffer(n)
+        for seg, a, b in pieces:
+            out_fd, out_off = seg.dests[0]
+            got = os.preadv(out_fd, [view[a - pos : b - pos]], out_off + a - seg.offset)
+            if got != b - a:
+                raise AssertionError(f"{self.src_path}: an output ended before bytes written to it")
+        for out_fd, _, size, dst in piece_runs(pieces):
+            self._behind(out_fd, dst, size)
         return None, view

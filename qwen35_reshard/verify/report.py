@@ -31,6 +31,7 @@ class StageSummary:
     complete: bool = False  # manifest and index present and consistent
     files: int = 0
     tensors: int = 0
+    bytes: int = 0  # the data files' recorded sizes: the size ``plan`` gives the stage
     bytes_hashed: int = 0
     bytes_unrecorded: int = 0  # shared with the source at split time: no digest to compare them with
 

@@ -3,6 +3,8 @@ tensor's placement, every file's layout and every tensor's bytes compared with t
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 from ..errors import ReshardError
 from ..format.names import CLONE, LOCAL_SOURCE
 from ..plan.planner import Plan, recorded_plan
@@ -10,6 +12,8 @@ from ..source.checkpoint import Checkpoint, source_fingerprint, source_name
 from ..source.hub.cache import HubRepo
 from ..source.hub.fetch import HubFetcher
 from ..source.hub.headers import header_bytes
+from ..source.open import remote_fetcher
+from ..source.s3.checkpoint import S3Repo, s3_header
 from ..stage.findings import DIFFERENT, EXTRA, MISSING
 from ..stage.manifest import StageManifest
 from ..transfer.copier import Segment, copy_segments
@@ -18,14 +22,18 @@ from .stagedir import compare_side_file
 
 
 def check_against_source(
-    ckpt: Checkpoint, stages: list[CheckedStage], report: VerifyReport, chunk_bytes: int, repo: HubRepo | None
+    ckpt: Checkpoint,
+    stages: list[CheckedStage],
+    report: VerifyReport,
+    chunk_bytes: int,
+    repo: HubRepo | S3Repo | None,
 ) -> None:
     """Placement and bytes of every tensor of ``stages`` (those with a valid manifest) against the source.
 
     The plan is rebuilt from each stage manifest's settings (pp, runtime, partition, mtp);
     each needed source tensor is hashed once, even when it is replicated on several stages.
     """
-    if repo is not None:
+    if isinstance(repo, HubRepo):  # an object store's side files came with the checkpoint
         _prepare_hub(repo, ckpt, stages)
     fingerprint = source_fingerprint(ckpt)
     plans: dict[tuple, Plan | None] = {}
@@ -68,6 +76,8 @@ def check_against_source(
         mine = stage.digests.get(name)
         if mine is not None and mine != source_digests[name]:
             t = stage.manifest.tensors[name]
+            if t.sha256 is not None and t.sha256 != mine:
+                continue  # damaged since it was written: one finding already says so
             intact = t.sha256 == mine  # the stage holds what it recorded: the source is not its
             why = ", and are the ones its manifest records: the split is of other bytes" if intact else ""
             finding = adder(report, stage)(
@@ -112,7 +122,7 @@ def _recorded_limits(m: StageManifest) -> dict[str, int] | None:
     return {"max_file_bytes": identity.max_file_bytes, "max_header_bytes": identity.max_header_bytes}
 
 
-def _compare_layout(plan: Plan, stage: CheckedStage, add: Add, repo: HubRepo | None) -> None:
+def _compare_layout(plan: Plan, stage: CheckedStage, add: Add, repo: HubRepo | S3Repo | None) -> None:
     """Each data file is the plan's: same name, and header bytes equal to the plan's header.
 
     With every tensor's bytes checked elsewhere, this makes every byte of every file the one
@@ -192,9 +202,11 @@ def _prepare_hub(repo: HubRepo, ckpt: Checkpoint, stages: list[CheckedStage]) ->
     HubFetcher(repo, ckpt, needed).prepare()
 
 
-def _source_head(ckpt: Checkpoint, file: str, nbytes: int, repo: HubRepo | None) -> bytes:
+def _source_head(ckpt: Checkpoint, file: str, nbytes: int, repo: HubRepo | S3Repo | None) -> bytes:
     """The first ``nbytes`` (at most its header's) of source shard ``file``; from a Hub repo
     without the shard in the cache, the header planning kept or two ranged reads."""
+    if isinstance(repo, S3Repo):
+        return s3_header(repo, file)[:nbytes]
     if repo is not None:
         return header_bytes(repo, file)[:nbytes]
     with open(ckpt.path(file), "rb") as fh:
@@ -202,21 +214,30 @@ def _source_head(ckpt: Checkpoint, file: str, nbytes: int, repo: HubRepo | None)
 
 
 def _hash_source(
-    ckpt: Checkpoint, names: list[str], chunk_bytes: int, repo: HubRepo | None
+    ckpt: Checkpoint, names: list[str], chunk_bytes: int, repo: HubRepo | S3Repo | None
 ) -> dict[str, str]:
     """sha256 of each source tensor in ``names``, each shard read once in bounded chunks (from
-    a Hub repo: only the shards and byte ranges of these tensors are fetched)."""
+    a Hub repo or an object store: only the shards and byte ranges of these tensors are fetched)."""
     by_file: dict[str, list[Segment]] = {}
     for name in names:
         t = ckpt.tensors[name]
         by_file.setdefault(t.file, []).append(Segment(name, t.offset, t.nbytes))
     fetcher = (
-        HubFetcher(repo, ckpt, {f: {s.name for s in segs} for f, segs in by_file.items()})
+        remote_fetcher(repo, ckpt, {f: {s.name for s in segs} for f, segs in by_file.items()})
         if repo is not None
         else None
     )
-    digests: dict[str, str] = {}
-    for file in sorted(by_file):
+
+    def one(file: str) -> dict[str, str]:
         src = fetcher.open(file) if fetcher is not None else str(ckpt.path(file))
-        digests.update(copy_segments(src, by_file[file], chunk_bytes=chunk_bytes))
-    return digests
+        return copy_segments(src, by_file[file], chunk_bytes=chunk_bytes)
+
+    if fetcher is None:
+        return {name: d for file in sorted(by_file) for name, d in one(file).items()}
+    # Remote shards hashed side by side, as many as the engine's streams: each is read in
+    # order (a digest needs it), so the streams go across shards.
+    try:
+        with ThreadPoolExecutor(max_workers=fetcher.engine.streams) as pool:
+            return {name: d for found in pool.map(one, sorted(by_file)) for name, d in found.items()}
+    finally:
+        fetcher.close()

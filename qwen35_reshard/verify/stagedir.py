@@ -72,6 +72,7 @@ def check_stage(stage: CheckedStage, report: VerifyReport, ckpt: Checkpoint | No
         _check_data_file(stage, m, file, header, add, chunk_bytes, for_source=ckpt is not None)
     _check_layers(stage, m, add)
     stage.summary.files = len(m.files)
+    stage.summary.bytes = sum(m.files.values())
     stage.summary.tensors = len(m.tensors)
 
 

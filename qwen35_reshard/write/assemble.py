@@ -20,7 +20,7 @@ from ..format.names import ALIGNED, CLONE, JOURNAL
 from ..plan.layout import OutputFile
 from ..plan.planner import Plan, StagePlan
 from ..transfer import pages
-from ..transfer.copier import copy_segments
+from ..transfer.copier import copy_segments, fetch_in_place
 from ..transfer.pages import drop_pages
 from ..transfer.segments import Segment
 from .datafile import OpenFile, clone, create, header
@@ -165,12 +165,14 @@ class CopyJob:
 
 @dataclass
 class Copied(Generic[T]):
-    """What :func:`copy_files` did: bytes copied and shared, the tensors' digests by stage, the
-    files left for the stages' first barrier, what ``meanwhile()`` returned, and the stages
-    handed to ``finish_stage`` (by rank)."""
+    """What :func:`copy_files` did: bytes copied and shared, the source bytes they came from (a
+    tensor several stages hold is read once: what the progress counts), the tensors' digests by
+    stage, the files left for the stages' first barrier, what ``meanwhile()`` returned, and the
+    stages handed to ``finish_stage`` (by rank)."""
 
     bytes_copied: int
     bytes_shared: int
+    source_bytes: int
     digests: dict[int, Digests]
     deferred: list[tuple[Path, Path]]
     meanwhile: T
@@ -209,7 +211,8 @@ def copy_files(
     try:
         for stage, f in job.files:
             digests[stage.rank].update(copy.open(job, stage, f))
-        job.reporter.start(sum(seg.nbytes for segs in copy.segments.values() for seg in segs.values()))
+        source_bytes = sum(seg.nbytes for segs in copy.segments.values() for seg in segs.values())
+        job.reporter.start(source_bytes)
         copy.report_copied(job.reporter)  # stages of clones alone
         # Clones are finished with the next files that are: redoing one costs nothing, so it
         # is not worth a barrier of its own. Synced file by file, they are finished now.
@@ -224,7 +227,9 @@ def copy_files(
         else:
             finish_files(ready, digests, durable)
         copied = sum(f.size for _, f in job.files) - copy.shared
-        return Copied(copied, copy.shared, digests, deferred, meanwhile_result, copy.finished_stages)
+        return Copied(
+            copied, copy.shared, source_bytes, digests, deferred, meanwhile_result, copy.finished_stages
+        )
     finally:
         copy.close()
 
@@ -268,9 +273,17 @@ def _copy_sources(
             blob.check()
         return found
 
+    order = copy.copy_order()
+    # Every remote shard's bytes queued at once, in copy order: the fetch engine keeps its
+    # streams busy across shards while the workers hash what has landed.
+    remote = [
+        (src, list(copy.segments[f].values())) for f in order if (src := job.source.remote(f)) is not None
+    ]
     with ThreadPoolExecutor(max_workers=max(1, job.workers)) as pool:
-        futures: dict[Future[Digests], str] = {pool.submit(run, file): file for file in copy.copy_order()}
+        futures: dict[Future[Digests], str] = {}
         try:
+            fetch_in_place(remote)
+            futures = {pool.submit(run, file): file for file in order}
             meanwhile_result = meanwhile()
             while futures:
                 done, _ = wait(futures, return_when=FIRST_COMPLETED)
@@ -294,6 +307,8 @@ def _copy_sources(
             for fut in futures:
                 fut.cancel()
             raise
+        finally:
+            job.source.close()  # no fetch writes into the files after this: the caller closes them
     return ready, meanwhile_result
 
 

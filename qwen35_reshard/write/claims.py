@@ -25,6 +25,7 @@ needing a lock manager.
 
 from __future__ import annotations
 
+import atexit
 import errno
 import os
 import threading
@@ -34,8 +35,17 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..format.holder import LEASE_SECONDS, Owner, gone, me, read_holder
-from ..format.names import GONE_SUFFIX, LOCK, PARTIAL_SUFFIX, partial_name
+from ..format.holder import LEASE_SECONDS, Owner, gone, left_by_gone_run, me, read_holder
+from ..format.names import (
+    CLAIM,
+    GONE_SUFFIX,
+    IN_USE,
+    LAST_USED,
+    LOCK,
+    PARTIAL_SUFFIX,
+    partial_base,
+    partial_name,
+)
 
 HEARTBEAT_SECONDS = 5.0  # a holder refreshes its files' modification time this often (< LEASE_SECONDS)
 POLL_SECONDS = (0.01, 0.5)  # waiting for a holder: first and longest pause between looks
@@ -240,16 +250,21 @@ def locked(out: Path, on_wait: Callable[[str], None]) -> Iterator[int]:
 
 
 def wait_for_change(paths: list[Path]) -> None:
-    """Wait until one of the held files ``paths`` is released or changes hands, or a lease has
-    half run out (another host's holder may be gone by then: only OUT's lock can tell).
+    """Wait until one of the held files ``paths`` is released or changes hands, or its holder
+    is a process of this host that no longer runs (proven at once: only another host's holder
+    needs the lease), or a lease has half run out (another host's holder may be gone by then:
+    only OUT's lock can tell).
 
-    Looks only at the files themselves: a waiting run does not take OUT's lock (or read a
-    stage's manifest) every moment, for the hours another node may take to build its stage.
+    Looks only at the files themselves (and this host's process table): a waiting run does not
+    take OUT's lock (or read a stage's manifest) every moment, for the hours another node may
+    take to build its stage.
     """
     seen = [read_holder(p)[1] for p in paths]
     deadline = time.monotonic() + LEASE_SECONDS / 2
     waited = 0
     while time.monotonic() < deadline and [read_holder(p)[1] for p in paths] == seen:
+        if any(left_by_gone_run(p) for p in paths):
+            return
         time.sleep(pause(waited))
         waited += 1
 
@@ -278,3 +293,43 @@ def lock_free(out: Path) -> bool:
     if held is None:
         release(out / LOCK)
     return held is None
+
+
+# --------------------------------------------------------------------------- a server's stage in use
+
+
+def in_use(stage_dir: Path) -> None:
+    """Record that this process (a server) uses the finished stage in ``stage_dir`` (of the
+    stage cache), until it exits: ``IN_USE`` plus its token, holding its :class:`Owner`,
+    refreshed as claims are (:data:`HEARTBEAT_SECONDS`, for a reader on another host) and
+    removed at exit; and ``LAST_USED`` touched (what ``qwen35-reshard cache`` says and prunes by).
+
+    A record left by a killed server is judged as a claim is (:func:`users`): gone.
+
+    Args:
+        stage_dir: the stage directory.
+
+    Raises:
+        OSError: the records cannot be written (a read-only cache).
+    """
+    path = stage_dir / f"{IN_USE}{me().token}"
+    cand = path.with_name(temp_name(path.name))
+    cand.write_bytes(me().to_bytes())
+    os.replace(cand, path)
+    _hold(path)
+    atexit.register(release, path)
+    (stage_dir / LAST_USED).touch()
+
+
+def users(stage_dir: Path, now_ns: int) -> list[Owner | None]:
+    """The live processes that record using the stage in ``stage_dir`` (:func:`in_use`), or
+    build it (its claim), as of ``now_ns`` (see :func:`~..format.holder.gone`); None for a
+    record that cannot be read (a live holder is assumed). Reads only."""
+    found = []
+    for p in sorted(stage_dir.glob(f"{IN_USE}*")) + [stage_dir / CLAIM]:
+        if partial_base(p.name) is not None:
+            continue
+        holding = holder_of(p, now_ns)
+        if holding.held:
+            found.append(holding.owner)
+    return found

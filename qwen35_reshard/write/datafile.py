@@ -101,7 +101,8 @@ def create(
     blocks with the source is only sized (allocating blocks it will share would need the
     space the sharing saves).
     """
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+    # Readable too: the bytes the fetch engine writes in place are read back to be hashed.
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, FILE_MODE)
     try:
         if preallocate and hasattr(os, "posix_fallocate") and f.size:
             try:

@@ -22,14 +22,14 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..errors import BadInput, param
+from ..errors import BadInput, RemoteError, param
 from ..plan.planner import Plan
 from ..source.checkpoint import Checkpoint
 from ..source.header import file_stamp
-from ..transfer.copier import RangeSource
+from ..source.remote.engine import RemoteSource
 from ..transfer.segments import Segment
 
-OpenSource = Callable[[str], str | RangeSource]
+OpenSource = Callable[[str], str | RemoteSource]
 
 
 @dataclass(frozen=True)
@@ -37,13 +37,18 @@ class SourceAccess:
     """How a run reads the source's data files.
 
     Attributes:
-        open: ``open(name)`` gives a data file's local path or a range source (it may download
+        open: ``open(name)`` gives a data file's local path or a remote source (it may download
             the file first).
         local: the files are on this machine, where OUT may share their blocks.
+        remote: ``remote(name)``: the file as the fetch engine reads it, None for a local file
+            (the copy queues every remote file's bytes before copying any).
+        close: stops the fetch engine's reads; called before the copy closes its files.
     """
 
     open: OpenSource
     local: bool
+    remote: Callable[[str], RemoteSource | None] = lambda name: None
+    close: Callable[[], None] = lambda: None
 
     @classmethod
     def on_disk(cls, ckpt: Checkpoint) -> SourceAccess:
@@ -51,9 +56,11 @@ class SourceAccess:
         return cls(lambda name: str(ckpt.path(name)), local=True)
 
     @classmethod
-    def fetched(cls, open_file: OpenSource) -> SourceAccess:
+    def fetched(
+        cls, open_file: OpenSource, remote: Callable[[str], RemoteSource | None], close: Callable[[], None]
+    ) -> SourceAccess:
         """Files fetched as they are needed (a Hub repo): read, never shared."""
-        return cls(open_file, local=False)
+        return cls(open_file, local=False, remote=remote, close=close)
 
 
 # What each field of a stamp is, for the message naming what changed.
@@ -110,24 +117,35 @@ class BlobCheck:
         self.update = self.digest.update
 
     @classmethod
-    def of(cls, plan: Plan, file: str, src: str | RangeSource, segments: list[Segment]) -> BlobCheck | None:
-        """The check of source ``file``, whose every tensor ``segments`` copies, read from the
-        local path ``src``: when it is a Hugging Face cache blob, named by its sha256 (the Hub's
-        LFS sha256), of a Hub source or of a cache folder given as MODEL."""
+    def of(cls, plan: Plan, file: str, src: str | RemoteSource, segments: list[Segment]) -> BlobCheck | None:
+        """The check of source ``file``, whose every tensor ``segments`` copies: read from the
+        local path ``src`` when it is a Hugging Face cache blob, named by its sha256 (the Hub's
+        LFS sha256), of a Hub source or of a cache folder given as MODEL; or fetched whole
+        from the Hub straight into the stage (``src`` remote), against the Hub's LFS sha256."""
         ckpt = plan.checkpoint
         want = ckpt.blob_sha256.get(file)
-        if want is None or not isinstance(src, str | os.PathLike):
+        if want is None:
             return None
         data_start = ckpt.file_sizes[file] - sum(s.nbytes for s in segments)  # tensors tile the data
+        if isinstance(src, RemoteSource):
+            head = bytearray(data_start)
+            src.readinto(memoryview(head), 0)  # the header planning kept
+            return cls(src.display, "", want, bytes(head), "run the same command again")
         with open(src, "rb") as f:
             head = f.read(data_start)
         # A Hub source fetches the file again; a cache folder given as MODEL is only read.
         fix = "run the same command again" if ckpt.hub else "download the file again"
-        return cls(f"{ckpt.display}: {file}", os.path.realpath(src), want, head, fix)
+        return cls(f"{ckpt.display}: {file}", os.path.realpath(src), want, bytes(head), fix)
 
     def check(self) -> None:
         """Raise ReshardError unless the bytes read are the Hub's (those the blob is named by)."""
         got = self.digest.hexdigest()
+        if got != self.want and not self.path:
+            raise RemoteError(
+                f"{self.where}: the bytes fetched (sha256 {got[:12]}...) are not the Hub's (LFS sha256 "
+                f"{self.want[:12]}...): the file changed on the server or the transfer was damaged; "
+                f"{self.fix}"
+            )
         if got != self.want:
             raise BadInput(
                 f"{self.where}: the bytes read (sha256 {got[:12]}...) are not the Hub's (LFS sha256 "

@@ -95,6 +95,7 @@ class WriteResult:
     files_kept: int = 0
     bytes_copied: int = 0  # bytes of the data files written by copying
     bytes_shared: int = 0  # bytes of the data files sharing the source's blocks (never read)
+    source_bytes: int = 0  # source bytes those came from, each once (what the progress counts)
     sharing: bool = False  # OUT could share blocks with the source
     complete: list[int] = field(default_factory=list)  # every stage of the split complete in OUT now
     # OUT's run record and non-weight files written (with the stages built, or alone: they
@@ -439,6 +440,7 @@ class _Run:
         result.files_kept += batch.files_kept
         result.bytes_copied += copied.bytes_copied
         result.bytes_shared += copied.bytes_shared
+        result.source_bytes += copied.source_bytes
         result.built += [s.rank for s in batch.stages]
         for stage in rest:
             self.reporter.stage_done(stage)

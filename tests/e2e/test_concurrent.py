@@ -281,6 +281,27 @@ def test_a_rank_killed_while_others_run_then_run_again(model, clean, tmp_path):
     assert_sequential(out, model, clean)
 
 
+def test_a_stage_claimed_by_a_killed_run_of_this_host_is_taken_over_at_once(model, clean, tmp_path):
+    """A run waiting for a stage another run of this host claimed takes it over as soon as that
+    run is killed (its process is known to be gone), not after half a lease (issue 37: ~28 s)."""
+    from qwen35_reshard.format.holder import LEASE_SECONDS
+
+    out = tmp_path / "out"
+    holder = Run(split_args(model, out, "--rank", "1"), tmp_path / "h", stop_at="/pp1/.model-")
+    holder.wait_stopped()
+    waiter = Run(split_args(model, out, "--rank", "1"), tmp_path / "w")
+    waiter.wait_ended_or_waiting()
+    assert waiter.proc.poll() is None, waiter.stderr.read_text()
+    holder.proc.kill()
+    killed = time.monotonic()
+    assert holder.finish() == -signal.SIGKILL
+    assert waiter.finish() == 0, waiter.stderr.read_text()
+    took = time.monotonic() - killed
+    print(f"stage 1 taken over and built {took:.1f} s after its holder was killed (lease {LEASE_SECONDS} s)")
+    assert took < LEASE_SECONDS / 6, took
+    assert digests(out / "pp1") == digests(clean / "pp1")
+
+
 def test_a_run_killed_as_it_breaks_a_gone_runs_lock(model, clean, tmp_path):
     """A run killed holding OUT's lock; the next run killed as it breaks that lock, between
     moving it aside and removing it. What is left (``.reshard-lock.gone.HOST.PID.NONCE.partial``)

@@ -77,7 +77,7 @@ def test_nnodes_and_node_rank_build_that_nodes_stages(model, tmp_path):
     assert "rank 1 of 2 from --nnodes, --node-rank: stages 2, 3" in p.stderr.splitlines()
     assert stages_in(out) == ["pp2", "pp3"]
     assert f"--model-path {out} --pp-size 4 --nnodes 2 --node-rank 1 " in p.stdout
-    plugin = "this node runs pp2, pp3: with qwen35-reshard installed in SGLang's environment its plugin"
+    plugin = f"this node runs pp2, pp3 from {out}, each pipeline rank's stage loaded by qwen35-reshard's"
     assert plugin in p.stdout
     assert "unsplit" not in p.stdout and "--rank" not in p.stdout
     assert "build no: this node (rank 1 of 2) does not run it" in p.stdout

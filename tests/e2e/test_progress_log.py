@@ -157,7 +157,7 @@ def test_terminal_keeps_the_bar(make_checkpoint, tmp_path):
 
 def test_results_in_a_file_are_neither_padded_nor_wrapped(make_checkpoint, tmp_path):
     """stdout and stderr piped (the plan table, the summary, the launch line; with --json the
-    human output on stderr): no line ends in padding, and the launch line is one line."""
+    human output on stderr): no line ends in padding, and each launch command is one line."""
     model = make_checkpoint()
     for extra, human in (((), "stdout"), (("--json",), "stderr")):
         out = tmp_path / f"out{len(extra)}"
@@ -169,5 +169,7 @@ def test_results_in_a_file_are_neither_padded_nor_wrapped(make_checkpoint, tmp_p
         for text in (p.stdout, p.stderr):
             assert all(line == line.rstrip() for line in text.splitlines()), text
         launch = [x for x in getattr(p, human).splitlines() if "sglang.launch_server" in x]
-        assert len(launch) == 1 and launch[0].rstrip().endswith("--dist-init-addr HEAD_IP:PORT"), launch
+        # One machine, then one stage per node: each whole on its line.
+        assert len(launch) == 2 and launch[0].endswith(f"--model-path {out} --pp-size 4"), launch
+        assert launch[1].endswith("--dist-init-addr HEAD_IP:PORT"), launch
         assert "pp0 " in getattr(p, human) and "wrote pp0, pp1, pp2, pp3" in getattr(p, human)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from support.helpers import ROOT, lone_error_line, one_error_line
+from support.helpers import ROOT, lone_error_line, one_error_line, other_weights
 
 # Real runs of the command (several per case), against a Hub server too.
 pytestmark = pytest.mark.slow
@@ -79,18 +79,6 @@ def test_nonsense_max_file_size_is_refused_naming_the_tensor_and_a_limit_that_wo
 
 
 # --------------------------------------------------------------------------- 1: the source in the identity
-
-
-def other_weights(model: Path, dest: Path) -> Path:
-    """A copy of ``model`` with the same config, index and headers but other bytes in one
-    tensor of one shard: what a new commit of the same checkpoint looks like."""
-    shutil.copytree(model, dest)
-    shard = sorted(dest.glob("*.safetensors"))[2]
-    raw = bytearray(shard.read_bytes())
-    (n,) = struct.unpack("<Q", raw[:8])
-    raw[8 + n : 8 + n + 64] = bytes(b ^ 0xFF for b in raw[8 + n : 8 + n + 64])
-    shard.write_bytes(bytes(raw))
-    return dest
 
 
 @pytest.fixture

@@ -30,6 +30,7 @@ from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as qm
 
 import qwen35_reshard
 from qwen35_reshard import loader
+from qwen35_reshard.errors import DamagedStage
 
 from support.tiny_model import DTYPE, IMPL, INDEX, LAYERS, VOCAB, perturb, tiny_config
 
@@ -374,3 +375,28 @@ def test_stages_load_strictly_and_reproduce_logits(world, tmp_path, layout, runt
         assert union == source_names  # every source tensor reached some stage
         timings[pp] = round(time.perf_counter() - t0, 2)
     print(f"{layout}/{runtime} seconds per pp: {timings}")
+
+
+def test_a_damaged_byte_stops_the_load_naming_tensor_and_file(world, tmp_path):
+    """The real model's ``load_weights`` fed ``iter_weights()`` as a server does (checked by
+    default, issue 37): one flipped byte in a stage file and the load raises, naming the
+    tensor and the file, instead of finishing with the damaged value in a parameter."""
+    src = world["sources"]["per_expert"]
+    out = tmp_path / "out"
+    plan = qwen35_reshard.make_plan(qwen35_reshard.read_checkpoint(src), pp=2, runtime="sglang",
+                                    max_file_bytes=200_000)
+    qwen35_reshard.write_plan(plan, out)
+    stage = loader.open_stage(out, pp_rank=1)
+    victim = [t for t in stage.tensors.values() if t.file == stage.files[0]][-1]
+    with open(stage.path / victim.file, "r+b") as f:
+        f.seek(victim.offset)
+        byte = f.read(1)
+        f.seek(victim.offset)
+        f.write(bytes([byte[0] ^ 0x40]))
+    sizes = server_partition(LAYERS, 2, "sglang")
+    cfg = AutoConfig.from_pretrained(stage.path, **IMPL)
+    model = StageModel(cfg, sizes[0], LAYERS, owned("sglang", 1, 2, mtp_kept=False)).eval()
+    with pytest.raises(loader.StageError) as e:
+        load_weights(model, stage.iter_weights())
+    assert isinstance(e.value, DamagedStage), e.value
+    assert f"{out / 'pp1' / victim.file}: the bytes of tensor {victim.name!r}" in str(e.value)

@@ -248,6 +248,16 @@ def safetensors_sent(hub, agent: str | None = None, *, exclude: str | None = Non
     )
 
 
+def pp2_plan_and_headers(source: Path) -> tuple[object, int]:
+    """The PP=2 vLLM plan of ``source`` and the bytes of its shards' length prefixes and headers."""
+    plan = qwen35_reshard.make_plan(qwen35_reshard.read_checkpoint(source), pp=2, runtime="vllm")
+    headers = 0
+    for f in source.glob("*.safetensors"):
+        with open(f, "rb") as fh:
+            headers += 8 + int.from_bytes(fh.read(8), "little")
+    return plan, headers
+
+
 def test_pp2_from_a_repo_id_fetches_each_stage_once(world, reference, tmp_path):
     """The unsplit checkpoint as a repo id on the tests' Hub: each worker fetches only its own
     stage (told apart by its User-Agent), the tokens are PP=1's, and the second start of the
@@ -255,11 +265,7 @@ def test_pp2_from_a_repo_id_fetches_each_stage_once(world, reference, tmp_path):
     from support.hub_server import HubServer
 
     source = world["sources"]["per_expert"]
-    plan = qwen35_reshard.make_plan(qwen35_reshard.read_checkpoint(source), pp=2, runtime="vllm")
-    headers = 0
-    for f in source.glob("*.safetensors"):
-        with open(f, "rb") as fh:
-            headers += 8 + int.from_bytes(fh.read(8), "little")
+    plan, headers = pp2_plan_and_headers(source)
     whole = sum(f.stat().st_size for f in source.glob("*.safetensors"))
     env = {"HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_DISABLE_XET": "1", "HF_HUB_DISABLE_TELEMETRY": "1",
            "QWEN35_RESHARD_STAGE_CACHE": str(tmp_path / "stages")}
@@ -303,6 +309,36 @@ def test_pp2_from_a_repo_id_fetches_each_stage_once(world, reference, tmp_path):
     assert stock == whole
 
 
+
+def test_pp2_from_an_s3_uri(world, reference, tmp_path):
+    """The unsplit checkpoint as ``s3://bucket/prefix`` on the tests' S3 server (moto, signatures
+    checked): vLLM fetches config and index through its own object-storage support (Run:ai's
+    streamer, boto3, the standard AWS variables) and our load format fetches each rank's stage by
+    byte ranges from the URI vLLM keeps as ``model_weights``; the tokens are PP=1's, and no one
+    reads a weight file whole. .ci/vllm/build-venv.sh installs ``runai-model-streamer[s3]``."""
+    from support.s3_server import S3Server
+
+    source = world["sources"]["per_expert"]
+    plan, headers = pp2_plan_and_headers(source)
+    with S3Server() as s3:
+        uri = s3.upload(source, "models", "qwen/tiny-engine")
+        env = {**s3.env(), "AWS_EC2_METADATA_DISABLED": "true", "VLLM_ASSETS_CACHE": str(tmp_path / "vllm"),
+               "QWEN35_RESHARD_STAGE_CACHE": str(tmp_path / "stages"),
+               "QWEN35_RESHARD_S3_CACHE": str(tmp_path / "s3")}
+        got = run_engine(world, uri, 2, LOAD_FORMAT, env=env)
+        assert got["returncode"] == 0 and "tokens" in got, tail(got)
+        assert got["tokens"] == reference
+        per_rank = {r: sum(e.sent for e in s3.gets(".safetensors") if f"qwen35-stages/pp{r}" in e.agent)
+                    for r in (0, 1)}  # fmt: skip
+        others = sum(e.sent for e in s3.gets(".safetensors") if "qwen35-stages/pp" not in e.agent)
+    for rank in (0, 1):
+        assert f"{uri} is not a split: pipeline rank {rank} of 2 loads its stage" in got["log"], tail(got)
+        assert plan.stages[rank].data_bytes <= per_rank[rank] <= plan.stages[rank].data_bytes + 2 * headers
+    assert others == 0  # vLLM's own object-storage fetch read no weight file
+    print(f"s3:// engine: bytes of *.safetensors fetched pp0 {per_rank[0]:,}, pp1 {per_rank[1]:,} "
+          f"(stage data {plan.stages[0].data_bytes:,} + {plan.stages[1].data_bytes:,}, headers {headers:,}); "
+          f"engine start {got['seconds']:.0f} s")
+
 # Two processes in one gloo group, each with its own VLLM_PP_LAYER_PARTITION (as on two nodes),
 # run the loader's exchange with vLLM's own get_pp_indices; no engine.
 AGREE = """
@@ -310,10 +346,12 @@ import socket, sys, types
 import torch.distributed as dist
 from vllm.distributed.utils import get_pp_indices
 from qwen35_reshard.loader import StageError
-from qwen35_reshard.servers.vllm import agreed_partition
+from qwen35_reshard.servers.deployment import agree, own_view
 dist.init_process_group("gloo", init_method=sys.argv[1], rank=int(sys.argv[2]), world_size=2)
 try:
-    print("AGREED", agreed_partition(types.SimpleNamespace(world_size=2, cpu_group=None), 8, get_pp_indices))
+    group = types.SimpleNamespace(world_size=2, rank_in_group=int(sys.argv[2]), cpu_group=None)
+    view = own_view("OUT", "vllm", group, 2, 8, get_pp_indices, None, None, split=True)
+    print("AGREED", agree("vllm", group, view)[0])
 except StageError as e:
     print("REFUSED", e)
 """

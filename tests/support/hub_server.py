@@ -21,8 +21,13 @@ range reader) talk to it. It serves what the Hub serves for model repos, as the 
 No Xet headers are ever sent. Every request is logged (origin, method, path, Range, status,
 body bytes sent, whether an Authorization header came, the User-Agent) so that tests can assert
 exactly what was fetched, and by whom. Faults can be injected: drop the connection after N body
-bytes of a matching response, answer an error status to any request (API calls included), or
-ignore ``Range`` altogether.
+bytes of a matching response, answer an error status to any request (API calls included: 429
+and 503 as a server asking for fewer requests), or ignore ``Range`` altogether.
+
+The server can be paced like a wide-area link (:meth:`HubServer.set_pacing`): every request
+waits ``latency`` seconds before its answer, and each answer's body goes out at ``rate`` bytes/s
+at most (per connection: one request at a time per connection). ``peak_in_flight`` is the most
+requests it answered at once.
 """
 
 from __future__ import annotations
@@ -98,12 +103,18 @@ class _State:
     log: list[LogEntry] = field(default_factory=list)
     faults: list[Fault] = field(default_factory=list)
     ignore_range: bool = False
+    # Bearer tokens the Hub knows (None: any token passes, as before); an unknown one gets what
+    # the Hub answers to every request with it: 401 "Invalid credentials in Authorization header".
+    tokens: set[str] | None = None
     blobs: dict[str, Path] = field(default_factory=dict)  # sha256 -> path
     lock: threading.Lock = field(default_factory=threading.Lock)
     # Requests being answered: an entry is logged only after its answer was sent, so a client can
     # have read a whole answer before its entry is there; the tests' view waits for these.
     in_flight: int = 0
+    peak_in_flight: int = 0
     settled: threading.Condition = field(default_factory=threading.Condition)
+    rate: float | None = None  # body bytes/s per connection (None: as fast as it goes)
+    latency: float = 0.0  # seconds every request waits before its answer
 
 
 def _sha256(path: Path) -> str:
@@ -171,6 +182,10 @@ class HubServer:
             repo.refs[ref] = commit
         return commit
 
+    def check_tokens(self, *valid: str) -> None:
+        """From now on, refuse every request whose token is not one of ``valid`` (nor a repo's)."""
+        self.state.tokens = set(valid) | {r.token for r in self.state.repos.values() if r.token}
+
     def move(self, repo_id: str, commit: str, *, branch: str = "main") -> None:
         """Point ``branch`` of ``repo_id`` at ``commit`` (published before), as a push does."""
         repo = self.state.repos[repo_id]
@@ -218,6 +233,19 @@ class HubServer:
 
     def set_ignore_range(self, value: bool) -> None:
         self.state.ignore_range = value
+
+    def set_pacing(self, rate: float | None = None, latency: float = 0.0) -> None:
+        """Pace every connection like a wide-area link: ``rate`` body bytes/s at most (None:
+        unpaced) and ``latency`` seconds before each answer."""
+        self.state.rate, self.state.latency = rate, latency
+
+    @property
+    def peak_in_flight(self) -> int:
+        """The most requests answered at once so far."""
+        return self.state.peak_in_flight
+
+    def reset_peak(self) -> None:
+        self.state.peak_in_flight = 0
 
     def stop(self) -> None:
         for server in (self.hub, self.cdn):
@@ -271,9 +299,12 @@ class _Handler(BaseHTTPRequestHandler):
     def _dispatch(self, *, head: bool) -> None:
         with self.owner.state.settled:
             self.owner.state.in_flight += 1
+            self.owner.state.peak_in_flight = max(self.owner.state.peak_in_flight, self.owner.state.in_flight)
         self._sent = 0
         self._status = 0
         started = time.monotonic()
+        if self.owner.state.latency:
+            time.sleep(self.owner.state.latency)
         try:
             fault = self._path_fault(unquote(urlsplit(self.path).path))
             if fault is not None:
@@ -322,6 +353,10 @@ class _Handler(BaseHTTPRequestHandler):
         """The repo if this request may see it; otherwise the Hub's error is sent and None returned."""
         repo = self.owner.state.repos.get(repo_id)
         auth = self.headers.get("Authorization", "")
+        known = self.owner.state.tokens
+        if auth and known is not None and auth.removeprefix("Bearer ") not in known:
+            self._error(401, None, "Invalid credentials in Authorization header")
+            return None
         allowed = repo is not None and (not (repo.gated or repo.private) or auth == f"Bearer {repo.token}")
         if repo is None or (repo.private and not allowed):
             self._error(401 if not auth else 404, "RepoNotFound", "Repository not found")
@@ -526,10 +561,16 @@ class _Handler(BaseHTTPRequestHandler):
         if head:
             return
         limit = fault.after if fault is not None and not fault.shift else None
+        rate = self.owner.state.rate
+        body_started = time.monotonic()
         with open(path, "rb") as f:
             f.seek(begin)
             left = end - begin
             while left:
+                if rate:  # the bytes sent so far may not have gone out faster than the rate
+                    ahead = self._sent / rate - (time.monotonic() - body_started)
+                    if ahead > 0:
+                        time.sleep(ahead)
                 chunk = f.read(min(left, 64 * 1024))
                 if limit is not None and self._sent + len(chunk) > limit:
                     self.wfile.write(chunk[: limit - self._sent])

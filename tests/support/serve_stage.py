@@ -4,11 +4,14 @@ it gave: ``RESULT {how, fetched_bytes, where, files, path, digests: {name: sha25
 or ``STAGEERROR <message>`` (opening or loading the stage) and exit 3. Used by tests/e2e/test_serve.py.
 
     python serve_stage.py '{"model": ..., "runtime": "vllm", "partition": [2, 2, 2, 2], "rank": 1}'
+
+``"hold": SECONDS`` keeps it running that long after RESULT, as a server serving the stage.
 """
 
 import hashlib
 import json
 import sys
+import time
 
 import torch
 
@@ -21,7 +24,8 @@ def main() -> int:
     try:
         served = server_stage(
             spec["model"], runtime=spec["runtime"], partition=spec["partition"], rank=spec["rank"],
-            revision=spec.get("revision"), copy=spec.get("copy", False), user_agent=spec.get("user_agent"),
+            revision=spec.get("revision"), token=spec.get("token"), copy=spec.get("copy", False),
+            user_agent=spec.get("user_agent"),
         )
     except StageError as e:
         print(f"STAGEERROR {e}", flush=True)
@@ -40,6 +44,7 @@ def main() -> int:
         "where": None if served.where is None else str(served.where), "files": list(stage.files),
         "path": str(stage.path), "digests": digests, "line": served.describe(),
     }), flush=True)
+    time.sleep(spec.get("hold", 0))  # a server running on the stage, until killed
     return 0
 
 

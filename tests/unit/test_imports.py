@@ -30,9 +30,11 @@ LAYERS = [
                    "format.manifest", "format.identity", "format.holder"]),
     (2, "model", ["model", "model.names", "model.modules", "model.quant", "model.quant.schemes",
                   "model.quant.config", "model.completeness", "model.schema", "model.runtimes"]),
-    (3, "source", ["source", "source.header", "source.checkpoint", "source.ranged", "source.hub",
+    (3, "source", ["source", "source.header", "source.checkpoint", "source.remote", "source.remote.parts",
+                   "source.remote.engine", "source.ranged", "source.hub",
                    "source.hub.cache", "source.hub.http", "source.hub.listing", "source.hub.headers",
-                   "source.hub.checkpoint", "source.hub.fetch", "source.open"]),
+                   "source.hub.checkpoint", "source.hub.fetch", "source.s3", "source.s3.store",
+                   "source.s3.checkpoint", "source.open"]),
     (4, "plan", ["plan", "plan.layout", "plan.planner", "plan.capacity", "plan.balance", "plan.fetch",
                  "plan.nodes"]),
     (5, "transfer", ["transfer", "transfer.reflink", "transfer.segments", "transfer.pages", "transfer.hasher",
@@ -50,9 +52,11 @@ LAYERS = [
     # The server integrations (issue 37): a rank building its own stage from the unsplit model
     # (issue 33) goes through the library; the load format and the plugin import it only when a
     # rank is handed no split.
-    (9, "servers", ["servers", "servers.unsplit", "servers.vllm", "servers.sglang"]),
+    (9, "servers", ["servers", "servers.unsplit", "servers.stagecache", "servers.deployment", "servers.vllm",
+                    "servers.sglang"]),
     # The CLI sits on top: it may show what the servers keep (the stage cache).
-    (10, "cli", ["cli", "cli.progress", "cli.report", "cli.flags", "cli.process", "cli.app", "__main__"]),
+    (10, "cli", ["cli", "cli.progress", "cli.report", "cli.flags", "cli.process", "cli.cache", "cli.app",
+                 "__main__"]),
 ]  # fmt: skip
 LAYER = {
     f"qwen35_reshard.{m}".rstrip("."): (rank, group) for rank, group, modules in LAYERS for m in modules

@@ -32,6 +32,11 @@ class HubSettings:
     # Appended to every request's User-Agent (e.g. "qwen35-stages/pp1"): a server's logs and
     # a test tell the callers apart.
     user_agent: str | None = None
+    # Reads in flight at once (None: QWEN35_RESHARD_STREAMS, else the engine's default).
+    streams: int | None = None
+    # Shards a stage needs whole go through huggingface_hub into its cache (reused by other
+    # tools, at twice the disk), instead of straight into the stage.
+    hf_cache: bool = False
 
 
 @dataclass(frozen=True)

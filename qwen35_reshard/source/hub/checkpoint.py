@@ -3,7 +3,7 @@ huggingface_hub, each shard's header through :mod:`.headers`."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -63,12 +63,6 @@ def read_hub_checkpoint(repo: HubRepo, *, traffic: Traffic | None = None) -> Che
         # Popped as taken: each is dropped once its tensors are made.
         return map(parsed_headers(repo, files, listing, traffic).pop, files)
 
-    def other_files(files: list[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        top = [n for n in sorted(listing) if "/" not in n and not n.startswith(".")]
-        weights = (".safetensors", *PICKLE_SUFFIXES)
-        extra = tuple(n for n in top if n not in (INDEX_NAME, *files) and not n.endswith(weights))
-        return extra, tuple(n for n in top if n.endswith(".safetensors") and n not in files)
-
     ckpt = assemble_checkpoint(
         root=repo.snapshot,
         display=repo.describe(),
@@ -76,12 +70,28 @@ def read_hub_checkpoint(repo: HubRepo, *, traffic: Traffic | None = None) -> Che
         config_bytes=config_bytes,
         index_bytes=index_bytes,
         read_headers=read_headers,
-        other_files=other_files,
+        other_files=lambda files: listed_other_files(listing, files),
         hub=repo.identity(),
     )
     side = _small_file(repo, QUANT_SIDE_FILE, listing, traffic) if QUANT_SIDE_FILE in listing else None
     quant_side = load_quant_side(side, f"{repo.describe()}/{QUANT_SIDE_FILE}")
     return replace(ckpt, blob_sha256=repo_lfs_sha256(repo, ckpt.files), quant_side=quant_side)
+
+
+def listed_other_files(names: Iterable[str], files: list[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Of a remote listing's ``names`` (a repo's files, a prefix's objects), the top-level
+    non-weight files every stage gets and the ``*.safetensors`` the index (``files``) does not
+    list; hidden files neither. Pure.
+
+    Example:
+        >>> listed_other_files(["config.json", "a.safetensors", "b.safetensors", ".gitattributes"],
+        ...                    ["a.safetensors"])
+        (('config.json',), ('b.safetensors',))
+    """
+    top = [n for n in sorted(names) if "/" not in n and not n.startswith(".")]
+    weights = (".safetensors", *PICKLE_SUFFIXES)
+    extra = tuple(n for n in top if n not in (INDEX_NAME, *files) and not n.endswith(weights))
+    return extra, tuple(n for n in top if n.endswith(".safetensors") and n not in files)
 
 
 def _small_file(repo: HubRepo, name: str, listing: dict[str, int], traffic: Traffic) -> bytes:

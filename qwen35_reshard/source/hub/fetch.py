@@ -1,17 +1,20 @@
-"""How each source shard reaches the stages a run builds: read from the cache, downloaded whole
-into it, or only the needed byte ranges."""
+"""How each source shard reaches the stages a run builds: read from the cache, or fetched by the
+fetch engine (every tensor of it, or only the needed byte ranges) straight into the stage
+files; with ``hf_cache``, shards needed whole go into the Hugging Face cache first."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ...errors import HubError
 from ...units import plural
-from ..ranged import RangeReader
+from ..remote.engine import FetchEngine, RemoteFile, RemoteSource, streams_setting
 from .cache import HubRepo
-from .http import Traffic, hf_download, reader
+from .headers import header_bytes
+from .http import Traffic, engine, hf_download
 from .listing import repo_listing
 
 if TYPE_CHECKING:
@@ -25,7 +28,7 @@ class ShardFetch:
     """How one source shard reaches the stages built by this run."""
 
     file: str
-    how: str  # FETCH_CACHE, FETCH_WHOLE or FETCH_RANGES
+    how: str  # FETCH_CACHE, FETCH_WHOLE (every tensor of it) or FETCH_RANGES
     size: int  # the file's size
     needed: int  # data bytes of it that the stages built need (each tensor once)
 
@@ -44,8 +47,9 @@ def fetch_plan(ckpt: Checkpoint, needed: dict[str, set[str]], cached: set[str]) 
 
 
 class HubFetcher:
-    """Hands the copy each source shard: a cached file, a file downloaded whole into the
-    cache, or a range reader. ``on_fetched(n)`` sees whole-file download progress."""
+    """Hands the copy each source shard: a cached file, a remote source the fetch engine reads
+    (its parts written in place into the stage files), or with ``hf_cache`` a shard needed
+    whole downloaded into the cache first. ``on_fetched(n)`` sees that download's progress."""
 
     def __init__(
         self,
@@ -62,6 +66,8 @@ class HubFetcher:
         self.on_fetched = on_fetched
         cached = {f for f in needed if repo.cached(f) is not None}
         self.fetches = fetch_plan(ckpt, needed, cached)
+        self.engine: FetchEngine = engine(repo, self.traffic)
+        self._sources: dict[str, RemoteSource] = {}
 
     def prepare(self) -> None:
         """Offline, name every file the run needs that the cache lacks; online, fetch the
@@ -77,22 +83,51 @@ class HubFetcher:
         fetch_files(self.repo, self.ckpt.extra_files, self.traffic)
 
     @property
-    def download_bytes(self) -> int:
-        """Bytes of the shards this run downloads whole."""
-        return sum(f.size for f in self.fetches.values() if f.how == FETCH_WHOLE)
+    def checkpoint_bytes(self) -> int:
+        """Bytes of every file of the repo at the commit."""
+        return sum(repo_listing(self.repo).values())
 
-    def open(self, file: str) -> str | RangeReader:
-        """The source of ``file`` for the copy: a local path or a range reader."""
+    @property
+    def download_bytes(self) -> int:
+        """Bytes of the shards this run downloads whole into the Hugging Face cache."""
+        into_cache = self.repo.settings.hf_cache
+        return sum(f.size for f in self.fetches.values() if f.how == FETCH_WHOLE and into_cache)
+
+    def remote(self, file: str) -> RemoteSource | None:
+        """``file`` as the fetch engine reads it (one object per file), or None when it comes
+        from the Hugging Face cache."""
         fetch = self.fetches[file]
-        if fetch.how == FETCH_RANGES:
-            return reader(self.repo, file, size=fetch.size, traffic=self.traffic)
-        if fetch.how == FETCH_WHOLE:
-            return hf_download(self.repo, file, self.traffic, size=fetch.size, on_bytes=self.on_fetched)
+        if fetch.how == FETCH_CACHE or (fetch.how == FETCH_WHOLE and self.repo.settings.hf_cache):
+            return None
+        src = self._sources.get(file)
+        if src is None:
+            # The header planning kept: the copy and the check of a whole shard read it there.
+            head = header_bytes(self.repo, file)
+            src = self._sources[file] = RemoteSource(
+                self.engine, RemoteFile(file, fetch.size, self.repo.commit), head
+            )
+        return src
+
+    def open(self, file: str) -> str | RemoteSource:
+        """The source of ``file`` for the copy: a local path or a remote source."""
+        src = self.remote(file)
+        if src is not None:
+            return src
+        if self.fetches[file].how == FETCH_WHOLE:
+            return hf_download(
+                self.repo, file, self.traffic, size=self.fetches[file].size, on_bytes=self.on_fetched
+            )
         return str(self.repo.snapshot / file)
+
+    def close(self) -> None:
+        """Stop the engine's reads (none is left running after this returns)."""
+        self.engine.close()
 
 
 def fetch_files(repo: HubRepo, names: tuple[str, ...], traffic: Traffic | None = None) -> None:
-    """Small files (tokenizer, configs, ...) into the cache, where the copy reads them."""
+    """Small files (tokenizer, configs, ...) into the cache, where the copy reads them: all at
+    once (each costs round trips, not bandwidth), as many as the streams."""
     listing = repo_listing(repo)
-    for name in names:
-        hf_download(repo, name, traffic if traffic is not None else Traffic(), size=listing.get(name, 0))
+    counted = traffic if traffic is not None else Traffic()
+    with ThreadPoolExecutor(max_workers=streams_setting(repo.settings.streams)) as pool:
+        list(pool.map(lambda name: hf_download(repo, name, counted, size=listing.get(name, 0)), names))

@@ -9,12 +9,12 @@ from concurrent.futures import ThreadPoolExecutor
 from ...errors import HubError, ReshardError
 from ...units import plural
 from ..header import Header, parse_header
+from ..remote.engine import FetchEngine, RemoteFile
 from .cache import HEADER_SUFFIX, HubRepo, write_kept
-from .http import Traffic, hub_error, reader
+from .http import Traffic, engine, hub_error
 from .listing import repo_listing
 
 HEADER_PROBE_BYTES = 8  # the length prefix; then exactly the header: not a byte of tensor data
-HEADER_WORKERS = 8  # headers fetched at once while planning
 
 
 def parsed_headers(
@@ -22,9 +22,7 @@ def parsed_headers(
 ) -> dict[str, Header]:
     """Each shard's parsed header: kept on disk, else from the cached shard, else fetched."""
     missing = [
-        f
-        for f in files
-        if not (repo.assets / (f + HEADER_SUFFIX)).is_file() and repo.cached(f) is None
+        f for f in files if not (repo.assets / (f + HEADER_SUFFIX)).is_file() and repo.cached(f) is None
     ]
     if missing and repo.offline:
         raise HubError(
@@ -33,21 +31,24 @@ def parsed_headers(
             "it once with network access"
         )
 
+    fetcher = engine(repo, traffic)
+
     def one(f: str) -> Header:
         return parse_header(
-            _header_bytes(repo, f, listing[f], traffic)[8:],
+            _header_bytes(repo, f, listing[f], fetcher)[8:],
             file_size=listing[f],
             where=f"{repo.describe()}: {f}",
         )
 
-    pool = ThreadPoolExecutor(max_workers=HEADER_WORKERS)
+    # Every header at once, as many in flight as the engine's streams.
+    pool = ThreadPoolExecutor(max_workers=fetcher.streams)
     try:
         return dict(zip(files, pool.map(one, files), strict=True))
     finally:
         pool.shutdown(cancel_futures=True)  # on the first error, fetch no more headers
 
 
-def _header_bytes(repo: HubRepo, f: str, size: int, traffic: Traffic) -> bytes:
+def _header_bytes(repo: HubRepo, f: str, size: int, fetcher: FetchEngine) -> bytes:
     """The shard's first 8 + n bytes (length prefix and header)."""
     kept = repo.assets / (f + HEADER_SUFFIX)
     if kept.is_file():
@@ -58,22 +59,20 @@ def _header_bytes(repo: HubRepo, f: str, size: int, traffic: Traffic) -> bytes:
             (n,) = struct.unpack("<Q", fh.read(8).ljust(8, b"\0"))
             _check_header_length(n, size, repo, f)
             return struct.pack("<Q", n) + fh.read(n)
-    r = reader(repo, f, size=size, traffic=traffic)
+    file = RemoteFile(f, size, repo.commit)
     try:
-        raw = r.read(0, min(size, HEADER_PROBE_BYTES))
+        raw = fetcher.read(file, 0, min(size, HEADER_PROBE_BYTES))
         if len(raw) < 8:
             raise HubError(f"{repo.describe()}: {f}: not a safetensors file (shorter than 8 bytes)")
         (n,) = struct.unpack("<Q", raw[:8])
         _check_header_length(n, size, repo, f)
         if 8 + n > len(raw):
-            raw += r.read(len(raw), 8 + n)
+            raw += fetcher.read(file, len(raw), 8 + n)
         raw = raw[: 8 + n]
     except ReshardError:
         raise
     except Exception as e:
         raise hub_error(e, repo, what=f"the header of {f}") from e
-    finally:
-        r.close()
     write_kept(kept, raw)
     return raw
 
@@ -88,7 +87,7 @@ def header_bytes(repo: HubRepo, file: str) -> bytes:
     listing = repo_listing(repo)
     if file not in listing:
         raise HubError(f"{repo.describe()}: {file} is missing from the repo; the repo is incomplete")
-    return _header_bytes(repo, file, listing[file], Traffic())
+    return _header_bytes(repo, file, listing[file], engine(repo, Traffic()))
 
 
 def _check_header_length(n: int, size: int, repo: HubRepo, f: str) -> None:

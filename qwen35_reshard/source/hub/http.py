@@ -16,7 +16,8 @@ from typing import TypeVar
 from ..._version import __version__
 from ...errors import HubError, ReshardError
 from ...format.names import COMMIT, TOOL_NAME
-from ..ranged import RETRY_STATUS, RangeReader, backoff, describe, log_retry, redact
+from ..ranged import RETRY_STATUS, HttpTransport, describe, redact
+from ..remote.engine import FetchEngine, RetryPolicy, backoff, log_retry, streams_setting
 from .cache import HubRepo, HubSettings, read_ref
 
 # First wait before retrying a failed request (doubled each time, up to MAX_RETRY_WAIT s).
@@ -180,11 +181,15 @@ def hub_error(e: BaseException, repo: HubRepo, *, what: str) -> ReshardError:
             "HF_TOKEN or pass a token)"
         )
     if isinstance(e, hf.RevisionNotFoundError):
-        return HubError(
-            f"{repo.repo_id}: no revision {repo.revision!r} (branch, tag or commit) in the repo"
-        )
+        return HubError(f"{repo.repo_id}: no revision {repo.revision!r} (branch, tag or commit) in the repo")
     if isinstance(e, hf.RemoteEntryNotFoundError):
         return HubError(f"{repo.describe()}: {what} is missing from the repo; the repo is incomplete")
+    if getattr(getattr(e, "response", None), "status_code", None) == 401:  # the Hub's "Invalid credentials"
+        return HubError(
+            f"{endpoint} refused the token ({what} of {repo.repo_id}: 401, invalid credentials): the "
+            "token in use (HF_TOKEN, the one `hf auth login` saved, or one passed) is not a valid token; "
+            "use a valid one, or none for a public repo"
+        )
     if repo.offline:
         return HubError(
             f"{repo.repo_id}: offline, and the Hugging Face cache lacks {what}; run once with network "
@@ -279,27 +284,25 @@ class _Progress:
         self._on_bytes(n)
 
 
-def reader(repo: HubRepo, name: str, *, size: int | None, traffic: Traffic) -> RangeReader:
-    """A checked, retrying range reader of ``name`` at the repo's commit."""
+def engine(repo: HubRepo, traffic: Traffic) -> FetchEngine:
+    """The fetch engine for the repo's files at its commit: checked ranged reads, as many in
+    flight as the repo's settings say (``streams``), retried with backoff."""
     from huggingface_hub import hf_hub_url
     from huggingface_hub.utils import build_hf_headers, hf_raise_for_status
 
-    url = hf_hub_url(repo.repo_id, name, revision=repo.commit, endpoint=repo.settings.endpoint)
     headers = build_hf_headers(
         token=repo.settings.token,
         library_name=TOOL_NAME,
         library_version=__version__,
         user_agent=repo.settings.user_agent,
     )
-    return RangeReader(
-        url,
-        wait=_retry_wait(),
-        max_wait=MAX_RETRY_WAIT,
-        retries=RETRIES,
-        display=f"{repo.describe()}: {name}",
+    transport = HttpTransport(
+        lambda name: hf_hub_url(repo.repo_id, name, revision=repo.commit, endpoint=repo.settings.endpoint),
+        display=repo.describe(),
         session=_REQUESTS.session(),
         headers=headers,
         raise_for_status=hf_raise_for_status,
-        size=size,
         counter=traffic,
     )
+    policy = RetryPolicy(retries=RETRIES, wait=_retry_wait(), max_wait=MAX_RETRY_WAIT)
+    return FetchEngine(transport, streams=streams_setting(repo.settings.streams), policy=policy)

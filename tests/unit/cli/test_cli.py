@@ -58,7 +58,7 @@ def test_old_form_and_split_form_are_the_same_job(model, tmp_path):
 
     def untimed(text: str, out: str) -> str:
         text = text.replace(str(tmp_path / out), "OUT")
-        return re.sub(r"in [0-9.]+ s: (.*) copied at [0-9.]+ [KMGT]?B/s", r"in T s: \1 copied", text)
+        return re.sub(r"in [0-9.]+ s: (.*) stage files, [0-9.]+ [KMGT]?B/s", r"in T s: \1 stage files", text)
 
     assert untimed(old.stdout, "old") == untimed(new.stdout, "new")
     assert "SGLANG_PP_LAYER_PARTITION=4,4" in old.stdout
@@ -89,6 +89,9 @@ def test_help_lists_options_with_defaults_and_ends_with_examples(capsys, command
     head, examples = out.split("Examples:")
     lines = [line.strip() for line in examples.strip().splitlines()]
     assert len(lines) >= 4 and all("qwen35-reshard" in line for line in lines if not line.startswith("--"))
+    # Copyable as is: a model is an org/name Hub id (a bare "Qwen3.5-35B-A3B" is neither that
+    # nor a directory that exists).
+    assert not re.search(r"(?<![/\w.-])Qwen3\.5-", examples), examples
     if command is None:
         assert all(c in head for c in ("split", "plan", "verify", "--install-completion", "--version"))
         return
@@ -169,7 +172,11 @@ def test_verify_report_on_stdout_and_quiet_prints_only_problems(model, tmp_path)
     ok = cli("verify", out)
     assert ok.returncode == 0 and ok.stderr == ""
     assert ok.stdout.splitlines()[-1] == f"verify OK: {out}, 2 stages"
-    assert re.search(r"pp0: ok \([0-9]+ tensors in [0-9]+ files?, [0-9.]+ (KB|MB) hashed\)", ok.stdout)
+    # Each stage's size is the one plan's table gives it (not its tensor bytes alone).
+    planned = re.findall(r"^(pp[01]) .* ([0-9.]+ [KM]B) ", cli("plan", "--pp", 2, model).stdout, re.M)
+    stage_line = r"/(pp[01]): ok \([0-9]+ tensors in [0-9]+ files?, ([0-9.]+ [KM]B)\)$"
+    verified = re.findall(stage_line, ok.stdout, re.M)
+    assert len(planned) == 2 and verified == planned, (planned, ok.stdout)
     assert cli("verify", "-q", out).stdout == ""
     data = sorted((out / "pp1").glob("model-*.safetensors"))[0]
     with open(data, "r+b") as f:
@@ -182,6 +189,15 @@ def test_verify_report_on_stdout_and_quiet_prints_only_problems(model, tmp_path)
     lines = bad.stdout.splitlines()
     assert not any(": ok (" in line for line in lines) and lines[0].startswith(f"{out}/pp1: 1 problem (")
     assert any(data.name in line for line in lines[1:]) and lines[-2].startswith("verify FAILED")
+    # Against the source the one damaged byte is still one problem...
+    against = cli("verify", out, "--source", model)
+    assert against.returncode == 1
+    assert f"verify FAILED: {out} against {model}: 1 problem: 1 different" in against.stdout
+    # ... and a repair that ends OK prints what it found and mended, never "FAILED".
+    repair = cli("verify", out, "--source", model, "--repair")
+    assert repair.returncode == 0, repair.stderr
+    assert "FAILED" not in repair.stdout and "found 1 problem: 1 different" in repair.stdout
+    assert f"repaired: {data}" in repair.stdout and repair.stdout.splitlines()[-1].startswith("verify OK")
 
 
 # --------------------------------------------------------------------------- what the output reads

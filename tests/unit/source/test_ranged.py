@@ -1,4 +1,5 @@
-"""The range reader against a real HTTP server speaking the Hub's file protocol.
+"""The Hub's HTTP transport, read through the fetch engine, against a real HTTP server speaking
+the Hub's file protocol.
 
 Each test reads byte ranges of a shard through ``/resolve`` (a redirect to the CDN origin) and
 checks the bytes against the file, or that a wrong answer is refused.
@@ -10,7 +11,9 @@ import pytest
 from huggingface_hub import get_session, hf_hub_url
 from huggingface_hub.utils import hf_raise_for_status
 
-from qwen35_reshard.source.ranged import RangeError, RangeReader
+from qwen35_reshard.errors import RemoteError
+from qwen35_reshard.source.ranged import HttpTransport, RangeError
+from qwen35_reshard.source.remote.engine import FetchEngine, RemoteFile, RetryPolicy
 
 from support.hub_server import Fault, HubServer
 
@@ -22,8 +25,7 @@ def served(make_checkpoint):
     model = make_checkpoint()
     with HubServer() as hub:
         commit = hub.add_repo("Qwen/Tiny", model)
-        url = hf_hub_url("Qwen/Tiny", FILE, revision=commit, endpoint=hub.url)
-        yield hub, url, (model / FILE).read_bytes()
+        yield hub, commit, (model / FILE).read_bytes()
 
 
 class Counter:
@@ -34,84 +36,80 @@ class Counter:
         self.bytes += n
 
 
-def reader(url, **kwargs):
-    return RangeReader(
-        url,
-        display=FILE,
+def engine(hub, commit, counter=None, streams=4):
+    transport = HttpTransport(
+        lambda name: hf_hub_url("Qwen/Tiny", name, revision=commit, endpoint=hub.url),
+        display="Qwen/Tiny",
         session=get_session(),
         headers={"authorization": "Bearer hf_x"},
         raise_for_status=hf_raise_for_status,
-        wait=0.01,
-        **kwargs,
+        counter=counter,
     )
+    return FetchEngine(transport, streams=streams, policy=RetryPolicy(wait=0.01))
 
 
-def read_spans(r, spans, window=30_000):
-    r.expect(spans)
-    out = []
-    for a, b in spans:
-        buf = bytearray(b - a)
-        for p in range(0, b - a, window):
-            r.readinto(memoryview(buf)[p : p + window], a + p)
-        out.append(bytes(buf))
-    return out
-
-
-def test_one_request_per_run_and_the_cdn_address_is_kept(served):
-    hub, url, data = served
+def test_one_request_per_range_and_the_cdn_address_is_kept(served):
+    hub, commit, data = served
     counter = Counter()
+    e = engine(hub, commit, counter)
+    f = RemoteFile(FILE, len(data), commit)
     spans = [(100, 50_000), (60_000, 200_000), (200_000, 200_001)]
-    got = read_spans(reader(url, size=len(data), counter=counter), spans)
-    assert got == [data[a:b] for a, b in spans]
+    assert [e.read(f, a, b) for a, b in spans] == [data[a:b] for a, b in spans]
     assert counter.bytes == sum(b - a for a, b in spans)
     log = hub.log
     # The first range goes through /resolve (302), the others straight to the CDN.
-    assert [(e.origin, e.status) for e in log] == [("hub", 302)] + [("cdn", 206)] * 3
-    assert [e.range for e in log[1:]] == ["bytes=100-49999", "bytes=60000-199999", "bytes=200000-200000"]
-    assert log[0].auth and not any(e.auth for e in log[1:])  # the token stays on the Hub
+    assert [(x.origin, x.status) for x in log] == [("hub", 302)] + [("cdn", 206)] * 3
+    assert [x.range for x in log[1:]] == ["bytes=100-49999", "bytes=60000-199999", "bytes=200000-200000"]
+    assert log[0].auth and not any(x.auth for x in log[1:])  # the token stays on the Hub
 
 
 def test_transient_status_is_retried_and_an_expired_cdn_address_renewed(served):
-    hub, url, data = served
-    r = reader(url, size=len(data))
-    assert r.read(0, 10) == data[:10]
+    hub, commit, data = served
+    e = engine(hub, commit)
+    f = RemoteFile(FILE, len(data), commit)
+    assert e.read(f, 0, 10) == data[:10]
     hub.add_fault(Fault(FILE, status=503))
     hub.add_fault(Fault(FILE, status=403))  # the signed address expired: ask /resolve again
-    assert read_spans(r, [(1000, 90_000)]) == [data[1000:90_000]]
-    statuses = [(e.origin, e.status) for e in hub.log][2:]
+    assert e.read(f, 1000, 90_000) == data[1000:90_000]
+    statuses = [(x.origin, x.status) for x in hub.log][2:]
     assert statuses == [("cdn", 503), ("cdn", 403), ("hub", 302), ("cdn", 206)]
 
 
 def test_dropped_connection_resumes_at_the_first_missing_byte(served):
-    hub, url, data = served
+    hub, commit, data = served
     hub.add_fault(Fault(FILE, after=7000, ranged=True))
-    assert read_spans(reader(url, size=len(data)), [(500, 150_000)]) == [data[500:150_000]]
-    ranges = [e.range for e in hub.log if e.origin == "cdn"]
+    e = engine(hub, commit)
+    assert e.read(RemoteFile(FILE, len(data), commit), 500, 150_000) == data[500:150_000]
+    ranges = [x.range for x in hub.log if x.origin == "cdn"]
     assert ranges == ["bytes=500-149999", "bytes=7500-149999"]
 
 
 @pytest.mark.parametrize(
-    "fault, message",
+    "fault, error, message",
     [
-        (Fault(FILE, shift=True), "refusing bytes that may not be the ones asked for"),
-        (Fault(FILE, after=0, times=100, ranged=True), "the connection failed 6 times in a row"),
+        (Fault(FILE, shift=True), RangeError, "refusing bytes that may not be the ones asked for"),
+        (
+            Fault(FILE, after=0, times=100, ranged=True),
+            RemoteError,
+            "6 failures in a row, the last: the connection failed",
+        ),
     ],
 )
-def test_wrong_or_missing_answers_are_refused(served, fault, message):
-    hub, url, data = served
+def test_wrong_or_missing_answers_are_refused(served, fault, error, message):
+    hub, commit, data = served
     hub.add_fault(fault)
-    with pytest.raises(RangeError, match=message):
-        read_spans(reader(url, size=len(data)), [(100, 5000)])
+    with pytest.raises(error, match=message):
+        engine(hub, commit).read(RemoteFile(FILE, len(data), commit), 100, 5000)
 
 
 def test_a_server_ignoring_range_is_refused(served):
-    hub, url, data = served
+    hub, commit, data = served
     hub.set_ignore_range(True)
     with pytest.raises(RangeError, match="ignored the Range request"):
-        reader(url).read(0, 8)
+        engine(hub, commit).read(RemoteFile(FILE, len(data), commit), 0, 8)
 
 
 def test_a_size_that_changed_is_refused(served):
-    _, url, data = served
+    hub, commit, data = served
     with pytest.raises(RangeError, match="refusing"):
-        reader(url, size=len(data) + 1).read(0, 8)
+        engine(hub, commit).read(RemoteFile(FILE, len(data) + 1, commit), 0, 8)

@@ -1,0 +1,146 @@
+"""What a split from ``s3://bucket/prefix`` fetches and how long it takes, against boto3's own
+whole-object download of the same checkpoint (issue 38).
+
+Starts ``tests/support/s3_server.py`` (moto's S3 server, signatures checked) in a process of its
+own, paced like a wide-area link (``--rate`` bytes/s per request, ``--latency`` s before each
+answer), uploads a scaled Qwen3.5-35B-A3B-shaped checkpoint (``examples/tiny_checkpoint.py``) and
+runs, in interleaved rounds:
+
+- stock: every object downloaded whole by boto3's TransferManager (``download_file``, its
+  default 10 threads and 8 MB parts, one object after another), in a process of its own as
+  ours runs: the baseline measured in the same run;
+- ``qwen35-reshard --pp 4 --rank 1 URI OUT``: one node's stage (ranged reads, the fetch engine);
+- ``qwen35-reshard --pp 4 URI OUT``: a whole split straight from the bucket.
+
+For each: bytes fetched (the command's ``--json`` ``fetch.fetched_bytes``), median seconds,
+MB/s, and ``(time ours / time stock) / (bytes ours / bytes stock)``: 1.0 means the ranged reads
+move their bytes as fast as the whole-object download moves its own.
+
+    python benchmarks/s3_fetch.py                                  # 200 MB, 10 MB/s, 30 ms, 3 rounds
+    python benchmarks/s3_fetch.py --size 1e8 --rate 0 --latency 0  # unpaced loopback
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "benchmarks")]
+
+import tiny_checkpoint  # noqa: E402
+from s3_clients import boto_client, start_server  # noqa: E402
+
+BUCKET, PREFIX, PP = "bench", "qwen/scaled", 4
+
+
+STOCK = f"""
+import sys, boto3
+s3 = boto3.client("s3", region_name="us-east-1")
+for name in sys.argv[2:]:
+    s3.download_file("{BUCKET}", "{PREFIX}/" + name, sys.argv[1] + "/" + name)
+"""
+
+
+def aws_env(info: dict) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(
+        PYTHONPATH=str(ROOT),
+        AWS_ENDPOINT_URL=info["endpoint"],
+        AWS_ACCESS_KEY_ID=info["access_key"],
+        AWS_SECRET_ACCESS_KEY=info["secret_key"],
+        AWS_DEFAULT_REGION="us-east-1",
+        AWS_EC2_METADATA_DISABLED="true",
+    )
+    return env
+
+
+def stock(info: dict, names: list[str], dest: Path) -> tuple[float, int]:
+    """boto3's download in a process of its own, as ours runs (interpreter start included)."""
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-c", STOCK, str(dest), *names], env=aws_env(info), check=True)
+    return time.perf_counter() - started, sum((dest / n).stat().st_size for n in names)
+
+
+def ours(info: dict, args: list[str], work: Path) -> tuple[float, int]:
+    out = Path(tempfile.mkdtemp(dir=work)) / "out"
+    # A fresh node: the headers are fetched too.
+    env = {**aws_env(info), "QWEN35_RESHARD_S3_CACHE": tempfile.mkdtemp(dir=work)}
+    started = time.perf_counter()
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "qwen35_reshard",
+            "--pp",
+            str(PP),
+            *args,
+            "--json",
+            f"s3://{BUCKET}/{PREFIX}",
+            str(out),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    seconds = time.perf_counter() - started
+    if proc.returncode != 0:
+        sys.exit(f"{args} failed:\n{proc.stderr[-3000:]}")
+    return seconds, json.loads(proc.stdout)["fetch"]["fetched_bytes"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size", type=float, default=2e8, help="checkpoint bytes")
+    ap.add_argument("--rate", type=float, default=10e6, help="bytes/s per request (0: unpaced)")
+    ap.add_argument("--latency", type=float, default=0.03, help="seconds before each answer")
+    ap.add_argument("--rounds", type=int, default=3)
+    a = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="s3-bench-"))
+    model = tiny_checkpoint.build_checkpoint(
+        work / "model", **tiny_checkpoint.preset("qwen3.5-35b-a3b-scaled", target_bytes=int(a.size))
+    )
+    names = sorted(p.name for p in model.iterdir() if p.is_file())
+    proc, info = start_server(a.rate or None, a.latency)
+    try:
+        s3 = boto_client(info, 4)
+        s3.create_bucket(Bucket=BUCKET)
+        for n in names:
+            s3.upload_file(str(model / n), BUCKET, f"{PREFIX}/{n}")
+        rows: dict[str, list[tuple[float, int]]] = {"stock": [], "rank 1": [], "whole split": []}
+        for _ in range(a.rounds):
+            dest = Path(tempfile.mkdtemp(dir=work))
+            rows["stock"].append(stock(info, names, dest))
+            rows["rank 1"].append(ours(info, ["--rank", "1"], work))
+            rows["whole split"].append(ours(info, [], work))
+    finally:
+        proc.kill()
+        proc.wait()
+    link = f"{a.rate / 1e6:.0f} MB/s per request, {a.latency * 1e3:.0f} ms" if a.rate else "unpaced loopback"
+    total = sum((model / n).stat().st_size for n in names)
+    print(f"\n### {total / 1e6:.0f} MB checkpoint ({len(names)} objects), {link}, {a.rounds} rounds\n")
+    print("| what | bytes | median s | MB/s | (time / stock time) / (bytes / stock bytes) |")
+    print("|---|---:|---:|---:|---:|")
+    base_t = statistics.median(t for t, _ in rows["stock"])
+    base_b = rows["stock"][0][1]
+    labels = {
+        "stock": "boto3 download_file of every object (stock)",
+        "rank 1": f"qwen35-reshard --pp {PP} --rank 1",
+        "whole split": f"qwen35-reshard --pp {PP}",
+    }
+    for key, runs in rows.items():
+        t = statistics.median(s for s, _ in runs)
+        b = runs[0][1]
+        ratio = (t / base_t) / (b / base_b)
+        print(f"| {labels[key]} | {b / 1e6:.1f} MB | {t:.2f} | {b / t / 1e6:.1f} | {ratio:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,274 @@
+"""An object store reached as every S3 tool reaches it: the URI, boto3's clients (credentials
+and endpoint from the standard AWS variables, profile and files), one line for every failure,
+and the transport the fetch engine reads objects through (ranged GETs with ``If-Match``)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from ...errors import BadInput, ObjectStoreError, ReshardError, param
+from ...format.names import TOOL_NAME
+from ..ranged import describe, redact
+from ..remote.engine import RemoteFile, Transient
+
+SCHEME = "s3://"
+INSTALL_HINT = "pip install 'qwen35-reshard[s3]'"
+# Answers worth another try, as the fetch engine retries them (the Hub's too).
+RETRY_STATUS = (408, 429, 500, 502, 503, 504)
+# The codes S3 answers to credentials it does not take (an unknown key, a wrong secret, a
+# session token that expired or is not one).
+BAD_CREDENTIALS = (
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "ExpiredToken",
+    "InvalidToken",
+    "TokenRefreshRequired",
+    "InvalidClientTokenId",
+)
+CHUNK_BYTES = 1 << 20  # a ranged read's body is handed on in chunks of this size as they arrive
+# Listing and metadata requests: botocore's own retries (standard mode). Ranged reads: none in
+# botocore, the fetch engine's (one policy and one log line for every remote read).
+LIST_ATTEMPTS = 6
+CONNECT_TIMEOUT, READ_TIMEOUT = 10, 60
+
+
+def is_s3_uri(model: str) -> bool:
+    """Whether MODEL names an object-storage location (``s3://bucket/prefix``).
+
+    Args:
+        model: MODEL as the user wrote it.
+
+    Returns:
+        True for an ``s3://`` URI.
+
+    Example:
+        >>> is_s3_uri("s3://acc-models/qwen/tiny"), is_s3_uri("Qwen/Tiny")
+        (True, False)
+    """
+    return model.startswith(SCHEME)
+
+
+@dataclass(frozen=True)
+class S3Location:
+    """``s3://bucket/prefix``: the prefix without slashes at either end ('' for a whole bucket)."""
+
+    bucket: str
+    prefix: str
+
+    @classmethod
+    def parse(cls, uri: str) -> S3Location:
+        """``s3://bucket/prefix`` or ``s3://bucket/prefix/``.
+
+        Args:
+            uri: the URI as the user wrote it.
+
+        Returns:
+            The bucket and the prefix without slashes at either end.
+
+        Example:
+            >>> S3Location.parse("s3://acc-models/qwen/tiny/")
+            S3Location(bucket='acc-models', prefix='qwen/tiny')
+
+        Raises:
+            ReshardError: not such a URI (no bucket, a query, ``..`` in the prefix).
+        """
+        parts = urlsplit(uri)
+        prefix = parts.path.strip("/")
+        if (
+            not parts.netloc
+            or parts.query
+            or parts.fragment
+            or "@" in parts.netloc
+            or any(p in ("", ".", "..") for p in prefix.split("/") if prefix)
+        ):
+            raise BadInput(
+                f"{redact(uri)}: not an object-storage URI; pass {param('model')} as s3://BUCKET/PREFIX "
+                "(the folder holding config.json and the shards)"
+            )
+        return cls(parts.netloc, prefix)
+
+    @property
+    def uri(self) -> str:
+        return f"{SCHEME}{self.bucket}/{self.prefix}".rstrip("/")
+
+    def key(self, name: str) -> str:
+        """The object key of the checkpoint's file ``name``."""
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+
+@dataclass
+class S3Traffic:
+    """What this process read from the store: body bytes as they arrive and requests sent
+    (listing pages, ranged GETs). Thread-safe."""
+
+    bytes: int = 0
+    requests: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, nbytes: int) -> None:
+        with self.lock:
+            self.bytes += nbytes
+
+    def request(self) -> None:
+        with self.lock:
+            self.requests += 1
+
+
+@dataclass
+class Clients:
+    """boto3's S3 clients for one location: ``listing`` retries by itself, ``reads`` never
+    (the fetch engine does). Thread-safe, as botocore's clients are."""
+
+    listing: object
+    reads: object
+    endpoint: str  # for messages: redacted
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+
+def make_clients(where: S3Location, *, streams: int, user_agent: str | None = None) -> Clients:
+    """boto3's clients, configured the way the AWS CLI is: the standard variables, profile and
+    files; path-style addressing for a custom endpoint (an S3-compatible server).
+
+    Raises:
+        ReshardError: boto3 is not installed, or the profile or configuration is unusable.
+    """
+    try:
+        import boto3
+        from botocore.config import Config
+        from botocore.exceptions import BotoCoreError
+    except ImportError as e:
+        raise BadInput(
+            f"{where.uri}: reading object storage needs boto3, which is not installed: {INSTALL_HINT}"
+        ) from e
+    try:
+        session = boto3.session.Session()
+
+        def client(attempts: int, addressing: str) -> object:
+            config = Config(
+                retries={"mode": "standard", "total_max_attempts": attempts},
+                max_pool_connections=max(10, streams + 2),
+                connect_timeout=CONNECT_TIMEOUT,
+                read_timeout=READ_TIMEOUT,
+                s3={"addressing_style": addressing},
+                user_agent_extra=" ".join(filter(None, (TOOL_NAME, user_agent))),
+            )
+            return session.client("s3", config=config)
+
+        probe = client(LIST_ATTEMPTS, "auto")
+        endpoint = probe.meta.endpoint_url
+        # AWS's own endpoints take virtual-hosted addresses; S3-compatible servers (MinIO, Ceph's
+        # RADOS Gateway, moto) are reached at one host: path-style.
+        addressing = "auto" if urlsplit(endpoint).hostname.endswith(".amazonaws.com") else "path"
+        return Clients(client(LIST_ATTEMPTS, addressing), client(1, addressing), redact(endpoint))
+    except BotoCoreError as e:
+        raise ObjectStoreError(f"{where.uri}: the AWS configuration is unusable: {describe(e)}") from e
+
+
+def store_error(e: BaseException, where: S3Location, endpoint: str, *, what: str) -> ReshardError:
+    """One line for a failure of boto3 while reading ``what`` of ``where``; never a secret."""
+    from botocore import exceptions as bx
+
+    if isinstance(e, ReshardError):
+        return e
+    if isinstance(e, bx.NoCredentialsError):
+        return ObjectStoreError(
+            f"{where.uri}: no AWS credentials found; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "
+            "AWS_PROFILE (a profile of ~/.aws/credentials or ~/.aws/config)"
+        )
+    if isinstance(e, bx.ProfileNotFound):
+        return ObjectStoreError(f"{where.uri}: {describe(e)}; set AWS_PROFILE to a profile of ~/.aws/config")
+    if isinstance(e, (bx.EndpointConnectionError, bx.ConnectTimeoutError, bx.ReadTimeoutError)):
+        return ObjectStoreError(
+            f"{where.uri}: the endpoint {endpoint} does not answer ({type(e).__name__}) while reading "
+            f"{what}; check AWS_ENDPOINT_URL and the network"
+        )
+    if isinstance(e, bx.ClientError):
+        code = str(e.response.get("Error", {}).get("Code", ""))
+        status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if code in BAD_CREDENTIALS:
+            return ObjectStoreError(
+                f"{where.uri}: the endpoint {endpoint} refused the credentials ({code}): the access key is "
+                "unknown, the secret wrong or the session token expired; check AWS_ACCESS_KEY_ID, "
+                "AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN or AWS_PROFILE"
+            )
+        if code == "NoSuchBucket":
+            return ObjectStoreError(
+                f"{where.uri}: no bucket {where.bucket!r} at {endpoint}; check the URI and AWS_ENDPOINT_URL"
+            )
+        if code in ("AccessDenied", "AllAccessDisabled") or status == 403:
+            return ObjectStoreError(
+                f"{where.uri}: access denied reading {what}: these credentials may not read the bucket; "
+                "ask for s3:ListBucket and s3:GetObject on it, or use other credentials (AWS_PROFILE)"
+            )
+        if code in ("NoSuchKey", "404") or status == 404:
+            return ObjectStoreError(f"{where.uri}: {what} is missing from the bucket")
+        return ObjectStoreError(f"{where.uri}: {what}: the store answered {status} {code}")
+    return ObjectStoreError(f"{where.uri}: {what}: {type(e).__name__}: {describe(e)}")
+
+
+class S3Transport:
+    """Objects of one location read by byte ranges for the fetch engine: each GET names the
+    range and ``If-Match`` the ETag listed (the object as planned, or a 412); every answer is
+    checked (206, the ``Content-Range`` asked for, the planned size) before a byte is used.
+    ``traffic`` counts the requests and body bytes."""
+
+    def __init__(self, where: S3Location, clients: Clients, traffic: S3Traffic) -> None:
+        self.where = where
+        self.clients = clients
+        self.display = where.uri
+        self._traffic = traffic
+
+    def open(self, file: RemoteFile, start: int, end: int) -> Iterator[bytes]:
+        """Bytes ``[start, end)`` of ``file``, as chunks as they arrive (see the engine's
+        ``Transport``)."""
+        from botocore import exceptions as bx
+
+        asked = f"bytes {start}-{end - 1}"
+        args = {
+            "Bucket": self.where.bucket,
+            "Key": self.where.key(file.name),
+            "Range": f"bytes={start}-{end - 1}",
+        }
+        if file.identity:
+            args["IfMatch"] = file.identity
+        self._traffic.request()
+        try:
+            answer = self.clients.reads.get_object(**args)
+        except bx.ClientError as e:
+            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if status in RETRY_STATUS:
+                raise Transient(f"the store answered {status}", status=status) from e
+            if status == 412:
+                raise ObjectStoreError(
+                    f"{self.display}: {file.name} was replaced while this run read it (its ETag is no "
+                    f"longer {file.identity}); nothing was finished from it: run the same command again "
+                    "once the upload is complete"
+                ) from e
+            raise store_error(e, self.where, self.clients.endpoint, what=f"{file.name} ({asked})") from e
+        except (bx.ConnectionError, bx.HTTPClientError) as e:
+            raise Transient(f"the connection failed ({type(e).__name__})") from e
+        body = answer["Body"]
+        try:
+            self._check(answer, file, start, end)
+            try:
+                for chunk in body.iter_chunks(CHUNK_BYTES):
+                    self._traffic.add(len(chunk))
+                    yield chunk
+            except (bx.ResponseStreamingError, bx.ConnectionError, bx.HTTPClientError) as e:
+                raise Transient(f"the connection failed ({type(e).__name__})") from e
+        finally:
+            body.close()
+
+    def _check(self, answer: dict, file: RemoteFile, start: int, end: int) -> None:
+        status = answer.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        got = answer.get("ContentRange", "")
+        want = f"bytes {start}-{end - 1}/{file.size}"
+        if status != 206 or got != want:
+            raise ObjectStoreError(
+                f"{self.display}: {file.name}: asked for bytes {start}-{end - 1} of {file.size} but the "
+                f"store answered {status} {got or '(no Content-Range)'}; it does not serve ranged reads "
+                "as S3 does, or the object changed"
+            )

@@ -1,0 +1,147 @@
+"""``qwen35-reshard cache ls|verify|rm`` on a stage cache built by the real unsplit path
+(tests/e2e/test_serve.py's driver: each start its own process, with the tests' Hub server),
+issue 37: what each entry is, its bytes checked, and removal by model, age and revision,
+never of a stage a running server holds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from e2e.test_serve import PARTITION, REPO, flip_a_byte, serve
+
+from qwen35_reshard.cli.app import main
+from qwen35_reshard.servers.stagecache import cache_entries
+
+from support.hub_server import HubServer
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def once(tmp_path_factory, make_checkpoint):
+    """A stage cache holding stages 0 and 1 of REPO at commit A, stage 0 at commit B (``main``
+    moved), and stage 3 of a local directory copied: each built by its own start."""
+    model = make_checkpoint(shard_bytes=150_000)
+    home = tmp_path_factory.mktemp("cache")
+    with HubServer() as hub:
+        first = hub.add_repo(REPO, model)
+        for rank in (0, 1):
+            assert serve(home, {"model": REPO, "rank": rank}, hub=hub)["how"] == "fetched"
+        second = hub.add_repo(REPO, model, commit="b" * 40)
+        assert serve(home, {"model": REPO, "rank": 0}, hub=hub)["how"] == "fetched"
+        assert serve(home, {"model": str(model), "rank": 3, "copy": True})["how"] == "built"
+        yield home / "stages", first, second, hub
+
+
+@pytest.fixture
+def built(once, tmp_path):
+    """``once``'s stage cache copied for one test (times kept), at ``tmp_path/stages`` where
+    its starts (``serve(tmp_path, ...)``) look; ``main`` at commit B."""
+    cache, first, second, hub = once
+    shutil.copytree(cache, tmp_path / "stages", symlinks=True)
+    hub.move(REPO, second)
+    return tmp_path / "stages", first, second, hub
+
+
+def cli(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(["cache", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def du(path: Path) -> int:
+    return sum(p.lstat().st_blocks * 512 for p in path.iterdir())
+
+
+def test_ls_lists_every_stage_with_what_it_is(built, capsys):
+    cache, first, second, _ = built
+    code, out, _ = cli(capsys, "ls", "--cache-dir", str(cache), "--json")
+    assert code == 0
+    entries = json.loads(out)["entries"]
+    got = sorted((e["model"], e["revision"], e["runtime"], e["partition"], e["stage"]) for e in entries)
+    local = next(e["model"] for e in entries if e["model"].startswith("local/"))
+    assert got == sorted([
+        (REPO, first, "sglang", PARTITION, 0), (REPO, first, "sglang", PARTITION, 1),
+        (REPO, second, "sglang", PARTITION, 0), (local, local.split("/")[1], "sglang", PARTITION, 3),
+    ])  # fmt: skip
+    for e in entries:
+        assert e["complete"] is True and e["held_by"] == [] and e["size"] == du(Path(e["path"])) > 0
+        assert time.time() - 300 < e["last_used"] <= time.time()
+
+    code, table, _ = cli(capsys, "ls", "--cache-dir", str(cache))
+    assert code == 0 and table.splitlines()[0].split() == [
+        "MODEL", "REVISION", "RUNTIME", "PARTITION", "STAGE", "SIZE", "LAST", "USED", "COMPLETE", "HELD",
+        "BY",
+    ]  # fmt: skip
+    assert re.search(rf"{REPO} +{first[:12]} +sglang +2,2,2,2 +pp1 .* yes +-", table), table
+    assert table.splitlines()[-1].startswith("4 entries, ")
+
+
+def test_verify_names_a_damaged_tensor(built, capsys):
+    cache, first, second, _ = built
+    stage = cache / f"models--{REPO.replace('/', '--')}" / first / "sglang-pp4-2-2-2-2" / "pp1"
+    victim = flip_a_byte(next(stage.glob("*.safetensors")))
+    code, out, _ = cli(capsys, "verify", "--cache-dir", str(cache), "--model", REPO)
+    assert code == 1
+    assert f"the bytes of tensor {victim!r} do not match its sha256" in out
+    assert "3 entries checked, 1 with problems" in out  # the local one was not asked for
+    code, out, err = cli(capsys, "verify", "--cache-dir", str(cache), "--model", "Qwen/Other")
+    assert code == 2 and err.startswith("error: --model: the stage cache holds no entry of Qwen/Other")
+
+
+def test_rm_by_revision_age_and_model_never_what_a_server_holds(built, capsys, tmp_path):
+    cache, first, second, hub = built
+    names = lambda: sorted((e.revision, e.stage) for e in cache_entries(cache))  # noqa: E731
+    code, out, err = cli(capsys, "rm", "--cache-dir", str(cache))
+    assert code == 2 and "say which entries to remove: --model, --older-than, --keep-newest or --all" in err
+
+    # All but the newest revision of each model: commit A's stages go, B's and the local one stay.
+    code, out, _ = cli(capsys, "rm", "--cache-dir", str(cache), "--keep-newest", "--dry-run")
+    assert code == 0 and out.count("would remove: ") == 2 and len(names()) == 4
+    code, out, _ = cli(capsys, "rm", "--cache-dir", str(cache), "--keep-newest", "--json")
+    assert code == 0 and {e["revision"] for e in json.loads(out)["removed"]} == {first}
+    assert not (cache / f"models--{REPO.replace('/', '--')}" / first).exists()  # nothing left of it
+
+    # By age: the local stage, last used two days ago, goes; B's (used just now) stays.
+    local = next(e for e in cache_entries(cache) if e.model.startswith("local/"))
+    old = time.time() - 2 * 86400
+    for p in local.path.iterdir():
+        os.utime(p, (old, old))
+    code, out, _ = cli(capsys, "rm", "--cache-dir", str(cache), "--older-than", "1d")
+    assert code == 0 and names() == [(second, 0)]
+
+    # A server holds B's stage: removing the model's entries refuses it, naming the server...
+    holder = serve(tmp_path, {"model": REPO, "rank": 0, "hold": 300}, hub=hub, background=True)
+    try:
+        line = holder.stdout.readline()
+        assert line.startswith("RESULT ") and json.loads(line[7:])["how"] == "cached", line
+        code, out, _ = cli(capsys, "rm", "--cache-dir", str(cache), "--model", REPO)
+        assert code == 1 and f"pid {holder.pid}" in out and out.startswith("refused: "), out
+        assert names() == [(second, 0)]
+        code, out, _ = cli(capsys, "ls", "--cache-dir", str(cache))
+        assert f"pid {holder.pid}" in out
+    finally:
+        holder.send_signal(signal.SIGKILL)  # killed: no chance to withdraw its record
+        holder.wait(timeout=30)
+    # ... and once that server is gone, removes it.
+    code, out, _ = cli(capsys, "rm", "--cache-dir", str(cache), "--all")
+    assert code == 0 and names() == [] and out.startswith("removed: ")
+
+
+def test_a_server_start_refreshes_last_used(built, tmp_path):
+    cache, first, second, hub = built
+    entry = next(e for e in cache_entries(cache) if e.revision == second)
+    past = time.time() - 86400
+    for p in entry.path.iterdir():
+        os.utime(p, (past, past))
+    assert next(e for e in cache_entries(cache) if e.revision == second).last_used < past + 1
+    assert serve(tmp_path, {"model": REPO, "rank": 0}, hub=hub)["how"] == "cached"
+    assert next(e for e in cache_entries(cache) if e.revision == second).last_used > time.time() - 300
