@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import stat
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from itertools import repeat
@@ -166,10 +167,8 @@ def read_checkpoint(model_dir: str | os.PathLike[str]) -> Checkpoint:
     allowed = allowed_roots(root)
     config_bytes = _read_file(root, CONFIG_NAME, allowed)
     config = load_config(config_bytes, str(root / CONFIG_NAME))
-    index_bytes: bytes | None = None
-    if (root / INDEX_NAME).exists():
-        index_bytes = _read_file(root, INDEX_NAME, allowed)
-    elif not (root / SINGLE_FILE_NAME).exists():
+    indexed = (root / INDEX_NAME).exists()
+    if not indexed and not (root / SINGLE_FILE_NAME).exists():
         pickles = sorted(p.name for p in root.iterdir() if p.name.endswith(PICKLE_SUFFIXES))
         hint = (
             f"; found only pickled weights ({', '.join(pickles[:3])}), which this tool never "
@@ -194,7 +193,8 @@ def read_checkpoint(model_dir: str | os.PathLike[str]) -> Checkpoint:
         display=str(root),
         config=config,
         config_bytes=config_bytes,
-        index_bytes=index_bytes,
+        # Not kept here: assemble_checkpoint drops it once parsed (~30 MB at the largest shapes).
+        index_bytes=_read_file(root, INDEX_NAME, allowed) if indexed else None,
         read_headers=read_headers,
         other_files=other_files,
     )
@@ -267,9 +267,12 @@ def assemble_checkpoint(
     num_layers = _num_layers(config, f"{display}/{CONFIG_NAME}")
     weight_map: dict[str, str] | None = None
     files = [SINGLE_FILE_NAME]
+    index_sha256 = None
     if index_bytes is not None:
         where = f"{display}/{INDEX_NAME}"
+        index_sha256 = hashlib.sha256(index_bytes).hexdigest()
         weight_map, files = _weight_map(parse_json_object(index_bytes, where, load_index), where)
+    del index_bytes  # parsed: not held while the headers are read
     # Each tensor is in one shard: the index lists it in one file (without an index, there is
     # one shard), so all of them make one dict, in (file, offset) order.
     tensors: dict[str, SourceTensor] = {}
@@ -279,27 +282,30 @@ def assemble_checkpoint(
     shared = _Shared()
     for file, header in zip(files, read_headers(files), strict=True):
         names = header.columns.names
-        if weight_map is not None and names and set(map(weight_map.get, names)) != {file}:
-            _name_mismatch(display, file, header, tensors, weight_map)
+        if weight_map is not None:
+            if names and set(map(weight_map.get, names)) != {file}:
+                _name_mismatch(display, file, header, tensors, weight_map)
+            # Each entry found is dropped from the index: its strings are freed as the tensors'
+            # own are made (and take their place), and what is left at the end is missing.
+            deque(map(weight_map.pop, names), maxlen=0)
         tensors.update(zip(names, _source_tensors(file, header, shared), strict=True))
         sizes[file] = header.file_size
         digests.append(header.sha256)
         if header.stamp is not None:
             stamps[file] = header.stamp
-    if weight_map is not None and len(tensors) != len(weight_map):  # all in it: is it all?
-        missing = [n for n in weight_map if n not in tensors]
-        if missing:
-            raise BadInput(
-                f"{INDEX_NAME} lists tensor {missing[0]!r} in {weight_map[missing[0]]} but that "
-                f"shard does not hold it ({len(missing)} such tensors); the checkpoint is incomplete"
-            )
+    if weight_map:
+        name = next(iter(weight_map))
+        raise BadInput(
+            f"{INDEX_NAME} lists tensor {name!r} in {weight_map[name]} but that "
+            f"shard does not hold it ({len(weight_map)} such tensors); the checkpoint is incomplete"
+        )
 
     extra, unlisted = other_files(files)
     return Checkpoint(
         root=root,
         config=config,
         config_sha256=hashlib.sha256(config_bytes).hexdigest(),
-        index_sha256=hashlib.sha256(index_bytes).hexdigest() if index_bytes is not None else None,
+        index_sha256=index_sha256,
         num_layers=num_layers,
         tied_embeddings=schema.tied_embeddings(config),
         files=tuple(files),
