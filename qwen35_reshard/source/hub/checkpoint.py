@@ -4,6 +4,7 @@ huggingface_hub, each shard's header through :mod:`.headers`."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -32,13 +33,15 @@ def read_hub_checkpoint(repo: HubRepo, *, traffic: Traffic | None = None) -> Che
 
     traffic = traffic if traffic is not None else Traffic()
     listing = repo_listing(repo)
-    config_bytes = _small_file(repo, CONFIG_NAME, listing, traffic)
-    config = load_config(config_bytes, f"{repo.describe()}/{CONFIG_NAME}")
-    _check_model_type(config, repo)
-    index_bytes = None
-    if INDEX_NAME in listing:
-        index_bytes = _small_file(repo, INDEX_NAME, listing, traffic)
-    elif SINGLE_FILE_NAME not in listing:
+    with ThreadPoolExecutor(max_workers=1) as pool:  # two files, two round trips each: at once
+        index = None
+        if INDEX_NAME in listing:
+            index = pool.submit(_small_file, repo, INDEX_NAME, listing, traffic)
+        config_bytes = _small_file(repo, CONFIG_NAME, listing, traffic)
+        config = load_config(config_bytes, f"{repo.describe()}/{CONFIG_NAME}")
+        _check_model_type(config, repo)
+        index_bytes = index.result() if index is not None else None
+    if index is None and SINGLE_FILE_NAME not in listing:
         raise HubError(
             f"{repo.describe()}: no {INDEX_NAME} and no {SINGLE_FILE_NAME} in the repo; not a "
             "safetensors checkpoint"

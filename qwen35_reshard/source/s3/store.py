@@ -125,7 +125,6 @@ class Clients:
     listing: object
     reads: object
     endpoint: str  # for messages: redacted
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
 
 def make_clients(where: S3Location, *, streams: int, user_agent: str | None = None) -> Clients:
@@ -161,7 +160,7 @@ def make_clients(where: S3Location, *, streams: int, user_agent: str | None = No
         endpoint = probe.meta.endpoint_url
         # AWS's own endpoints take virtual-hosted addresses; S3-compatible servers (MinIO, Ceph's
         # RADOS Gateway, moto) are reached at one host: path-style.
-        addressing = "auto" if urlsplit(endpoint).hostname.endswith(".amazonaws.com") else "path"
+        addressing = "auto" if (urlsplit(endpoint).hostname or "").endswith(".amazonaws.com") else "path"
         return Clients(client(LIST_ATTEMPTS, addressing), client(1, addressing), redact(endpoint))
     except BotoCoreError as e:
         raise ObjectStoreError(f"{where.uri}: the AWS configuration is unusable: {describe(e)}") from e
