@@ -15,7 +15,8 @@ from ..ranged import describe, redact
 from ..remote.engine import RemoteFile, Transient
 
 SCHEME = "s3://"
-INSTALL_HINT = "pip install 'qwen35-reshard[s3]'"
+# boto3 itself: qwen35-reshard is not on the package index, so 'qwen35-reshard[s3]' would not resolve.
+INSTALL_HINT = "pip install boto3 (the s3 extra)"
 # Answers worth another try, as the fetch engine retries them (the Hub's too).
 RETRY_STATUS = (408, 429, 500, 502, 503, 504)
 # The codes S3 answers to credentials it does not take (an unknown key, a wrong secret, a
