@@ -235,7 +235,7 @@ def test_bad_input_one_line(s3, uri, tmp_path, case):
         full = {**os.environ, "PYTHONPATH": str(ROOT), **env}
         proc = subprocess.run([sys.executable, "-c", code, "--pp", "4", target, str(out)], env=full,
                               capture_output=True, text=True, timeout=120)  # fmt: skip
-        expect = "pip install 'qwen35-reshard[s3]'"
+        expect = "pip install boto3 (the s3 extra)"
     else:
         env = {**env, "AWS_MAX_ATTEMPTS": "1"}
         proc = run(["--pp", PP, target, out], env=env, cache=tmp_path / "c", check=False)
