@@ -30,6 +30,7 @@ from .source.hub.cache import HubRepo, HubSettings
 from .source.hub.http import Traffic
 from .source.open import open_model, remote_fetcher
 from .source.s3.checkpoint import S3Repo
+from .source.s3.store import is_s3_uri
 from .verify.check import verify
 from .verify.report import VerifyReport
 from .write.manifest import run_manifest
@@ -392,7 +393,8 @@ def repair(
 
     Args:
         out_dir: the run directory OUT, or one stage directory OUT/ppN.
-        source: the local checkpoint directory the split was made from.
+        source: the local checkpoint directory the split was made from, or its
+            ``s3://bucket/prefix`` (only the byte ranges of the files to rewrite are fetched).
         write: how to write: its ``workers``, the source shards copied at once (the split's
             own settings are the ones its manifest records).
         on_wait: called with a message when the repair waits for another run changing OUT.
@@ -401,8 +403,9 @@ def repair(
         A :class:`RepairResult`: the report before, the files rewritten, the report after.
 
     Raises:
-        BadInput: ``source`` is not a directory, the split records no readable settings, or it
-            was made from another checkpoint (another layout, or other bytes: one tensor named).
+        BadInput: ``source`` is not a directory (nor an ``s3://`` URI), the split records no
+            readable settings, or it was made from another checkpoint (another layout, or other
+            bytes: one tensor named).
         OutBusy: another live run is writing it.
         OutError: a rewrite the OS refused.
 
@@ -417,10 +420,10 @@ def repair(
         >>> result.before.ok, result.rewritten == [os.path.join(stage, data)], result.after.ok
         (False, True, True)
     """
-    if not Path(source).is_dir():
+    if not Path(source).is_dir() and not is_s3_uri(os.fspath(source)):
         raise BadInput(
-            f"{param('repair')} rewrites files from a local checkpoint, and {source} is not a directory: "
-            "download the checkpoint (or the shards verify names) and pass its directory as "
+            f"{param('repair')} rewrites files from a local checkpoint or an s3:// URI, and {source} is "
+            "not a directory: download the checkpoint (or the shards verify names) and pass its directory as "
             f"{param('source')}"
         )
     target = Path(out_dir)
@@ -446,7 +449,8 @@ def _repair(
     if before.not_from_source and before.not_from_source[0].tensor is not None:
         f = before.not_from_source[0]
         _refuse_other_bytes(target, source, f.tensor, f"{f.stage}/{f.file}")
-    ckpt = read_checkpoint(source)
+    remote = is_s3_uri(os.fspath(source))
+    ckpt, repo = open_model(os.fspath(source), HubSettings()) if remote else (read_checkpoint(source), None)
     identity = recorded_identity(out, target if single else None)
     if identity.source_fingerprint != source_fingerprint(ckpt):
         raise BadInput(
@@ -467,7 +471,15 @@ def _repair(
     if mismatch is not None:
         _refuse_other_bytes(target, source, *mismatch)
     remove_leftovers(before.findings, plan, out, now)
+    access = None
+    if repo is not None:  # every tensor of the stages mended may be read: their shards' ranges
+        needed: dict[str, set[str]] = {}
+        for t in (t for rank in files for t in plan.stages[rank].tensors):
+            needed.setdefault(t.source.file, set()).add(t.name)
+        fetcher = remote_fetcher(repo, ckpt, needed)
+        access = SourceAccess.fetched(fetcher.open, fetcher.remote, fetcher.close)
     done = repair_files(
-        plan, out, files, rewrite_run_manifest=redo_run_manifest, side_files_of_out=out_side, workers=workers
+        plan, out, files, rewrite_run_manifest=redo_run_manifest, side_files_of_out=out_side, workers=workers,
+        source=access,
     )
     return RepairResult(before, [str(out / p) for p in done], _verify_locked(target, source))

@@ -12,7 +12,8 @@ layer the rank does not build is an error, and so is a parameter of the rank tha
 reached.
 
 OUT may also be the unsplit checkpoint, a Hub repo id (``--revision`` and ``--hf-token`` as vLLM
-takes them) or a local directory:
+takes them), an ``s3://bucket/prefix`` URI (vLLM fetches its config through Run:ai's streamer,
+``pip install 'vllm[runai]'``; the weights come through this format) or a local directory:
 
     vllm serve Qwen/Qwen3.5-397B-A17B --load-format qwen35-stages --pipeline-parallel-size 4
 
@@ -45,6 +46,44 @@ def register() -> None:
     from vllm.model_executor.model_loader import register_model_loader
 
     register_model_loader(LOAD_FORMAT)(_loader_class())
+    _accept_object_storage()
+
+
+# The load formats vLLM 0.32 allows for an object-storage model (VllmConfig.
+# try_verify_and_update_config): its Run:ai streamer's. The check runs once per engine.
+RUNAI_LOAD_FORMAT = "runai_streamer"
+
+
+def _accept_object_storage() -> None:
+    """Let an ``s3://`` model through vLLM's check of the load format with ours.
+
+    vLLM 0.32 fetches an object-storage model's config and tokenizer into a local folder and
+    then refuses any load format but its Run:ai streamer's, which would read every weight of
+    the checkpoint on every rank; ours reads the URI (``model_weights``) itself, each rank only
+    its stage. The check is run with the Run:ai name in place of ours, which is put back at once
+    (nothing else of the check reads it). Installed once per process, before any config is made
+    (vLLM loads general plugins first).
+    """
+    from vllm.config import VllmConfig
+
+    check = VllmConfig.try_verify_and_update_config
+    if getattr(check, "qwen35_stages", False):
+        return
+
+    def checked(self: object) -> None:
+        load = getattr(self, "load_config", None)
+        weights = getattr(getattr(self, "model_config", None), "model_weights", "") or ""
+        ours = load is not None and load.load_format == LOAD_FORMAT and "://" in weights
+        if ours:
+            load.load_format = RUNAI_LOAD_FORMAT
+        try:
+            check(self)
+        finally:
+            if ours:
+                load.load_format = LOAD_FORMAT
+
+    checked.qwen35_stages = True
+    VllmConfig.try_verify_and_update_config = checked
 
 
 def own_stage(model_config: object, log: Callable[[str], None]) -> Stage:

@@ -82,9 +82,13 @@ class HttpTransport:
     ``headers`` (the Hub's, with the token if any) go to each URL's own origin only.
     ``raise_for_status(response)`` turns the Hub's error answers into exceptions
     (huggingface_hub's ``hf_raise_for_status``). ``counter.add(nbytes)``, when given, is told
-    every body byte received. The CDN address a redirect names is kept per file (one request
-    per read instead of two), shared by the engine's threads, and asked again once expired.
+    every body byte received. The CDN address a redirect names is kept per address asked (one
+    request per read instead of two), shared by every transport of the process (planning's and
+    the copy's), and asked again once expired.
     """
+
+    _locations: dict[str, str] = {}  # address asked -> the CDN address of its last redirect
+    _lock = threading.Lock()
 
     def __init__(
         self,
@@ -102,8 +106,6 @@ class HttpTransport:
         self._headers = headers
         self._raise_for_status = raise_for_status
         self._counter = counter
-        self._locations: dict[str, str] = {}  # file -> the CDN address of its last redirect
-        self._lock = threading.Lock()
 
     def open(self, file: RemoteFile, start: int, end: int) -> Iterator[bytes]:
         """Bytes ``[start, end)`` of ``file`` as they arrive (no re-chunking: a dropped
@@ -125,7 +127,7 @@ class HttpTransport:
         """Send ``GET`` with ``Range: bytes=begin-(end-1)``; the checked answer."""
         origin_url = self.url_of(file.name)
         with self._lock:
-            url = self._locations.get(file.name, origin_url)
+            url = self._locations.get(origin_url, origin_url)
         where = f"{self.display}: {file.name}"
         for _ in range(5):  # redirects and one refresh of an expired CDN address
             same_origin = _origin(url) == _origin(origin_url)
@@ -145,12 +147,12 @@ class HttpTransport:
                 url = urljoin(url, response.headers["Location"])
                 if _origin(url) != _origin(origin_url):
                     with self._lock:
-                        self._locations[file.name] = url
+                        self._locations[origin_url] = url
                 continue
             if status in EXPIRED_STATUS and not same_origin:
                 response.close()
                 with self._lock:
-                    self._locations.pop(file.name, None)
+                    self._locations.pop(origin_url, None)
                 url = origin_url
                 continue
             if status in RETRY_STATUS:

@@ -191,6 +191,7 @@ def repair_files(
     side_files_of_out: set[str] | frozenset[str] = frozenset(),
     workers: int = DEFAULT_WORKERS,
     reporter: Reporter | None = None,
+    source: SourceAccess | None = None,
 ) -> list[str]:
     """Rewrite from the source exactly ``files`` of a finished split in ``out_dir``.
 
@@ -209,6 +210,8 @@ def repair_files(
         side_files_of_out: OUT's own non-weight files to restore from the source.
         workers: Source shards copied at once.
         reporter: Progress callbacks; none by default.
+        source: How the source's data files are read: the checkpoint's own files (default), or
+            fetched from an object store (``SourceAccess.fetched``).
 
     Returns:
         The paths rewritten, relative to OUT.
@@ -218,13 +221,14 @@ def repair_files(
     """
     reporter = reporter or Reporter()
     out = Path(out_dir)
+    source = source or SourceAccess.on_disk(plan.checkpoint)
     stages = [plan.stages[r] for r in sorted(files)]
     digests: dict[int, Digests] = {s.rank: {} for s in stages}
     try:
         # Temporaries left by a killed run are removed, never written through (one may be a
         # symlink out of OUT): under the repair's lock no live run writes these stages.
         remove_partials(out, stages, own=False)
-        to_write, redo_meta = _files_to_rewrite(plan, out, files, stages, digests)
+        to_write, redo_meta = _files_to_rewrite(plan, out, files, stages, digests, source)
         # What the rewritten files take before the old ones go, checked before anything changes.
         side = side_file_bytes(plan) * (len(redo_meta) + bool(side_files_of_out))
         check_free_space(out, sum(f.size for _, f in to_write) + side)
@@ -232,8 +236,7 @@ def repair_files(
             remove(out / stage.dirname / INDEX_NAME)  # not a complete-looking stage while it is mended
         # Mended files are copied, not shared: their bytes are read and get their digests.
         durable = Durability(out, whole_fs=False)
-        local = SourceAccess.on_disk(plan.checkpoint)
-        job = CopyJob(plan, out, to_write, local, False, durable, workers, reporter)  # copied, not shared
+        job = CopyJob(plan, out, to_write, source, False, durable, workers, reporter)  # copied, not shared
         copied = copy_files(job, meanwhile=lambda: None)
         for rank, found in copied.digests.items():
             digests[rank].update(found)
@@ -262,7 +265,12 @@ def repair_files(
 
 
 def _files_to_rewrite(
-    plan: Plan, out: Path, files: dict[int, set[str]], stages: list[StagePlan], digests: dict[int, Digests]
+    plan: Plan,
+    out: Path,
+    files: dict[int, set[str]],
+    stages: list[StagePlan],
+    digests: dict[int, Digests],
+    source: SourceAccess,
 ) -> tuple[list[tuple[StagePlan, OutputFile]], list[StagePlan]]:
     """The data files to rewrite, and the stages whose side files, manifest and index are
     written again; fills ``digests`` with those of the files kept. Changes nothing but a
@@ -281,18 +289,18 @@ def _files_to_rewrite(
             # header and tensors are the plan's and the source's, else it is rewritten too.
             for f in stage.files:
                 if f.name not in names:
-                    found = _source_digests(plan, stage_dir / f.name, f)
+                    found = _source_digests(stage_dir / f.name, f, source)
                     data += [f] if found is None else []
                     digests[stage.rank].update(found or {})
         to_write += [(stage, f) for f in data]
     return to_write, redo_meta
 
 
-def _source_digests(plan: Plan, path: Path, f: OutputFile) -> Digests | None:
+def _source_digests(path: Path, f: OutputFile, source: SourceAccess) -> Digests | None:
     """sha256 of each tensor of the stage's data file ``path`` when the file is ``f`` exactly:
     its size and header the plan's, each tensor's bytes its source's. None otherwise (also
     when it is missing or short)."""
-    if not matches(path, f, header(f, SourceAccess.on_disk(plan.checkpoint))):
+    if not matches(path, f, header(f, source)):
         return None
     by_source: dict[str, list[Segment]] = {}
     for t in f.tensors:
@@ -301,7 +309,7 @@ def _source_digests(plan: Plan, path: Path, f: OutputFile) -> Digests | None:
     try:
         want = {}
         for file, of_source in by_source.items():
-            want.update(copy_segments(str(plan.checkpoint.path(file)), of_source))
+            want.update(copy_segments(source.open(file), of_source))
     except (OSError, ReshardError):  # changed since it was measured: rewritten all the same
         return None
     return found if found == want else None

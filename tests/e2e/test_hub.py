@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import struct
 import subprocess
@@ -675,3 +676,25 @@ def test_sigkill_with_many_streams_in_flight_then_resume(hub, hf_home, model, tm
     run(["--pp", PP, REPO, out], hub=hub, hf_home=hf_home)
     for r in range(PP):
         same_as_local(out / f"pp{r}", local_split / f"pp{r}")
+
+
+def test_a_shard_needed_whole_is_checked_against_the_hubs_sha256(hub, hf_home, model, ref, tmp_path):
+    """A shard every tensor of which the stage needs comes straight into the stage, not through
+    the Hugging Face cache: its bytes are hashed as they land and compared with the Hub's LFS
+    sha256. A byte that changed on the server (after the Hub named its sha256) fails the run."""
+    changed = tmp_path / "changed"
+    shutil.copytree(model, changed)
+    hub.add_repo("Qwen/Changed", changed)  # the sha256 of each file is taken here
+    whole, _ = expected_fetch(model, ref, 0)
+    victim = sorted(whole)[0]
+    data = bytearray((changed / victim).read_bytes())
+    data[-1] ^= 0x01  # a tensor byte: the header (and so the plan) stays the same
+    (changed / victim).write_bytes(bytes(data))
+    proc = run(
+        ["--pp", PP, "--rank", 0, "Qwen/Changed", tmp_path / "out"], hub=hub, hf_home=hf_home, check=False
+    )
+    line = one_error_line(proc)
+    assert victim in line and "not the Hub's (LFS sha256" in line and "run the same command again" in line
+    assert not (tmp_path / "out" / "pp0" / "model.safetensors.index.json").exists()
+    snapshot = next((hf_home / "hub" / "models--Qwen--Changed" / "snapshots").iterdir())
+    assert not (snapshot / victim).exists()  # not through the cache

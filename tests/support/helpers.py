@@ -132,10 +132,14 @@ def drop_tensor_file(shard: Path, name: str) -> None:
     shard.write_bytes(struct.pack("<Q", len(text)) + text + bytes(body))
 
 
-def partition_exchange(python: str, script: str, variables: tuple[str | None, ...]) -> tuple[list[str], list]:
-    """Run ``script`` as each rank of one gloo group on 127.0.0.1 (argv: the address, the rank),
-    rank r with VLLM_PP_LAYER_PARTITION ``variables[r]`` (None: unset), as on separate nodes.
-    Returns each rank's first AGREED/REFUSED line (else its stderr), and (stdout, stderr) by rank."""
+def partition_exchange(
+    python: str, script: str, variables: tuple[str | None, ...], *,
+    variable: str = "VLLM_PP_LAYER_PARTITION", args: tuple[str, ...] = (),
+) -> tuple[list[str], list]:
+    """Run ``script`` as each rank of one gloo group on 127.0.0.1 (argv: the address, the rank,
+    then ``args``), rank r with ``variable`` set to ``variables[r]`` (None: unset), as on separate
+    nodes. Returns each rank's first AGREED/REFUSED line (else its stderr), and (stdout, stderr)
+    by rank."""
     import socket
 
     with socket.socket() as s:
@@ -143,11 +147,11 @@ def partition_exchange(python: str, script: str, variables: tuple[str | None, ..
         address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
     procs = []
     for rank, var in enumerate(variables):
-        env = {k: v for k, v in os.environ.items() if k != "VLLM_PP_LAYER_PARTITION"}
+        env = {k: v for k, v in os.environ.items() if k != variable}
         env["PYTHONPATH"] = str(ROOT)
         if var is not None:
-            env["VLLM_PP_LAYER_PARTITION"] = var
-        procs.append(subprocess.Popen([python, "-c", script, address, str(rank)], env=env,
+            env[variable] = var
+        procs.append(subprocess.Popen([python, "-c", script, address, str(rank), *args], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     out = [p.communicate(timeout=300) for p in procs]
     lines = [next((ln for ln in o.splitlines() if ln.startswith(("AGREED", "REFUSED"))), e) for o, e in out]

@@ -176,3 +176,21 @@ def test_commands_in_the_docs_name_a_model_that_can_exist():
             if command.search(line) and bare.search(line):
                 found.append(f"{page.name}: {line.strip()}")
     assert found == []
+
+
+def test_user_pages_hold_no_lab_notes():
+    """The pages a user reads say what the tool does, not when or where it was worked on: no
+    issue numbers of this project, no dates of work, no notes on the machine a number was taken
+    on. Those belong to the development pages (docs/development/)."""
+    notes = re.compile(
+        r"\b[Ii]ssues? \d+|\b20\d\d-\d\d-\d\d\b|\b\d{1,2} (?:Nov|Dec|Jan|Feb)[a-z]* 20\d\d\b"
+        r"|\b\d+-core\b|\bthis (?:machine|VM)\b|\bthese machines\b|when this was written"
+    )
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    found = [
+        f"{page.name}: {m.group(0)}"
+        for page in pages
+        if page.name != "development.md"
+        for m in notes.finditer(page.read_text())
+    ]
+    assert found == []

@@ -3,7 +3,8 @@ huggingface_hub, each shard's header through :mod:`.headers`."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -32,19 +33,21 @@ def read_hub_checkpoint(repo: HubRepo, *, traffic: Traffic | None = None) -> Che
 
     traffic = traffic if traffic is not None else Traffic()
     listing = repo_listing(repo)
-    config_bytes = _small_file(repo, CONFIG_NAME, listing, traffic)
-    config = load_config(config_bytes, f"{repo.describe()}/{CONFIG_NAME}")
-    _check_model_type(config, repo)
-    index_bytes = None
-    if INDEX_NAME in listing:
-        index_bytes = _small_file(repo, INDEX_NAME, listing, traffic)
-    elif SINGLE_FILE_NAME not in listing:
+    with ThreadPoolExecutor(max_workers=1) as pool:  # two files, two round trips each: at once
+        index = None
+        if INDEX_NAME in listing:
+            index = pool.submit(_small_file, repo, INDEX_NAME, listing, traffic)
+        config_bytes = _small_file(repo, CONFIG_NAME, listing, traffic)
+        config = load_config(config_bytes, f"{repo.describe()}/{CONFIG_NAME}")
+        _check_model_type(config, repo)
+        index_bytes = index.result() if index is not None else None
+    if index is None and SINGLE_FILE_NAME not in listing:
         raise HubError(
             f"{repo.describe()}: no {INDEX_NAME} and no {SINGLE_FILE_NAME} in the repo; not a "
             "safetensors checkpoint"
         )
 
-    def read_headers(files: list[str]) -> dict[str, Header]:
+    def read_headers(files: list[str]) -> Iterator[Header]:
         # As for a local index: the kept header and the cached copy of a shard are found by
         # its name, which must not lead out of (or below) the repo's top level.
         for f in files:
@@ -60,7 +63,8 @@ def read_hub_checkpoint(repo: HubRepo, *, traffic: Traffic | None = None) -> Che
                 + (f" ({len(absent)} such files)" if len(absent) > 1 else "")
                 + "; the repo is incomplete"
             )
-        return parsed_headers(repo, files, listing, traffic)
+        # Popped as taken: each is dropped once its tensors are made.
+        return map(parsed_headers(repo, files, listing, traffic).pop, files)
 
     ckpt = assemble_checkpoint(
         root=repo.snapshot,

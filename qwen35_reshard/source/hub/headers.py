@@ -15,6 +15,9 @@ from .http import Traffic, engine, hub_error
 from .listing import repo_listing
 
 HEADER_PROBE_BYTES = 8  # the length prefix; then exactly the header: not a byte of tensor data
+# Headers read at once while planning: each costs round trips, not bandwidth (a few KB), so every
+# shard's at once (more than the data streams), up to this many (a 397B checkpoint has 94 shards).
+HEADER_READS = 64
 
 
 def parsed_headers(
@@ -40,8 +43,7 @@ def parsed_headers(
             where=f"{repo.describe()}: {f}",
         )
 
-    # Every header at once, as many in flight as the engine's streams.
-    pool = ThreadPoolExecutor(max_workers=fetcher.streams)
+    pool = ThreadPoolExecutor(max_workers=max(1, min(len(files), HEADER_READS)))
     try:
         return dict(zip(files, pool.map(one, files), strict=True))
     finally:

@@ -17,11 +17,13 @@ from typing import NamedTuple
 # Gaps between stages' tensors are whole layers (far larger): this joins small unneeded
 # tensors (norms, biases) between needed ones, never a layer.
 GAP_BYTES = 1 << 20
-# Parts of a long run: at least MIN_PART_BYTES (the wait of a request is then <= 3 % of a
-# part's time at 10 MB/s and 30 ms), at most MAX_PART_BYTES (a stream never holds much more
-# than a share of the work), and about PARTS_PER_STREAM parts per stream when the bytes allow
-# it, so that streams finishing at different rates still end together.
-MIN_PART_BYTES = 8 << 20
+# Parts of a long run: about PARTS_PER_STREAM per stream when the bytes allow it, so that
+# streams finishing at different rates still end together (the last part bounds the time);
+# at least MIN_PART_BYTES (a request's wait is then <= 7 % of a part's time at 10 MB/s and
+# 30 ms, 6 % at 50 MB/s and 5 ms), at most MAX_PART_BYTES (a stage of 200 GB in ~3,000
+# requests; at the Hub's ~0.4 GB/s per stream a 64 MiB part takes ~0.17 s, and the other
+# streams' transfers cover one stream's wait).
+MIN_PART_BYTES = 4 << 20
 MAX_PART_BYTES = 64 << 20
 PARTS_PER_STREAM = 4
 

@@ -1,5 +1,5 @@
 """MODEL as an object-storage URI: ``s3://bucket/prefix`` (AWS S3, MinIO, Ceph's RADOS Gateway
-and other S3-compatible stores), read through boto3 (``pip install 'qwen35-reshard[s3]'``).
+and other S3-compatible stores), read through boto3 (the ``s3`` extra: ``pip install boto3``).
 
 The prefix is listed once; each object's ETag (or version id, in a versioned bucket) is its
 identity, and the checkpoint's identity (``commit``) is the sha256 of all of them: a split

@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import struct
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -26,6 +27,7 @@ from ..header import MAX_HEADER_BYTES, Header, parse_header
 from ..hub.cache import HEADER_SUFFIX, write_kept
 from ..hub.checkpoint import MODEL_TYPES, listed_other_files
 from ..hub.fetch import fetch_plan
+from ..hub.http import DEFAULT_RETRY_WAIT, MAX_RETRY_WAIT, RETRIES, RETRY_WAIT_ENV
 from ..remote.engine import FetchEngine, RemoteFile, RemoteSource, RetryPolicy, streams_setting
 from .store import Clients, S3Location, S3Traffic, S3Transport, make_clients, store_error
 
@@ -33,8 +35,6 @@ if TYPE_CHECKING:
     from ..checkpoint import Checkpoint
 
 CACHE_ENV = "QWEN35_RESHARD_S3_CACHE"  # where small files and headers are kept (default below)
-RETRY_WAIT_ENV = "QWEN35_RESHARD_RETRY_WAIT"  # as for the Hub: the first wait before a retry
-RETRIES, MAX_RETRY_WAIT = 5, 8.0
 
 
 @dataclass(frozen=True)
@@ -69,8 +69,8 @@ class S3Repo:
         return f"{self.where.uri}@{self.commit[:12]}"
 
     def identity(self) -> dict:
-        """What manifests record of the source (no endpoint, no credential): the URI, the
-        listing's identity and each data object's ETag."""
+        """What manifests record of the source (no endpoint, no credential): the URI and the
+        listing's identity, which covers every object's ETag."""
         return {"repo_id": self.where.uri, "revision": "", "commit": self.commit}
 
     @property
@@ -90,9 +90,8 @@ class S3Repo:
 
     def engine(self) -> FetchEngine:
         """The fetch engine for this location's objects (their reads counted in ``traffic``)."""
-        policy = RetryPolicy(
-            retries=RETRIES, wait=float(os.environ.get(RETRY_WAIT_ENV, 0.5)), max_wait=MAX_RETRY_WAIT
-        )
+        wait = float(os.environ.get(RETRY_WAIT_ENV, DEFAULT_RETRY_WAIT))
+        policy = RetryPolicy(retries=RETRIES, wait=wait, max_wait=MAX_RETRY_WAIT)
         return FetchEngine(
             S3Transport(self.where, self.clients, self.traffic), streams=self.streams, policy=policy
         )
@@ -181,7 +180,7 @@ def read_s3_checkpoint(repo: S3Repo) -> Checkpoint:
                 "safetensors checkpoint"
             )
 
-        def read_headers(files: list[str]) -> dict[str, Header]:
+        def read_headers(files: list[str]) -> Iterator[Header]:
             for f in files:
                 if not is_plain_name(f) or f not in repo.objects:
                     raise ObjectStoreError(
@@ -190,10 +189,11 @@ def read_s3_checkpoint(repo: S3Repo) -> Checkpoint:
                     )
             with ThreadPoolExecutor(max_workers=engine.streams) as pool:
                 raw = dict(zip(files, pool.map(lambda f: header_bytes(repo, f, engine), files), strict=True))
-            return {
-                f: parse_header(raw[f][8:], file_size=repo.objects[f].size, where=f"{repo.where.uri}/{f}")
+            # Parsed as taken, each dropped once its tensors are made (see assemble_checkpoint).
+            return (
+                parse_header(raw.pop(f)[8:], file_size=repo.objects[f].size, where=f"{repo.where.uri}/{f}")
                 for f in files
-            }
+            )
 
         ckpt = assemble_checkpoint(
             root=repo.folder,

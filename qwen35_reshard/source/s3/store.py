@@ -15,7 +15,8 @@ from ..ranged import describe, redact
 from ..remote.engine import RemoteFile, Transient
 
 SCHEME = "s3://"
-INSTALL_HINT = "pip install 'qwen35-reshard[s3]'"
+# boto3 itself: qwen35-reshard is not on the package index, so 'qwen35-reshard[s3]' would not resolve.
+INSTALL_HINT = "pip install boto3 (the s3 extra)"
 # Answers worth another try, as the fetch engine retries them (the Hub's too).
 RETRY_STATUS = (408, 429, 500, 502, 503, 504)
 # The codes S3 answers to credentials it does not take (an unknown key, a wrong secret, a
@@ -125,7 +126,6 @@ class Clients:
     listing: object
     reads: object
     endpoint: str  # for messages: redacted
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
 
 def make_clients(where: S3Location, *, streams: int, user_agent: str | None = None) -> Clients:
@@ -161,7 +161,7 @@ def make_clients(where: S3Location, *, streams: int, user_agent: str | None = No
         endpoint = probe.meta.endpoint_url
         # AWS's own endpoints take virtual-hosted addresses; S3-compatible servers (MinIO, Ceph's
         # RADOS Gateway, moto) are reached at one host: path-style.
-        addressing = "auto" if urlsplit(endpoint).hostname.endswith(".amazonaws.com") else "path"
+        addressing = "auto" if (urlsplit(endpoint).hostname or "").endswith(".amazonaws.com") else "path"
         return Clients(client(LIST_ATTEMPTS, addressing), client(1, addressing), redact(endpoint))
     except BotoCoreError as e:
         raise ObjectStoreError(f"{where.uri}: the AWS configuration is unusable: {describe(e)}") from e

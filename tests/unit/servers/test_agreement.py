@@ -41,28 +41,34 @@ import torch.distributed as dist
 from qwen35_reshard.loader import StageError
 from qwen35_reshard.servers.deployment import agree, own_view
 
-def pp_indices(layers, rank, size):  # vLLM's get_pp_indices: the variable, else an even split
-    var = os.environ.get("VLLM_PP_LAYER_PARTITION")
+RUNTIME, VAR = sys.argv[3], sys.argv[4]
+
+def pp_indices(layers, rank, size):  # the servers' get_pp_indices: the variable, else an even split
+    var = os.environ.get(VAR)
     parts = [int(n) for n in var.split(",")] if var else [layers // size] * size
     return sum(parts[:rank]), sum(parts[:rank + 1])
 
 dist.init_process_group("gloo", init_method=sys.argv[1], rank=int(sys.argv[2]), world_size=2)
 try:
     group = types.SimpleNamespace(world_size=2, rank_in_group=int(sys.argv[2]), cpu_group=None)
-    view = own_view("OUT", "vllm", group, 2, 8, pp_indices, None, None, split=True)
-    print("AGREED", agree("vllm", group, view)[0])
+    view = own_view("OUT", RUNTIME, group, 2, 8, pp_indices, None, None, split=True)
+    print("AGREED", agree(RUNTIME, group, view)[0])
 except StageError as e:
     print("REFUSED", e)
 """
 
 
+@pytest.mark.parametrize("runtime, var", [
+    ("vllm", "VLLM_PP_LAYER_PARTITION"), ("sglang", "SGLANG_PP_LAYER_PARTITION"),  # SGLang had none
+])
 @pytest.mark.parametrize("variables, want", [
     (("4,4", None), "AGREED [4, 4]"),
-    ((None, "5,3"), "REFUSED "),
+    ((None, "5,3"), "REFUSED the pipeline ranks' layers per rank (rank 0: 4,4 (VAR unset); "
+                    "rank 1: 5,3 (VAR=5,3))"),
 ])
-def test_ranks_exchange_their_partitions_not_their_variables(variables, want):
-    lines, out = partition_exchange(sys.executable, AGREE, variables)
-    assert all(ln.startswith(want) for ln in lines), out
+def test_ranks_exchange_their_partitions_not_their_variables(runtime, var, variables, want):
+    lines, out = partition_exchange(sys.executable, AGREE, variables, variable=var, args=(runtime, var))
+    assert all(ln.startswith(want.replace("VAR", var)) for ln in lines), out
 
 
 A, B = "a" * 40, "b" * 40
