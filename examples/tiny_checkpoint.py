@@ -35,7 +35,12 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 LAYOUTS = ("fused", "per_expert_fp8", "per_expert")
-PRESETS = ("tiny", "qwen3.5-35b-a3b-scaled", "qwen3.5-397b-a17b-fp8-headers")
+PRESETS = (
+    "tiny",
+    "qwen3.5-35b-a3b-scaled",
+    "qwen3.5-397b-a17b-fp8-headers",
+    "qwen3.8-2.4t-a95b-fp8-headers",
+)
 
 # Item size of each dtype we emit (the quantized ones for quantized_checkpoint.py); the
 # reference writer lays tensors out by dtype size descending and then by name.
@@ -721,6 +726,10 @@ def preset(name: str, *, target_bytes: int = DEFAULT_TARGET_BYTES) -> dict[str, 
         27 vision blocks) with hidden/intermediate/vocab shrunk to about `target_bytes`.
     "qwen3.5-397b-a17b-fp8-headers": the real 397B-A17B-FP8 shapes (~189,000 tensors,
         ~400 GB) written sparse: headers are real, data is holes.
+    "qwen3.8-2.4t-a95b-fp8-headers": the largest Qwen3.5-architecture release's shape
+        (Qwen3.8-2.4T-A95B: 92 layers, 512 per-expert FP8 experts, 288,034 tensors in 216
+        shards of ~11 GB, ~2.45 TB), sparse like the 397B one; hidden 8192 and expert
+        intermediate 2048 give its size, the other sizes follow from them as above.
     `target_bytes` only affects the scaled preset.
     """
     if name == "tiny":
@@ -736,19 +745,20 @@ def preset(name: str, *, target_bytes: int = DEFAULT_TARGET_BYTES) -> dict[str, 
         }
     if name == "qwen3.5-35b-a3b-scaled":
         return _scaled_35b(target_bytes)
-    if name == "qwen3.5-397b-a17b-fp8-headers":
+    if name in ("qwen3.5-397b-a17b-fp8-headers", "qwen3.8-2.4t-a95b-fp8-headers"):
+        big = name == "qwen3.8-2.4t-a95b-fp8-headers"
         return {
-            "layers": 60,
+            "layers": 92 if big else 60,
             "experts": 512,
-            "hidden": 4096,
-            "moe_intermediate": 1024,
+            "hidden": 8192 if big else 4096,
+            "moe_intermediate": 2048 if big else 1024,
             "vocab": 248320,
             "layout": "per_expert_fp8",
             "mtp": True,
             "vision": True,
             "vision_dims": REAL_VISION,
             "sparse": True,
-            "shard_bytes": 5_000_000_000,
+            "shard_bytes": 11_400_000_000 if big else 5_000_000_000,
         }
     raise ValueError(f"unknown preset {name!r}; choose from {PRESETS}")
 

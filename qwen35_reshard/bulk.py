@@ -1,5 +1,5 @@
-"""Building and reading named tuples in bulk, at C speed, and the collector paused around
-them: the tricks the hot loops share.
+"""Building and reading named tuples in bulk, at C speed, the collector paused around
+them, and what they freed handed back: the tricks the hot loops share.
 
 A 397B FP8 checkpoint has ~190,000 tensors; the source, the planner and the manifest make
 or read one named tuple per tensor, so a Python-level call per tensor shows in the plan time.
@@ -52,3 +52,22 @@ def collector_paused() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
+
+
+def return_freed_memory() -> None:
+    """Hand the heap memory this process has freed back to the operating system, where the C
+    library can: glibc's ``malloc_trim(0)``; elsewhere nothing.
+
+    Why: glibc keeps freed heap memory for the process's own later use, so a server rank's
+    planning (per-tensor objects of a whole checkpoint, freed once its stage is known) would
+    stay in the rank's RSS while its weights load: with the largest shapes (~290,000 tensors)
+    ~60 MB of ~120 MB. A call costs ~10 ms.
+
+    Example:
+        >>> return_freed_memory()
+    """
+    import ctypes  # only here: the package's readers do not load ctypes for this
+
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    if trim is not None:
+        trim(0)

@@ -64,7 +64,7 @@ from .quant import FLOAT_DTYPES, FP8_DTYPES, Quantization, Scheme, quantization
 
 # A checkpoint's tensors reach the schema as name -> anything with these attributes (a
 # source tensor, a stage manifest's entry): no name -> dtype mapping is built per tensor.
-_DTYPE = attrgetter("dtype")
+_DTYPE, _NAME = attrgetter("dtype"), attrgetter("name")
 SCALE_SUFFIX = "_scale_inv"  # block FP8's fused experts: gate_up_proj -> gate_up_proj_scale_inv
 
 
@@ -153,7 +153,7 @@ def required_tensors(
     quant_side: Mapping | None = None,
 ) -> Schema:
     """The schema of the checkpoint with ``config`` whose headers list ``tensors`` (name ->
-    anything with a ``dtype``, such as a source tensor).
+    anything with a ``dtype`` and that ``name``, such as a source tensor).
 
     ``layers`` limits the decoder layers walked (a stage's range; the other parts are always
     listed); ``mtp`` and ``vision`` say whether those parts ship when ``tensors`` cannot tell
@@ -329,7 +329,9 @@ class _Walk:
                     break  # one by one: the module the config keeps otherwise is named
             if scheme is None and self.q.schemes and not self.plain_experts(prefix):
                 break
-            self.names += _interleave(cols)
+            # The tensors' own names (equal to ``cols``): the schema then holds no string of its
+            # own per expert tensor, ~280,000 of them at the largest shapes.
+            self.names += _interleave([list(map(_NAME, f)) for f in found])
             self.shapes += columns[1]
             self.found += _interleave(found)
             return

@@ -26,7 +26,7 @@ from ..errors import BadInput, param
 from ..format.dtypes import DTYPE_SIZES
 from ..format.names import ALIGNED, CLONE, GATHERED, SHARE_ALIGN
 from ..source.checkpoint import SourceTensor
-from ..source.header import DATA_ALIGN, encode_header
+from ..source.header import DATA_ALIGN, encode_header, header_json, header_padding, padded_header
 
 # What a header entry adds besides its name and shape, at most (shared/docs/safetensors-format.md,
 # Header): ',' ':{"dtype":' ',"shape":' ',"data_offsets":[' ',' ']}' are 40 bytes, the longest
@@ -69,17 +69,26 @@ class PlacedTensor(NamedTuple):
 
 @dataclass(frozen=True)
 class OutputFile:
-    """One safetensors file of a stage: its layout, header bytes and tensors in data order.
+    """One safetensors file of a stage: its layout, header and tensors in data order.
 
     A CLONE's header is the source file's own (``header`` is empty: the plan reads no
     bytes); ``source_file`` is the shard a CLONE or ALIGNED file takes its bytes from.
+    The header is kept as its JSON and a count of padding spaces, the bytes made on use
+    (``header``): an ALIGNED file's padding is up to SHARE_ALIGN (1 MiB), hundreds of MB over
+    the ~700 files of a split of the largest checkpoints (~290,000 tensors).
     """
 
     name: str
-    header: bytes
+    header_json: bytes  # empty for a CLONE
     tensors: tuple[PlacedTensor, ...]
     layout: str = GATHERED
     source_file: str | None = None
+    padding: int = 0  # spaces after header_json (see source.header.encode_header)
+
+    @property
+    def header(self) -> bytes:
+        """The bytes before the data buffer: length, JSON and padding (empty for a CLONE)."""
+        return b"" if self.layout == CLONE else padded_header(self.header_json, self.padding)
 
     @property
     def data_start(self) -> int:
@@ -87,7 +96,7 @@ class OutputFile:
         if self.layout == CLONE:
             t = self.tensors[0]
             return t.source.offset - t.out_offset
-        return len(self.header)
+        return 8 + len(self.header_json) + self.padding
 
     @cached_property
     def data_bytes(self) -> int:
@@ -183,24 +192,20 @@ def layout_files(
     files = []
     for name, (layout, file, srcs, reps) in zip(names[: len(shared)], shared, strict=True):
         start = srcs[0].offset  # for a CLONE, the shard's data start (tensors tile it from 0)
-        header = (
-            b""
-            if layout == CLONE
-            else encode_header(
-                [(s.name, s.dtype, s.shape, s.nbytes) for s in srcs], align=SHARE_ALIGN, offset=start
-            )
-        )
+        body = b"" if layout == CLONE else header_json([(s.name, s.dtype, s.shape, s.nbytes) for s in srcs])
+        padding = 0 if layout == CLONE else header_padding(len(body), align=SHARE_ALIGN, offset=start)
         offsets = map(sub, map(_OFFSET, srcs), repeat(start))
         placed_tensors = tuple(make_tuples(PlacedTensor, zip(srcs, offsets, reps, strict=True)))
-        files.append(OutputFile(name, header, placed_tensors, layout, file))
+        files.append(OutputFile(name, body, placed_tensors, layout, file, padding))
     for name, group in zip(names[len(shared) :], gathered, strict=True):
-        hdr = encode_header([(s.name, s.dtype, s.shape, s.nbytes) for s, _ in group])
+        body = header_json([(s.name, s.dtype, s.shape, s.nbytes) for s, _ in group])
+        padding = header_padding(len(body), align=DATA_ALIGN, offset=0)
         offsets, pos = [], 0
         for s, _ in group:
             offsets.append(pos)
             pos += s.nbytes
         tensors = tuple(PlacedTensor(s, off, rep) for (s, rep), off in zip(group, offsets, strict=True))
-        files.append(OutputFile(name, hdr, tensors))
+        files.append(OutputFile(name, body, tensors, padding=padding))
     return tuple(files)
 
 

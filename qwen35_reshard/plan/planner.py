@@ -13,6 +13,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain, groupby, repeat
+from typing import NamedTuple
 
 from ..bulk import field_getters
 from ..errors import BadInput, param
@@ -147,6 +148,124 @@ def make_plan(
         >>> plan.partition, plan.launch_env
         ((4, 4), 'VLLM_PP_LAYER_PARTITION=4,4')
     """
+    placed = _place(
+        ckpt, pp=pp, runtime=runtime, partition=partition, keep_mtp=keep_mtp, ranks=ranks,
+        stages=range(pp), max_file_bytes=max_file_bytes,
+    )  # fmt: skip
+    file_order = {f: i for i, f in enumerate(ckpt.files)}
+    file_tensors = Counter(map(_FILE, ckpt.tensors.values()))
+    whole_fits = {f for f in file_tensors if ckpt.file_sizes[f] <= max_file_bytes}
+    stages = tuple(
+        StagePlan(
+            rank=r,
+            start_layer=placed.ranges[r][0],
+            end_layer=placed.ranges[r][1],
+            extras=placed.extras[r],
+            files=layout_files(
+                *placed.tensors[r],
+                file_order,
+                file_tensors,
+                whole_fits,
+                max_file_bytes=max_file_bytes,
+                max_header_bytes=max_header_bytes,
+            ),
+        )
+        for r in range(pp)
+    )
+    return Plan(
+        ckpt,
+        pp,
+        runtime,
+        placed.partition,
+        placed.mtp,
+        stages,
+        placed.ranks,
+        placed.dropped,
+        max_file_bytes,
+        max_header_bytes,
+        placed.unchecked,
+    )
+
+
+def stage_tensors(
+    ckpt: Checkpoint,
+    *,
+    pp: int,
+    runtime: str,
+    partition: list[int],
+    rank: int,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+) -> StageTensors:
+    """The source tensors of stage ``rank`` of the split :func:`make_plan` makes with these
+    settings (MTP kept), in source order, after the same checks, without laying out any stage's
+    files: what a server rank reading its stage in place from the source needs.
+
+    Why apart from ``make_plan``: laying out every stage's files (their headers, a
+    ``PlacedTensor`` per tensor) holds more than the checkpoint itself at the largest shapes
+    (~290,000 tensors), and a rank reading in place uses none of it.
+
+    Args:
+        ckpt: the checkpoint, from :func:`read_checkpoint`.
+        pp: number of pipeline stages.
+        runtime: ``"sglang"`` or ``"vllm"``.
+        partition: decoder layers per stage.
+        rank: the stage.
+        max_file_bytes: checked as :func:`make_plan` checks it (a split of these settings exists).
+
+    Returns:
+        A :class:`StageTensors`: the sources of ``make_plan(...).stages[rank].tensors`` in source
+        order, and the plan's ``mtp``.
+
+    Raises:
+        ReshardError: as :func:`make_plan`.
+
+    Example:
+        >>> from qwen35_reshard import read_checkpoint
+        >>> from qwen35_reshard.plan.planner import stage_tensors
+        >>> placed = stage_tensors(read_checkpoint(MODEL), pp=2, runtime="vllm", partition=[4, 4], rank=1)
+        >>> len(placed.tensors), placed.mtp
+        (134, 'kept')
+    """
+    placed = _place(
+        ckpt, pp=pp, runtime=runtime, partition=partition, keep_mtp=True, ranks=[rank], stages=[rank],
+        max_file_bytes=max_file_bytes,
+    )  # fmt: skip
+    return StageTensors(placed.tensors[rank][0], placed.mtp)
+
+
+class StageTensors(NamedTuple):
+    """One stage's source tensors, in source order, and the split's ``mtp`` (see :func:`stage_tensors`)."""
+
+    tensors: list[SourceTensor]
+    mtp: str  # MTP_KEPT or MTP_ABSENT
+
+
+class _Placed(NamedTuple):
+    """Which tensors each stage holds, before any file is laid out (see :func:`_place`)."""
+
+    partition: tuple[int, ...]
+    ranges: list[tuple[int, int]]
+    ranks: tuple[int, ...]
+    mtp: str
+    tensors: dict[int, tuple[list[SourceTensor], list[bool]]]  # of the stages asked for
+    dropped: tuple[str, ...]
+    extras: list[tuple[str, ...]]
+    unchecked: str | None
+
+
+def _place(
+    ckpt: Checkpoint,
+    *,
+    pp: int,
+    runtime: str,
+    partition: list[int] | None,
+    keep_mtp: bool,
+    ranks: list[int] | None,
+    stages: Sequence[int],
+    max_file_bytes: int,
+) -> _Placed:
+    """Check the split and the checkpoint, and place every tensor: the tensors of each of
+    ``stages`` in source order, each with whether it is replicated (see :func:`make_plan`)."""
     check_pp(ckpt.num_layers, pp)
     check_runtime(runtime)
     if partition is None:
@@ -168,6 +287,8 @@ def make_plan(
     check_roles(tensor_names, keys, roles, ckpt.num_layers)
     required = schema.required_tensors(ckpt.config, ckpt.tensors, quant_side=ckpt.quant_side)
     schema.check_complete(required, ckpt.tensors, str(ckpt.root))
+    unchecked = required.unchecked
+    del required  # a name per tensor: not held while the stages are placed
     # After the checks above, so that a config that does not match the weights is told as such.
     check_servable(runtime, schema.layer_types(ckpt.config), sizes, default=partition is None)
     kinds = {r.kind for r in roles.values()}
@@ -180,12 +301,13 @@ def make_plan(
     placed_kinds = kinds - {names.LAYER} - ({names.MTP} if mtp == MTP_DROPPED else set())
     replicated = dict.fromkeys(range(pp), False) | {k: len(place[k]) > 1 for k in placed_kinds}
     runs = _key_runs(keys)
-    per_stage: list[tuple[list[SourceTensor], list[bool]]] = []
-    for r in range(pp):
+    del keys
+    per_stage: dict[int, tuple[list[SourceTensor], list[bool]]] = {}
+    for r in stages:
         here = {r, *(k for k in placed_kinds if r in place[k])}
         taken = [(start, end) for key, start, end in runs if goes[key] in here]
         reps = [replicated[goes[key]] for key, _, _ in runs if goes[key] in here]
-        per_stage.append((_spans(sources, taken), _spans_repeated(reps, taken)))
+        per_stage[r] = (_spans(sources, taken), _spans_repeated(reps, taken))
     dropped = (
         _spans(tensor_names, [(start, end) for key, start, end in runs if goes[key] == names.MTP])
         if mtp == MTP_DROPPED
@@ -195,41 +317,8 @@ def make_plan(
         tuple(k for k in _EXTRA_KINDS if k in kinds and r in place[k] and not (k == names.MTP and dropped))
         for r in range(pp)
     ]
-
     check_file_limit(tensor_names, sources, max_file_bytes)
-    file_order = {f: i for i, f in enumerate(ckpt.files)}
-    file_tensors = Counter(map(_FILE, sources))
-    whole_fits = {f for f in file_tensors if ckpt.file_sizes[f] <= max_file_bytes}
-    stages = tuple(
-        StagePlan(
-            rank=r,
-            start_layer=ranges[r][0],
-            end_layer=ranges[r][1],
-            extras=extras[r],
-            files=layout_files(
-                *per_stage[r],
-                file_order,
-                file_tensors,
-                whole_fits,
-                max_file_bytes=max_file_bytes,
-                max_header_bytes=max_header_bytes,
-            ),
-        )
-        for r in range(pp)
-    )
-    return Plan(
-        ckpt,
-        pp,
-        runtime,
-        tuple(sizes),
-        mtp,
-        stages,
-        tuple(ranks),
-        tuple(dropped),
-        max_file_bytes,
-        max_header_bytes,
-        required.unchecked,
-    )
+    return _Placed(tuple(sizes), ranges, tuple(ranks), mtp, per_stage, tuple(dropped), extras, unchecked)
 
 
 def recorded_plan(

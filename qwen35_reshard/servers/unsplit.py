@@ -45,11 +45,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..api import reshard
+from ..bulk import return_freed_memory
 from ..errors import ReshardError
 from ..format.names import CACHE_REPO_PREFIX, CLONE, STAGE_MANIFEST, TOOL_NAME, stage_dirname
 from ..loader import Stage, StageError, open_stage
 from ..model.runtimes import runtime_of
-from ..plan.planner import make_plan
+from ..plan.planner import stage_tensors
 from ..source.checkpoint import Checkpoint, downloaded_sha256, source_identity
 from ..source.header import read_header
 from ..source.hub.cache import HubSettings
@@ -186,13 +187,7 @@ def server_stage(
             key = out / cache_key(runtime, partition)
             served = _cached_or_built(name, key, runtime, partition, rank, hub=pinned, commit=repo.commit)
         else:
-            ckpt, _ = open_model(name, settings)
-            if copy:
-                fingerprint = source_identity(ckpt)["fingerprint"][:FINGERPRINT_CHARS]
-                out = root / LOCAL_DIRNAME / fingerprint / cache_key(runtime, partition)
-                served = _built_from_local(os.fspath(ckpt.root), out, runtime, partition, rank)
-            else:
-                served = ServedStage(in_place_stage(ckpt, runtime, partition, rank), IN_PLACE, name, None)
+            served = _from_local(name, settings, root, runtime, partition, rank, copy=copy)
     except StageError:
         raise
     except ReshardError as e:
@@ -200,6 +195,7 @@ def server_stage(
     except OSError as e:  # a cache cannot be created or written (a full disk, permissions): say which
         raise StageError(f"pipeline rank {rank}: {name}: {cache_error(e, root)}") from e
     served.stage.check(len(partition), *_layers(partition, rank), pp_rank=rank, runtime=runtime)
+    return_freed_memory()  # what planning held, freed by now, before the server loads the weights
     return ServedStage(
         served.stage, served.how, name, served.where, served.fetched_bytes, time.monotonic() - started
     )
@@ -302,6 +298,29 @@ def _layers(partition: Sequence[int], rank: int) -> tuple[int, int]:
     return start, start + partition[rank]
 
 
+def _from_local(
+    model: str,
+    settings: HubSettings,
+    root: Path,
+    runtime: str,
+    partition: list[int],
+    rank: int,
+    *,
+    copy: bool,
+) -> ServedStage:
+    """The stage of the local checkpoint ``model``: read in place, or (``copy``) built into the
+    stage cache ``root`` first. Its own function so that the checkpoint read here (a few
+    hundred bytes a tensor, ~290,000 tensors at the largest shapes) is freed on return."""
+    ckpt, _ = open_model(model, settings)
+    if not copy:
+        return ServedStage(in_place_stage(ckpt, runtime, partition, rank), IN_PLACE, model, None)
+    fingerprint = source_identity(ckpt)["fingerprint"][:FINGERPRINT_CHARS]
+    out = root / LOCAL_DIRNAME / fingerprint / cache_key(runtime, partition)
+    source = os.fspath(ckpt.root)
+    del ckpt  # the split reads the checkpoint again: not held twice
+    return _built_from_local(source, out, runtime, partition, rank)
+
+
 def _cached_or_built(
     model: str,
     out: Path,
@@ -392,9 +411,9 @@ def in_place_stage(ckpt: Checkpoint, runtime: str, partition: Sequence[int], ran
     Raises:
         StageError: a shard changed since the checkpoint was read.
     """
-    plan = make_plan(ckpt, pp=len(partition), runtime=runtime, partition=list(partition), ranks=[rank])
-    planned = plan.stages[rank]
-    sources = sorted((t.source for t in planned.tensors), key=lambda s: (s.file, s.offset))
+    pp, partition = len(partition), tuple(partition)
+    planned = stage_tensors(ckpt, pp=pp, runtime=runtime, partition=list(partition), rank=rank)
+    sources = sorted(planned.tensors, key=lambda s: (s.file, s.offset))
     headers = {}
     for file in sorted({s.file for s in sources}):
         header = read_header(ckpt.path(file), display=f"{ckpt.display}/{file}")
@@ -416,15 +435,15 @@ def in_place_stage(ckpt: Checkpoint, runtime: str, partition: Sequence[int], ran
     counts: dict[str, int] = {}
     for s in sources:
         counts[s.file] = counts.get(s.file, 0) + 1
-    start, end = planned.start_layer, planned.end_layer
+    start, end = _layers(partition, rank)
     manifest = StageManifest(
         rank=rank,
-        pp=plan.pp,
+        pp=pp,
         runtime=runtime,
-        partition=tuple(plan.partition),
+        partition=partition,
         start_layer=start,
         end_layer=end,
-        mtp=plan.mtp,
+        mtp=planned.mtp,
         identity=None,
         source=source_identity(ckpt),
         index_sha256=None,

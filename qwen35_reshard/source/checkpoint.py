@@ -13,7 +13,8 @@ import hashlib
 import json
 import os
 import stat
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from itertools import repeat
 from operator import add, sub
@@ -166,10 +167,8 @@ def read_checkpoint(model_dir: str | os.PathLike[str]) -> Checkpoint:
     allowed = allowed_roots(root)
     config_bytes = _read_file(root, CONFIG_NAME, allowed)
     config = load_config(config_bytes, str(root / CONFIG_NAME))
-    index_bytes: bytes | None = None
-    if (root / INDEX_NAME).exists():
-        index_bytes = _read_file(root, INDEX_NAME, allowed)
-    elif not (root / SINGLE_FILE_NAME).exists():
+    indexed = (root / INDEX_NAME).exists()
+    if not indexed and not (root / SINGLE_FILE_NAME).exists():
         pickles = sorted(p.name for p in root.iterdir() if p.name.endswith(PICKLE_SUFFIXES))
         hint = (
             f"; found only pickled weights ({', '.join(pickles[:3])}), which this tool never "
@@ -179,11 +178,11 @@ def read_checkpoint(model_dir: str | os.PathLike[str]) -> Checkpoint:
         )
         raise BadInput(f"{root}: no {INDEX_NAME} and no {SINGLE_FILE_NAME}{hint}")
 
-    def read_headers(files: list[str]) -> dict[str, Header]:
+    def read_headers(files: list[str]) -> Iterator[Header]:
         # Every name is checked before any header is read: a name leaving the model directory
         # is reported as such, whatever other damage a shard sorted before it has.
-        paths = {file: _checked_path(root, file, allowed, what="shard") for file in files}
-        return {file: read_header(paths[file], display=str(root / file)) for file in files}
+        paths = [_checked_path(root, file, allowed, what="shard") for file in files]
+        return (read_header(path, display=str(path)) for path in paths)
 
     def other_files(files: list[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
         unlisted = [p.name for p in root.iterdir() if p.name.endswith(".safetensors") and p.name not in files]
@@ -194,7 +193,8 @@ def read_checkpoint(model_dir: str | os.PathLike[str]) -> Checkpoint:
         display=str(root),
         config=config,
         config_bytes=config_bytes,
-        index_bytes=index_bytes,
+        # Not kept here: assemble_checkpoint drops it once parsed (~30 MB at the largest shapes).
+        index_bytes=_read_file(root, INDEX_NAME, allowed) if indexed else None,
         read_headers=read_headers,
         other_files=other_files,
     )
@@ -250,7 +250,7 @@ def assemble_checkpoint(
     config: dict,
     config_bytes: bytes,
     index_bytes: bytes | None,
-    read_headers: Callable[[list[str]], dict[str, Header]],
+    read_headers: Callable[[list[str]], Iterable[Header]],
     other_files: Callable[[list[str]], tuple[tuple[str, ...], tuple[str, ...]]],
     hub: dict | None = None,
 ) -> Checkpoint:
@@ -258,45 +258,60 @@ def assemble_checkpoint(
 
     Shared by local directories and Hub repos: ``display`` names the source in messages,
     ``config`` is ``config_bytes`` as :func:`load_config` read it, ``read_headers(files)``
-    returns each data file's parsed header (called once the index is known good) and
+    returns each data file's parsed header in the order of ``files`` (called once the index is
+    known good; taken one at a time, each dropped once its tensors are made: a checkpoint's
+    headers together hold more than its tensors do, ~290,000 of them at the largest shapes) and
     ``other_files(files)`` the non-weight files every stage gets and the ``*.safetensors``
     the index does not list.
     """
     num_layers = _num_layers(config, f"{display}/{CONFIG_NAME}")
     weight_map: dict[str, str] | None = None
     files = [SINGLE_FILE_NAME]
+    index_sha256 = None
     if index_bytes is not None:
         where = f"{display}/{INDEX_NAME}"
+        index_sha256 = hashlib.sha256(index_bytes).hexdigest()
         weight_map, files = _weight_map(parse_json_object(index_bytes, where, load_index), where)
-    headers = read_headers(files)
-    if weight_map is not None:
-        for i, file in enumerate(files):
-            names = headers[file].columns.names
-            if names and set(map(weight_map.get, names)) != {file}:
-                _name_mismatch(display, files[:i], file, headers, weight_map)
+    del index_bytes  # parsed: not held while the headers are read
     # Each tensor is in one shard: the index lists it in one file (without an index, there is
     # one shard), so all of them make one dict, in (file, offset) order.
-    tensors = dict(zip(*_source_columns(files, headers), strict=True))
-    if weight_map is not None and len(tensors) != len(weight_map):  # all in it: is it all?
-        missing = [n for n in weight_map if n not in tensors]
-        if missing:
-            raise BadInput(
-                f"{INDEX_NAME} lists tensor {missing[0]!r} in {weight_map[missing[0]]} but that "
-                f"shard does not hold it ({len(missing)} such tensors); the checkpoint is incomplete"
-            )
+    tensors: dict[str, SourceTensor] = {}
+    sizes: dict[str, int] = {}
+    digests: list[str] = []
+    stamps: dict[str, tuple[int, ...]] = {}
+    shared = _Shared()
+    for file, header in zip(files, read_headers(files), strict=True):
+        names = header.columns.names
+        if weight_map is not None:
+            if names and set(map(weight_map.get, names)) != {file}:
+                _name_mismatch(display, file, header, tensors, weight_map)
+            # Each entry found is dropped from the index: its strings are freed as the tensors'
+            # own are made (and take their place), and what is left at the end is missing.
+            deque(map(weight_map.pop, names), maxlen=0)
+        tensors.update(zip(names, _source_tensors(file, header, shared), strict=True))
+        sizes[file] = header.file_size
+        digests.append(header.sha256)
+        if header.stamp is not None:
+            stamps[file] = header.stamp
+    if weight_map:
+        name = next(iter(weight_map))
+        raise BadInput(
+            f"{INDEX_NAME} lists tensor {name!r} in {weight_map[name]} but that "
+            f"shard does not hold it ({len(weight_map)} such tensors); the checkpoint is incomplete"
+        )
 
     extra, unlisted = other_files(files)
     return Checkpoint(
         root=root,
         config=config,
         config_sha256=hashlib.sha256(config_bytes).hexdigest(),
-        index_sha256=hashlib.sha256(index_bytes).hexdigest() if index_bytes is not None else None,
+        index_sha256=index_sha256,
         num_layers=num_layers,
         tied_embeddings=schema.tied_embeddings(config),
         files=tuple(files),
-        file_sizes={file: headers[file].file_size for file in files},
-        headers_sha256=hashlib.sha256("".join(headers[f].sha256 for f in files).encode()).hexdigest(),
-        stamps={file: headers[file].stamp for file in files if headers[file].stamp is not None},
+        file_sizes=sizes,
+        headers_sha256=hashlib.sha256("".join(digests).encode()).hexdigest(),
+        stamps=stamps,
         tensors=tensors,
         extra_files=extra,
         unlisted=unlisted,
@@ -305,15 +320,16 @@ def assemble_checkpoint(
 
 
 def _name_mismatch(
-    display: str, earlier: list[str], file: str, headers: dict[str, Header], weight_map: dict[str, str]
+    display: str, file: str, header: Header, earlier: dict[str, SourceTensor], weight_map: dict[str, str]
 ) -> NoReturn:
-    """Name the first tensor of ``file`` that another shard (of ``earlier``) holds too or that
-    the index does not list in ``file``, which the bulk check found."""
-    seen = {name: f for f in earlier for name in headers[f].columns.names}
-    for t in headers[file].tensors:
-        if t.name in seen:
+    """Name the first tensor of ``file`` (its ``header``) that another shard (of those read
+    before, whose tensors are ``earlier``) holds too or that the index does not list in ``file``,
+    which the bulk check found."""
+    for t in header.tensors:
+        if t.name in earlier:
             raise BadInput(
-                f"tensor {t.name!r} appears in both {seen[t.name]} and {file}; the checkpoint is inconsistent"
+                f"tensor {t.name!r} appears in both {earlier[t.name].file} and {file}; "
+                "the checkpoint is inconsistent"
             )
         listed = weight_map.get(t.name)
         if listed != file:
@@ -325,25 +341,38 @@ def _name_mismatch(
     raise AssertionError(f"{file}: the bulk check found a tensor at fault, the exact one none")
 
 
-def _source_columns(files: list[str], headers: dict[str, Header]) -> tuple[list[str], list[SourceTensor]]:
-    """Every tensor's name and SourceTensor, shard by shard in offset order."""
-    names: list[str] = []
-    sources: list[SourceTensor] = []
-    for file in files:
-        header = headers[file]
-        file_names, dtypes, shapes, begins, ends = header.columns
-        names += file_names
-        columns = zip(
-            file_names,
-            repeat(file),
-            dtypes,
-            shapes,
-            map(add, repeat(header.data_start), begins),
-            map(sub, ends, begins),
-            strict=False,  # repeat() is endless
-        )
-        sources += make_tuples(SourceTensor, columns)
-    return names, sources
+class _Shared:
+    """One object for each distinct shape, dtype and size among a checkpoint's tensors.
+
+    Why: they repeat (a per-expert checkpoint has a few dozen shapes for ~290,000 tensors), yet
+    each header entry is parsed into objects of its own; keeping one of each makes every tensor
+    ~100 bytes smaller. ``dict.setdefault`` mapped over a column does it in C.
+    """
+
+    def __init__(self) -> None:
+        self.shape = {}.setdefault
+        self.dtype = {}.setdefault
+        self.size = {}.setdefault
+
+    def column(self, values: list, kind: str) -> map:
+        """``values`` (a column of one kind: "shape", "dtype" or "size"), each the shared one."""
+        return map(getattr(self, kind), values, values)
+
+
+def _source_tensors(file: str, header: Header, shared: _Shared) -> Iterator[SourceTensor]:
+    """The SourceTensor of each tensor of ``file`` (its ``header``), in offset order."""
+    file_names, dtypes, shapes, begins, ends = header.columns
+    sizes = list(map(sub, ends, begins))
+    columns = zip(
+        file_names,
+        repeat(file),
+        shared.column(dtypes, "dtype"),
+        shared.column(shapes, "shape"),
+        map(add, repeat(header.data_start), begins),
+        shared.column(sizes, "size"),
+        strict=False,  # repeat() is endless
+    )
+    return make_tuples(SourceTensor, columns)
 
 
 def load_quant_side(raw: bytes | None, where: str) -> dict | None:

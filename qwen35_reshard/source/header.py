@@ -462,6 +462,12 @@ def encode_header(
     too): at a multiple of 8 by default. Fixed key order, compact separators and
     ``{"format": "pt"}`` metadata make the bytes a function of the input alone.
     """
+    body = header_json(tensors)
+    return padded_header(body, header_padding(len(body), align=align, offset=offset))
+
+
+def header_json(tensors: list[tuple[str, str, tuple[int, ...], int]]) -> bytes:
+    """The JSON of :func:`encode_header`'s header, without its length prefix and padding."""
     # The same bytes as json.dumps(..., separators=(",", ":"), ensure_ascii=False) of
     # {"__metadata__": {"format": "pt"}, name: {"dtype", "shape", "data_offsets"}, ...},
     # built as strings because this runs for every tensor of every output file.
@@ -474,6 +480,15 @@ def encode_header(
         )
         pos += nbytes
     parts.append("}")
-    body = "".join(parts).encode("utf-8")
-    body += b" " * ((offset - 8 - len(body)) % align)
-    return struct.pack("<Q", len(body)) + body
+    return "".join(parts).encode("utf-8")
+
+
+def header_padding(json_bytes: int, *, align: int, offset: int) -> int:
+    """The spaces after a header's JSON of ``json_bytes`` bytes that start the data buffer at
+    ``offset`` modulo ``align`` (see :func:`encode_header`)."""
+    return (offset - 8 - json_bytes) % align
+
+
+def padded_header(body: bytes, padding: int) -> bytes:
+    """The full prefix of a file whose header is the JSON ``body`` and ``padding`` spaces."""
+    return struct.pack("<Q", len(body) + padding) + body + b" " * padding

@@ -44,10 +44,12 @@ def served(site):
     thread.join()
 
 
-def rendered_dom(browser: str, url: str) -> str:
-    """The DOM after the page's scripts ran (``--virtual-time-budget``: until the page is idle)."""
+def rendered_dom(browser: str, url: str, profile: str) -> str:
+    """The DOM after the page's scripts ran (``--virtual-time-budget``: until the page is idle),
+    in a profile of its own (not the user's, not another run's)."""
     args = [
         browser,
+        f"--user-data-dir={profile}",
         "--headless",
         "--no-sandbox",
         "--disable-gpu",
@@ -61,9 +63,9 @@ def rendered_dom(browser: str, url: str) -> str:
 
 
 @pytest.mark.parametrize("page", ["", "api-reference/"], ids=["home", "reference"])
-def test_page_in_a_browser_has_navigation_and_copy_buttons(served, site, page):
+def test_page_in_a_browser_has_navigation_and_copy_buttons(served, site, page, tmp_path):
     browser = chromium()
-    dom = rendered_dom(browser, f"{served}/{page}")
+    dom = rendered_dom(browser, f"{served}/{page}", str(tmp_path / "profile"))
     nav = dom[dom.index('class="md-nav md-nav--primary"') :]
     for group in GROUPS:
         assert f"{group}\n" in nav or f">{group}<" in nav or f" {group} " in nav, group

@@ -9,6 +9,7 @@ import doctest
 import pytest
 
 import qwen35_reshard
+from qwen35_reshard.plan.planner import stage_tensors
 from qwen35_reshard.servers.deployment import rank_stage
 from qwen35_reshard.servers.unsplit import server_stage
 from qwen35_reshard.verify import verify
@@ -24,6 +25,7 @@ PUBLIC = {
     "choose": qwen35_reshard.choose,
     "server_stage": server_stage,
     "rank_stage": rank_stage,
+    "stage_tensors": stage_tensors,
 }
 
 

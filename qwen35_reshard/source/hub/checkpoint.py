@@ -3,7 +3,7 @@ huggingface_hub, each shard's header through :mod:`.headers`."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -47,7 +47,7 @@ def read_hub_checkpoint(repo: HubRepo, *, traffic: Traffic | None = None) -> Che
             "safetensors checkpoint"
         )
 
-    def read_headers(files: list[str]) -> dict[str, Header]:
+    def read_headers(files: list[str]) -> Iterator[Header]:
         # As for a local index: the kept header and the cached copy of a shard are found by
         # its name, which must not lead out of (or below) the repo's top level.
         for f in files:
@@ -63,7 +63,8 @@ def read_hub_checkpoint(repo: HubRepo, *, traffic: Traffic | None = None) -> Che
                 + (f" ({len(absent)} such files)" if len(absent) > 1 else "")
                 + "; the repo is incomplete"
             )
-        return parsed_headers(repo, files, listing, traffic)
+        # Popped as taken: each is dropped once its tensors are made.
+        return map(parsed_headers(repo, files, listing, traffic).pop, files)
 
     ckpt = assemble_checkpoint(
         root=repo.snapshot,

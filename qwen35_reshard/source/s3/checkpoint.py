@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import struct
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -179,7 +180,7 @@ def read_s3_checkpoint(repo: S3Repo) -> Checkpoint:
                 "safetensors checkpoint"
             )
 
-        def read_headers(files: list[str]) -> dict[str, Header]:
+        def read_headers(files: list[str]) -> Iterator[Header]:
             for f in files:
                 if not is_plain_name(f) or f not in repo.objects:
                     raise ObjectStoreError(
@@ -188,10 +189,11 @@ def read_s3_checkpoint(repo: S3Repo) -> Checkpoint:
                     )
             with ThreadPoolExecutor(max_workers=engine.streams) as pool:
                 raw = dict(zip(files, pool.map(lambda f: header_bytes(repo, f, engine), files), strict=True))
-            return {
-                f: parse_header(raw[f][8:], file_size=repo.objects[f].size, where=f"{repo.where.uri}/{f}")
+            # Parsed as taken, each dropped once its tensors are made (see assemble_checkpoint).
+            return (
+                parse_header(raw.pop(f)[8:], file_size=repo.objects[f].size, where=f"{repo.where.uri}/{f}")
                 for f in files
-            }
+            )
 
         ckpt = assemble_checkpoint(
             root=repo.folder,

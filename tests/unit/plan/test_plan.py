@@ -16,6 +16,7 @@ import pytest
 from qwen35_reshard import ReshardError, make_plan, read_checkpoint
 from qwen35_reshard.format.names import MTP_ABSENT, MTP_DROPPED, MTP_KEPT
 from qwen35_reshard.model.runtimes import servable
+from qwen35_reshard.plan.planner import stage_tensors
 from qwen35_reshard.source.checkpoint import SourceTensor
 
 DSIZE = {"F32": 4, "BF16": 2, "F8_E4M3": 1}
@@ -92,6 +93,24 @@ def test_placement_follows_the_facts_doc(ref, checkpoints, dense, kind, runtime,
             assert t.replicated == (copies > 1), t.name
     # every source tensor is somewhere, or dropped on purpose
     assert set().union(*expected) | dropped == set(ckpt.tensors)
+
+
+@pytest.mark.parametrize("pp", [1, 3, 4])
+@pytest.mark.parametrize("runtime", ["sglang", "vllm"])
+@pytest.mark.parametrize("kind", sorted(CHECKPOINTS))
+def test_one_stage_placed_alone_is_the_plans_stage(ref, checkpoints, dense, kind, runtime, pp):
+    # What a server rank reading in place uses (serve.in_place_stage): make_plan's stage, in
+    # source order, without any stage's files laid out.
+    ckpt = (dense if ref.servable_attention(runtime, pp) else checkpoints)[kind]
+    partition = ref.split(8, pp, runtime)
+    plan = make_plan(ckpt, pp=pp, runtime=runtime, partition=partition)
+    order = {name: i for i, name in enumerate(ckpt.tensors)}
+    for stage in plan.stages:
+        placed = stage_tensors(ckpt, pp=pp, runtime=runtime, partition=partition, rank=stage.rank)
+        assert placed.mtp == plan.mtp
+        assert placed.tensors == sorted((t.source for t in stage.tensors), key=lambda s: order[s.name])
+    with pytest.raises(ReshardError, match="partition"):
+        stage_tensors(ckpt, pp=pp, runtime=runtime, partition=[*partition, 1], rank=0)
 
 
 def test_fp8_experts_and_scales_travel_with_their_layer(ref, checkpoints):

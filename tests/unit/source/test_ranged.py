@@ -8,24 +8,13 @@ checks the bytes against the file, or that a wrong answer is refused.
 from __future__ import annotations
 
 import pytest
-from huggingface_hub import get_session, hf_hub_url
-from huggingface_hub.utils import hf_raise_for_status
 
 from qwen35_reshard.errors import RemoteError
-from qwen35_reshard.source.ranged import HttpTransport, RangeError
-from qwen35_reshard.source.remote.engine import FetchEngine, RemoteFile, RetryPolicy
+from qwen35_reshard.source.ranged import RangeError
+from qwen35_reshard.source.remote.engine import RemoteFile
 
-from support.hub_server import Fault, HubServer
-
-FILE = "model-00002-of-00004.safetensors"
-
-
-@pytest.fixture
-def served(make_checkpoint):
-    model = make_checkpoint()
-    with HubServer() as hub:
-        commit = hub.add_repo("Qwen/Tiny", model)
-        yield hub, commit, (model / FILE).read_bytes()
+from support.hub_server import Fault
+from support.remote import SHARD, hub_engine
 
 
 class Counter:
@@ -36,23 +25,11 @@ class Counter:
         self.bytes += n
 
 
-def engine(hub, commit, counter=None, streams=4):
-    transport = HttpTransport(
-        lambda name: hf_hub_url("Qwen/Tiny", name, revision=commit, endpoint=hub.url),
-        display="Qwen/Tiny",
-        session=get_session(),
-        headers={"authorization": "Bearer hf_x"},
-        raise_for_status=hf_raise_for_status,
-        counter=counter,
-    )
-    return FetchEngine(transport, streams=streams, policy=RetryPolicy(wait=0.01))
-
-
 def test_one_request_per_range_and_the_cdn_address_is_kept(served):
     hub, commit, data = served
     counter = Counter()
-    e = engine(hub, commit, counter)
-    f = RemoteFile(FILE, len(data), commit)
+    e = hub_engine(hub, commit, counter=counter, headers={"authorization": "Bearer hf_x"})
+    f = RemoteFile(SHARD, len(data), commit)
     spans = [(100, 50_000), (60_000, 200_000), (200_000, 200_001)]
     assert [e.read(f, a, b) for a, b in spans] == [data[a:b] for a, b in spans]
     assert counter.bytes == sum(b - a for a, b in spans)
@@ -65,11 +42,11 @@ def test_one_request_per_range_and_the_cdn_address_is_kept(served):
 
 def test_transient_status_is_retried_and_an_expired_cdn_address_renewed(served):
     hub, commit, data = served
-    e = engine(hub, commit)
-    f = RemoteFile(FILE, len(data), commit)
+    e = hub_engine(hub, commit)
+    f = RemoteFile(SHARD, len(data), commit)
     assert e.read(f, 0, 10) == data[:10]
-    hub.add_fault(Fault(FILE, status=503))
-    hub.add_fault(Fault(FILE, status=403))  # the signed address expired: ask /resolve again
+    hub.add_fault(Fault(SHARD, status=503))
+    hub.add_fault(Fault(SHARD, status=403))  # the signed address expired: ask /resolve again
     assert e.read(f, 1000, 90_000) == data[1000:90_000]
     statuses = [(x.origin, x.status) for x in hub.log][2:]
     assert statuses == [("cdn", 503), ("cdn", 403), ("hub", 302), ("cdn", 206)]
@@ -77,9 +54,9 @@ def test_transient_status_is_retried_and_an_expired_cdn_address_renewed(served):
 
 def test_dropped_connection_resumes_at_the_first_missing_byte(served):
     hub, commit, data = served
-    hub.add_fault(Fault(FILE, after=7000, ranged=True))
-    e = engine(hub, commit)
-    assert e.read(RemoteFile(FILE, len(data), commit), 500, 150_000) == data[500:150_000]
+    hub.add_fault(Fault(SHARD, after=7000, ranged=True))
+    e = hub_engine(hub, commit)
+    assert e.read(RemoteFile(SHARD, len(data), commit), 500, 150_000) == data[500:150_000]
     ranges = [x.range for x in hub.log if x.origin == "cdn"]
     assert ranges == ["bytes=500-149999", "bytes=7500-149999"]
 
@@ -87,9 +64,9 @@ def test_dropped_connection_resumes_at_the_first_missing_byte(served):
 @pytest.mark.parametrize(
     "fault, error, message",
     [
-        (Fault(FILE, shift=True), RangeError, "refusing bytes that may not be the ones asked for"),
+        (Fault(SHARD, shift=True), RangeError, "refusing bytes that may not be the ones asked for"),
         (
-            Fault(FILE, after=0, times=100, ranged=True),
+            Fault(SHARD, after=0, times=100, ranged=True),
             RemoteError,
             "6 failures in a row, the last: the connection failed",
         ),
@@ -99,17 +76,17 @@ def test_wrong_or_missing_answers_are_refused(served, fault, error, message):
     hub, commit, data = served
     hub.add_fault(fault)
     with pytest.raises(error, match=message):
-        engine(hub, commit).read(RemoteFile(FILE, len(data), commit), 100, 5000)
+        hub_engine(hub, commit).read(RemoteFile(SHARD, len(data), commit), 100, 5000)
 
 
 def test_a_server_ignoring_range_is_refused(served):
     hub, commit, data = served
     hub.set_ignore_range(True)
     with pytest.raises(RangeError, match="ignored the Range request"):
-        engine(hub, commit).read(RemoteFile(FILE, len(data), commit), 0, 8)
+        hub_engine(hub, commit).read(RemoteFile(SHARD, len(data), commit), 0, 8)
 
 
 def test_a_size_that_changed_is_refused(served):
     hub, commit, data = served
     with pytest.raises(RangeError, match="refusing"):
-        engine(hub, commit).read(RemoteFile(FILE, len(data) + 1, commit), 0, 8)
+        hub_engine(hub, commit).read(RemoteFile(SHARD, len(data) + 1, commit), 0, 8)

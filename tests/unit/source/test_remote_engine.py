@@ -8,43 +8,18 @@ import logging
 import threading
 
 import pytest
-from huggingface_hub import get_session, hf_hub_url
-from huggingface_hub.utils import hf_raise_for_status
 
 from qwen35_reshard.errors import BadInput
-from qwen35_reshard.source.ranged import HttpTransport
 from qwen35_reshard.source.remote.engine import (
     DEFAULT_STREAMS,
     STREAMS_ENV,
-    FetchEngine,
     RemoteFile,
-    RetryPolicy,
     streams_setting,
 )
 from qwen35_reshard.source.remote.parts import split
 
-from support.hub_server import Fault, HubServer
-
-FILE = "model-00002-of-00004.safetensors"
-
-
-@pytest.fixture
-def served(make_checkpoint):
-    model = make_checkpoint()
-    with HubServer() as hub:
-        commit = hub.add_repo("Qwen/Tiny", model)
-        yield hub, commit, (model / FILE).read_bytes()
-
-
-def engine(hub, commit, streams):
-    transport = HttpTransport(
-        lambda name: hf_hub_url("Qwen/Tiny", name, revision=commit, endpoint=hub.url),
-        display="Qwen/Tiny",
-        session=get_session(),
-        headers={},
-        raise_for_status=hf_raise_for_status,
-    )
-    return FetchEngine(transport, streams=streams, policy=RetryPolicy(wait=0.05))
+from support.hub_server import Fault
+from support.remote import SHARD, hub_engine
 
 
 def fetch(e, data, commit, parts):
@@ -56,7 +31,7 @@ def fetch(e, data, commit, parts):
         with lock:
             buf[pos : pos + len(chunk)] = chunk
 
-    t = e.start(RemoteFile(FILE, len(data), commit), parts, sink)
+    t = e.start(RemoteFile(SHARD, len(data), commit), parts, sink)
     try:
         t.wait_landed(len(data))
     finally:
@@ -67,8 +42,8 @@ def fetch(e, data, commit, parts):
 def test_parts_are_in_flight_together_and_land_at_their_offsets(served):
     hub, commit, data = served
     hub.set_pacing(rate=2_000_000, latency=0.05)
-    parts = split(FILE, [(0, len(data))], len(data) // 12 + 1)
-    assert fetch(engine(hub, commit, 6), data, commit, parts) == data
+    parts = split(SHARD, [(0, len(data))], len(data) // 12 + 1)
+    assert fetch(hub_engine(hub, commit, streams=6), data, commit, parts) == data
     assert hub.peak_in_flight == 6  # never more than the streams, and that many at once
     got = sorted(e.range for e in hub.log if e.origin == "cdn")
     assert got == sorted(f"bytes={p.start}-{p.end - 1}" for p in parts)  # each part asked once
@@ -76,9 +51,9 @@ def test_parts_are_in_flight_together_and_land_at_their_offsets(served):
 
 def test_a_part_dropped_mid_body_resumes_where_it_stopped(served):
     hub, commit, data = served
-    parts = split(FILE, [(0, len(data))], len(data) // 4 + 1)
-    hub.add_fault(Fault(FILE, after=10_000, ranged=True))
-    assert fetch(engine(hub, commit, 4), data, commit, parts) == data
+    parts = split(SHARD, [(0, len(data))], len(data) // 4 + 1)
+    hub.add_fault(Fault(SHARD, after=10_000, ranged=True))
+    assert fetch(hub_engine(hub, commit, streams=4), data, commit, parts) == data
     cdn = [e for e in hub.log if e.origin == "cdn"]
     dropped = next(e for e in cdn if e.sent == 10_000)
     start = int(dropped.range.split("=")[1].split("-")[0])
@@ -90,9 +65,9 @@ def test_a_part_dropped_mid_body_resumes_where_it_stopped(served):
 def test_too_many_requests_means_fewer_streams_then_a_retry(served, caplog, status):
     hub, commit, data = served
     hub.set_pacing(latency=0.02)
-    parts = split(FILE, [(0, len(data))], len(data) // 16 + 1)
-    hub.add_fault(Fault(FILE, status=status, times=3))
-    e = engine(hub, commit, 8)
+    parts = split(SHARD, [(0, len(data))], len(data) // 16 + 1)
+    hub.add_fault(Fault(SHARD, status=status, times=3))
+    e = hub_engine(hub, commit, streams=8)
     with caplog.at_level(logging.WARNING):
         assert fetch(e, data, commit, parts) == data
     cuts = [r.getMessage() for r in caplog.records if "streams from now on" in r.getMessage()]
