@@ -25,6 +25,7 @@ from ..errors import BadInput, param
 from ..format.holder import Owner
 from ..format.names import (
     CACHE_REPO_PREFIX,
+    CLAIM,
     COMMIT,
     LAST_USED,
     LOCK,
@@ -224,14 +225,34 @@ def remove_entries(
     removed, refused = [], []
     for e in entries:
         users = tuple(claims.users(e.path, now))
+        if not users and not dry_run:
+            users = _remove_unused(e.path, now)
         if users:
             refused.append(CacheEntry(**{**e.__dict__, "users": users}))
             continue
         if not dry_run:
-            shutil.rmtree(e.path)
             _prune_empty(e.path.parent, root)
         removed.append(e)
     return Removal(removed, refused, dry_run)
+
+
+def _remove_unused(stage_dir: Path, now: int) -> tuple[Owner | None, ...]:
+    """Delete ``stage_dir`` unless it is used; returns its users (then nothing is deleted).
+
+    Under the stage's claim, the one a build takes (a build waits for it), the users are
+    looked for once more just before deleting: a server records its use before it opens the
+    stage (:func:`~.unsplit._open_in_use`), so one that opened it is seen here."""
+    claim = stage_dir / CLAIM
+    held = claims.try_take(claim)
+    if held is not None:
+        return (held.owner,)
+    try:
+        users = tuple(claims.users(stage_dir, now))
+        if not users:
+            shutil.rmtree(stage_dir)
+    finally:
+        claims.release(claim)
+    return users
 
 
 def _root(cache: str | os.PathLike[str] | None) -> Path:

@@ -340,7 +340,7 @@ def _cached_or_built(
     how, fetched, stage = FETCHED, 0, None
     if (out / stage_dirname(rank) / STAGE_MANIFEST).is_file():
         try:
-            stage, how = open_stage(out, pp_rank=rank), CACHED
+            stage, how = _open_in_use(out, rank), CACHED
         except StageError:
             how = REPAIRED
     if stage is None:
@@ -348,7 +348,7 @@ def _cached_or_built(
             model, out, pp=len(partition), runtime=runtime, partition=partition, ranks=[rank], hub=hub
         )
         fetched = (result.fetch or {}).get("fetched_bytes", 0)
-        stage = open_stage(out, pp_rank=rank)
+        stage = _open_in_use(out, rank)
     recorded = stage.manifest.source.get("commit")
     if recorded != commit:  # the key names the commit: only a moved directory
         raise StageError(
@@ -371,18 +371,26 @@ def _built_from_local(model: str, out: Path, runtime: str, partition: list[int],
         write=WriteOptions(overwrite=True),
     )
     built = result.written is not None and rank in result.written.built
-    stage = _served_from_cache(open_stage(out, pp_rank=rank), f"copies it again from {model}")
+    stage = _served_from_cache(_open_in_use(out, rank), f"copies it again from {model}")
     return ServedStage(stage, BUILT if built else CACHED, model, out)
 
 
-def _served_from_cache(stage: Stage, again: str) -> Stage:
-    """``stage`` of the stage cache, recorded as used by this server while it runs (so that
-    ``qwen35-reshard cache rm`` leaves it: :func:`~qwen35_reshard.write.claims.in_use`; not
-    where the cache is read-only), and set to have a data file its load finds damaged set
-    aside (:func:`~qwen35_reshard.write.journal.set_aside`), so that the next start ``again``
-    (says how: fetches it from the Hub, copies it) rewrites that file alone."""
+def _open_in_use(out: Path, rank: int) -> Stage:
+    """Stage ``rank`` of the cache's run directory ``out``, recorded as used by this server
+    while it runs (so that ``qwen35-reshard cache rm`` leaves it:
+    :func:`~qwen35_reshard.write.claims.in_use`; not where the cache is read-only) BEFORE it is
+    opened: ``cache rm`` looks for users once more just before it deletes, so no stage this
+    server opened can be deleted under it."""
     with contextlib.suppress(OSError):
-        in_use(stage.path)
+        in_use(out / stage_dirname(rank))
+    return open_stage(out, pp_rank=rank)
+
+
+def _served_from_cache(stage: Stage, again: str) -> Stage:
+    """``stage`` of the stage cache (opened by :func:`_open_in_use`), set to have a data file
+    its load finds damaged set aside (:func:`~qwen35_reshard.write.journal.set_aside`), so that
+    the next start ``again`` (says how: fetches it from the Hub, copies it) rewrites that file
+    alone."""
 
     def damaged(file: str) -> str:
         try:

@@ -136,6 +136,30 @@ def test_rm_by_revision_age_and_model_never_what_a_server_holds(built, capsys, t
     assert code == 0 and names() == [] and out.startswith("removed: ")
 
 
+def test_rm_never_deletes_a_stage_a_starting_server_has_opened(built, capsys, tmp_path):
+    """The race: a server stopped (SIGSTOP) right after it opened its cached stage, ``cache rm``
+    run then, the server continued (SIGCONT). Before, the server recorded its use only after
+    opening, so rm deleted the stage under it and its load could not open the files; now the
+    record comes first and rm looks again under the stage's claim just before deleting."""
+    cache, _, second, hub = built
+    server = serve(tmp_path, {"model": REPO, "rank": 0, "stop_after_open": True}, hub=hub, background=True)
+    try:
+        deadline = time.monotonic() + 120
+        while Path(f"/proc/{server.pid}/stat").read_text().split(") ")[1][0] != "T":
+            assert server.poll() is None and time.monotonic() < deadline, server.communicate()
+            time.sleep(0.05)
+        code, out, _ = cli(capsys, "rm", "--cache-dir", str(cache), "--model", REPO)
+        refused = [ln for ln in out.splitlines() if ln.startswith("refused: ")]
+        assert code == 1 and len(refused) == 1 and f"pid {server.pid}" in refused[0], out
+        assert [(e.revision, e.stage) for e in cache_entries(cache) if e.model == REPO] == [(second, 0)]
+    finally:
+        server.send_signal(signal.SIGCONT)
+    stdout, stderr = server.communicate(timeout=120)
+    said = [ln for ln in stdout.splitlines() if ln.startswith(("RESULT ", "STAGEERROR "))]
+    line = said[0] if said else stdout + stderr
+    assert line.startswith("RESULT ") and json.loads(line[7:])["how"] == "cached", line
+
+
 def test_a_server_start_refreshes_last_used(built, tmp_path):
     cache, first, second, hub = built
     entry = next(e for e in cache_entries(cache) if e.revision == second)

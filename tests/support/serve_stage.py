@@ -6,21 +6,35 @@ or ``STAGEERROR <message>`` (opening or loading the stage) and exit 3. Used by t
     python serve_stage.py '{"model": ..., "runtime": "vllm", "partition": [2, 2, 2, 2], "rank": 1}'
 
 ``"hold": SECONDS`` keeps it running that long after RESULT, as a server serving the stage.
+``"stop_after_open": true`` stops the process (SIGSTOP) once its stage is opened, for a test
+to act there and SIGCONT it.
 """
 
 import hashlib
 import json
+import os
+import signal
 import sys
 import time
 
 import torch
 
 from qwen35_reshard.loader import StageError
+from qwen35_reshard.servers import unsplit
 from qwen35_reshard.servers.unsplit import server_stage
 
 
 def main() -> int:
     spec = json.loads(sys.argv[1])
+    if spec.get("stop_after_open"):
+        opened = unsplit.open_stage
+
+        def open_then_stop(*args, **kwargs):
+            stage = opened(*args, **kwargs)
+            os.kill(os.getpid(), signal.SIGSTOP)
+            return stage
+
+        unsplit.open_stage = open_then_stop
     try:
         served = server_stage(
             spec["model"], runtime=spec["runtime"], partition=spec["partition"], rank=spec["rank"],
