@@ -82,11 +82,12 @@ class HttpTransport:
     ``headers`` (the Hub's, with the token if any) go to each URL's own origin only.
     ``raise_for_status(response)`` turns the Hub's error answers into exceptions
     (huggingface_hub's ``hf_raise_for_status``). ``counter.add(nbytes)``, when given, is told
-    every body byte received. ``read_timeout`` (default: :func:`.remote.engine.read_timeout_setting`)
-    bounds each wait for the server, so a stalled answer becomes :class:`Transient` (the
-    shared client of huggingface_hub waits forever). The CDN address a redirect names is kept per address asked (one
-    request per read instead of two), shared by every transport of the process (planning's and
-    the copy's), and asked again once expired.
+    every body byte received. ``read_timeout`` (default:
+    :func:`.remote.engine.read_timeout_setting`) bounds each wait for the server, so a stalled
+    answer becomes :class:`Transient` (huggingface_hub's shared client waits forever). The CDN
+    address a redirect names is kept per address asked (one request per read instead of two),
+    shared by every transport of the process (planning's and the copy's), and asked again once
+    expired.
     """
 
     _locations: dict[str, str] = {}  # address asked -> the CDN address of its last redirect

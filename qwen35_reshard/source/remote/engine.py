@@ -239,7 +239,7 @@ def read_range(
                 policy.retries,
             )
             if cancelled.wait(wait):
-                raise _Cancelled
+                raise _Cancelled from e
 
 
 def log_retry(display: str, cause: str, wait: float, attempt: int, attempts: int) -> None:
@@ -321,7 +321,7 @@ class FetchEngine:
         self._stop = threading.Event()  # set by close(): this generation of threads stops
         self._sinking = 0  # sink calls under way (close waits for them)
         self._last_cut = 0.0
-        self._cuts = 0  # 429/503 cuts so far: a part counts towards recovery only if none came since it started
+        self._cuts = 0  # 429/503 cuts so far: a part that saw one since its start does not count
         self._since_cut = 0  # parts started after the last cut and finished since
 
     def start(self, file: RemoteFile, parts: list[Part], sink: Sink) -> Transfer:
@@ -343,7 +343,8 @@ class FetchEngine:
         with self._cond:
             self._queue.extend((transfer, i) for i in range(len(transfer.parts)))
             while len(self._threads) < min(self.streams, len(self._queue) + self._active):
-                t = threading.Thread(target=self._run, args=(self._stop,), name="qwen35-reshard-fetch", daemon=True)
+                t = threading.Thread(target=self._run, args=(self._stop,), name="qwen35-reshard-fetch")
+                t.daemon = True  # a read stalled on the network never holds the process at exit
                 self._threads.append(t)
                 t.start()
             self._cond.notify_all()

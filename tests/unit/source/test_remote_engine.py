@@ -118,7 +118,12 @@ def test_close_during_a_stalled_read_returns_at_once_and_nothing_lands_after(ser
     hub.add_fault(Fault(SHARD, after=10_000, ranged=True, stall=30.0))
     calls, first = [], threading.Event()
     e = hub_engine(hub, commit, streams=1)  # the default read timeout: a minute
-    e.start(RemoteFile(SHARD, len(data), commit), [*split(SHARD, [(0, len(data))], len(data))], lambda p, c: (calls.append(p), first.set()))
+
+    def sink(pos, chunk):
+        calls.append(pos)
+        first.set()
+
+    e.start(RemoteFile(SHARD, len(data), commit), split(SHARD, [(0, len(data))], len(data)), sink)
     assert first.wait(5)
     time.sleep(0.3)  # the read is now waiting on the silent server
     closing = threading.Thread(target=e.close, daemon=True)
