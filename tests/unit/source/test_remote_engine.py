@@ -99,7 +99,7 @@ def in_flight(log, at):
 
 def test_a_stalled_part_is_asked_again_from_its_first_missing_byte(served, caplog, monkeypatch):
     hub, commit, data = served
-    monkeypatch.setenv(READ_TIMEOUT_ENV, "0.3")
+    monkeypatch.setenv(READ_TIMEOUT_ENV, "1")
     parts = split(SHARD, [(0, len(data))], len(data) // 4 + 1)
     hub.add_fault(Fault(SHARD, after=10_000, ranged=True, stall=5.0))  # 206, some bytes, silence
     got = []
@@ -109,8 +109,8 @@ def test_a_stalled_part_is_asked_again_from_its_first_missing_byte(served, caplo
         t.join(4)  # well before the server would end the stall itself
     assert got == [data]
     retries = [r.getMessage() for r in caplog.records if "retrying" in r.getMessage()]
-    assert len(retries) == 1 and "ReadTimeout" in retries[0]
-    assert any(f"bytes {p.start + 10_000}-{p.end - 1}:" in retries[0] for p in parts)  # the rest only
+    stalled = [f"bytes {p.start + 10_000}-{p.end - 1}: the connection failed (ReadTimeout)" for p in parts]
+    assert any(s in r for r in retries for s in stalled)  # asked again for the rest only
 
 
 def test_close_during_a_stalled_read_returns_at_once_and_nothing_lands_after(served):
