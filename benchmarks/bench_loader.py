@@ -46,6 +46,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -83,6 +85,30 @@ def drop_caches() -> None:
     Path("/proc/sys/vm/drop_caches").write_text("3\n")
 
 
+BLKIO = Path("/sys/fs/cgroup/blkio")  # cgroup v1's block I/O controller
+
+
+@contextmanager
+def read_rate(work: Path, rate: int | None) -> Iterator[None]:
+    """Within: this process reads the disk holding ``work`` at most ``rate`` bytes/s (a blkio
+    cgroup of its own; root, cgroup v1), a disk slower than this machine's, for the cold
+    rounds. Buffered reads and page faults are throttled where they wait for the disk."""
+    if rate is None:
+        yield
+        return
+    st = os.stat(work)
+    group = BLKIO / f"bench-loader-{os.getpid()}"
+    group.mkdir()
+    try:
+        device = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+        (group / "blkio.throttle.read_bps_device").write_text(f"{device} {rate}\n")
+        (group / "cgroup.procs").write_text(f"{os.getpid()}\n")  # every thread of it
+        yield
+    finally:
+        (BLKIO / "cgroup.procs").write_text(f"{os.getpid()}\n")
+        group.rmdir()
+
+
 def warm(paths: list[Path]) -> None:
     for p in paths:
         with open(p, "rb", buffering=0) as f:
@@ -101,6 +127,26 @@ def build(shape: str, model: Path, size: float) -> None:
     scaled = ["--preset", "qwen3.5-35b-a3b-scaled", "--target-bytes", str(int(size))]
     extra = MANY_TENSORS if shape == "many" else scaled
     subprocess.run([sys.executable, str(BUILDER), str(model), *extra], check=True, stdout=subprocess.DEVNULL)
+
+
+def rounds(
+    methods: dict, caches: list[str], files: list[Path], tensors: int, n: int, times: dict, cpu: dict
+) -> None:
+    """``n`` rounds of every method on every cache, in rotated order: wall and CPU seconds."""
+    for r in range(n):
+        for cache in caches:
+            order = list(methods)
+            order = order[r % len(order):] + order[: r % len(order)]  # rotate: no fixed first
+            for name in order:
+                if cache == "cold":
+                    drop_caches()
+                else:
+                    warm(files)
+                t0, c0 = time.perf_counter(), time.process_time()
+                count = methods[name]()
+                times.setdefault((cache, name), []).append(time.perf_counter() - t0)
+                cpu.setdefault((cache, name), []).append(time.process_time() - c0)  # all threads
+                assert count == tensors, (name, count, tensors)
 
 
 def measure(shape: str, work: Path, args: argparse.Namespace, caches: list[str]) -> None:
@@ -124,24 +170,14 @@ def measure(shape: str, work: Path, args: argparse.Namespace, caches: list[str])
         "open_stage": lambda: len(loader.open_stage(out, pp_rank=args.rank)),
     }
     times: dict[tuple[str, str], list[float]] = {}
-    for r in range(args.rounds):
-        for cache in caches:
-            order = list(methods)
-            order = order[r % len(order):] + order[: r % len(order)]  # rotate: no fixed first
-            for name in order:
-                if cache == "cold":
-                    drop_caches()
-                else:
-                    warm(files)
-                t0 = time.perf_counter()
-                count = methods[name]()
-                times.setdefault((cache, name), []).append(time.perf_counter() - t0)
-                assert count == len(stage), (name, count, len(stage))
-
+    cpu: dict[tuple[str, str], list[float]] = {}
+    with read_rate(work, args.read_rate):
+        rounds(methods, caches, files, len(stage), args.rounds, times, cpu)
+    disk = f", the disk read at most {args.read_rate / 1e6:.0f} MB/s" if args.read_rate else ""
     what = f"a {args.size / 1e9:.2f} GB checkpoint" if shape == "large" else "a per-expert FP8 checkpoint"
     print(
         f"### Shape {shape}: stage {args.rank} of a pp={args.pp} split of {what}: {len(stage)} tensors, "
-        f"{nbytes / 1e9:.3f} GB in {len(files)} files; median of {args.rounds} interleaved rounds, "
+        f"{nbytes / 1e9:.3f} GB in {len(files)} files{disk}; median of {args.rounds} interleaved rounds, "
         "each tensor copied into a preallocated tensor.\n"
     )
     print("| cache | method | median s | GB/s | speed vs safe_open (medians) | same, median of rounds |")
@@ -156,14 +192,18 @@ def measure(shape: str, work: Path, args: argparse.Namespace, caches: list[str])
                 f"| {cache} | {name} | {med:.3f} | {nbytes / med / 1e9:.2f} | "
                 f"{statistics.median(base) / med:.2f}x | {paired:.2f}x |"
             )
-    print("\n| cache | checked / unchecked (medians) | same, median of rounds | extra s (medians) |")
-    print("|---|---:|---:|---:|")
+    print(
+        "\n| cache | checked / unchecked (medians) | same, median of rounds | extra s (medians) "
+        "| CPU s unchecked | CPU s checked |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
     for cache in caches:
         on, off = times[(cache, "shim checked")], times[(cache, "shim unchecked")]
         paired = statistics.median(a / b for a, b in zip(on, off, strict=True))
         on_s, off_s = statistics.median(on), statistics.median(off)
         ratio, extra = on_s / off_s, on_s - off_s
-        print(f"| {cache} | {ratio:.2f}x | {paired:.2f}x | {extra:+.3f} |")
+        cpu_off, cpu_on = (statistics.median(cpu[(cache, m)]) for m in ("shim unchecked", "shim checked"))
+        print(f"| {cache} | {ratio:.2f}x | {paired:.2f}x | {extra:+.3f} | {cpu_off:.2f} | {cpu_on:.2f} |")
     print(
         "\n`open_stage` alone opens and checks the stage (manifest, index, config, schema and "
         "placement, headers; no tensor data), which the shim's time includes.\n"
@@ -181,9 +221,14 @@ def main() -> int:
     ap.add_argument("--rank", type=int, default=0, help="the stage that is loaded")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--cache", default="warm,cold", help="warm, cold or both (cold needs root)")
+    ap.add_argument(
+        "--read-rate", type=float, default=None,
+        help="bytes/s the disk is read at, at most (root, cgroup v1 blkio): a disk slower than hashing",
+    )  # fmt: skip
     ap.add_argument("--workdir", type=Path, default=None, help="parent of the temporary work directory")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoints and the splits")
     args = ap.parse_args()
+    args.read_rate = int(args.read_rate) if args.read_rate else None
     caches = [c for c in args.cache.split(",") if c]
     if "cold" in caches and os.geteuid() != 0:
         print("cold cache needs root (to drop the page cache): measuring warm only", file=sys.stderr)

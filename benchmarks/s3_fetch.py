@@ -119,6 +119,7 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=10e6, help="bytes/s per request (0: unpaced)")
     ap.add_argument("--latency", type=float, default=0.03, help="seconds before each answer")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--streams", type=int, default=None, help="ours: --streams (default: the tool's)")
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="s3-bench-"))
     model = tiny_checkpoint.build_checkpoint(
@@ -135,8 +136,9 @@ def main() -> None:
         for _ in range(a.rounds):
             dest = Path(tempfile.mkdtemp(dir=work))
             rows["stock"].append(stock(info, names, dest))
-            rows["rank 1"].append(ours(info, ["--rank", "1"], work))
-            rows["whole split"].append(ours(info, [], work))
+            streams = ["--streams", str(a.streams)] if a.streams else []
+            rows["rank 1"].append(ours(info, ["--rank", "1", *streams], work))
+            rows["whole split"].append(ours(info, streams, work))
     finally:
         proc.kill()
         proc.wait()

@@ -5,6 +5,7 @@ revision and split settings, each with the stages the servers of this node built
 
     CACHE/models--org--name/<commit>/<runtime>-pp<N>-<partition>/pp<rank>/   (a Hub repo)
     CACHE/local/<fingerprint>/<runtime>-pp<N>-<partition>/pp<rank>/          (a local directory, copied)
+    CACHE/s3/<bucket>/<prefix>/<listing>/<runtime>-pp<N>-<partition>/pp<rank>/   (object storage)
 
 An entry is one stage directory. What a server holds (it records itself while it runs:
 :func:`~..write.claims.in_use`), or a start builds (the stage's claim), is never removed.
@@ -13,6 +14,7 @@ An entry is one stage directory. What a server holds (it records itself while it
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import time
 from collections.abc import Sequence
@@ -33,7 +35,9 @@ from ..stage.manifest import stage_is_complete
 from ..verify import verify
 from ..verify.report import VerifyReport
 from ..write import claims
-from .unsplit import LOCAL_DIRNAME, stage_cache_root
+from .unsplit import LOCAL_DIRNAME, S3_DIRNAME, stage_cache_root
+
+CACHE_KEY = re.compile(r"[a-z]+-pp[0-9]+(-[0-9]+)+")  # what :func:`~.unsplit.cache_key` makes
 
 
 @dataclass(frozen=True)
@@ -44,8 +48,8 @@ class CacheEntry:
     building), and the live servers (or builds) that hold it."""
 
     path: Path
-    model: str  # a repo id, or ``local/<fingerprint>`` for a local directory's copied stage
-    revision: str  # the commit (Hub), the source's fingerprint (local)
+    model: str  # a repo id, an s3:// URI, or ``local/<fingerprint>`` for a local directory's copy
+    revision: str  # the commit (Hub), the listing's identity (s3), the source's fingerprint (local)
     key: str  # <runtime>-pp<N>-<partition>
     stage: int
     size: int  # bytes on disk
@@ -106,6 +110,8 @@ def cache_entries(cache: str | os.PathLike[str] | None = None) -> list[CacheEntr
         elif model_dir.name.startswith(CACHE_REPO_PREFIX):
             model = model_dir.name[len(CACHE_REPO_PREFIX) :].replace("--", "/")
             runs = [(model, d.name, d) for d in _dirs(model_dir) if COMMIT.fullmatch(d.name)]
+        elif model_dir.name == S3_DIRNAME:
+            runs = _s3_runs(model_dir)
         else:
             continue
         for model, revision, revision_dir in runs:
@@ -257,6 +263,19 @@ def _entry(stage_dir: Path, model: str, revision: str, key: str, rank: int, now:
         complete=stage_is_complete(stage_dir),
         users=tuple(claims.users(stage_dir, now)),
     )
+
+
+def _s3_runs(s3: Path) -> list[tuple[str, str, Path]]:
+    """``(model, revision, revision directory)`` of each object-storage source under ``s3``
+    (``s3/<bucket>/<prefix>/<listing>/<key>``; the prefix may have several parts, ``_`` for
+    none): the URI, and the listing's identity."""
+    found = set()
+    for key in s3.rglob("*-pp*"):
+        if CACHE_KEY.fullmatch(key.name) and key.is_dir() and len(key.relative_to(s3).parts) >= 4:
+            revision = key.parent
+            where = revision.parent.relative_to(s3).as_posix()
+            found.add((f"s3://{where.removesuffix('/_')}", revision.name, revision))
+    return sorted(found)
 
 
 def _of_models(entries: list[CacheEntry], models: Sequence[str]) -> list[CacheEntry]:

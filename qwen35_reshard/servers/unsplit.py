@@ -68,6 +68,7 @@ STAGE_CACHE_ENV = "QWEN35_RESHARD_STAGE_CACHE"
 STAGE_COPY_ENV = "QWEN35_RESHARD_STAGE_COPY"
 CACHE_DIRNAME = "qwen35-stages"  # under HF_HOME, beside huggingface_hub's own hub/ and assets/
 LOCAL_DIRNAME = "local"  # stages built from local directories, keyed by the source's fingerprint
+S3_DIRNAME = "s3"  # stages of object storage, keyed by bucket, prefix and listing
 FINGERPRINT_CHARS = 16
 
 USER_AGENT = "qwen35-stages/pp{rank}"  # each rank's Hub requests, told apart in the Hub's logs
@@ -176,7 +177,7 @@ def server_stage(
                     "again once the upload is complete"
                 )
             where, commit = listed.where, listed.commit
-            out = root / "s3" / where.bucket / (where.prefix or "_") / commit
+            out = root / S3_DIRNAME / where.bucket / (where.prefix or "_") / commit
             unpinned = replace(settings, revision=None)  # the listing pins the objects: their ETags
             key = out / cache_key(runtime, partition)
             served = _cached_or_built(name, key, runtime, partition, rank, hub=unpinned, commit=commit)

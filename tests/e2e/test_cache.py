@@ -145,3 +145,19 @@ def test_a_server_start_refreshes_last_used(built, tmp_path):
     assert next(e for e in cache_entries(cache) if e.revision == second).last_used < past + 1
     assert serve(tmp_path, {"model": REPO, "rank": 0}, hub=hub)["how"] == "cached"
     assert next(e for e in cache_entries(cache) if e.revision == second).last_used > time.time() - 300
+
+
+def test_object_storage_entries_are_listed_by_uri(built, capsys):
+    """The stage cache keeps stages of ``s3://`` sources under s3/<bucket>/<prefix>/<listing>/
+    (servers/unsplit.py): listed by their URI, removable by it."""
+    cache, first, second, _ = built
+    hub_run = next(e for e in cache_entries(cache) if e.revision == second).path.parent
+    listing = "e" * 64
+    for where in (("bucket", "models", "qwen"), ("other", "_")):
+        shutil.copytree(hub_run, cache.joinpath("s3", *where, listing, hub_run.name), symlinks=True)
+    entries = [e for e in cache_entries(cache) if e.model.startswith("s3")]
+    got = {(e.model, e.revision, e.stage, e.complete) for e in entries}
+    assert got == {("s3://bucket/models/qwen", listing, 0, True), ("s3://other", listing, 0, True)}
+    code, out, _ = cli(capsys, "rm", "--cache-dir", str(cache), "--model", "s3://other")
+    assert code == 0 and out.count("removed: s3://other@") == 1
+    assert {e.model for e in cache_entries(cache) if e.model.startswith("s3")} == {"s3://bucket/models/qwen"}
