@@ -171,7 +171,8 @@ class Stage:
         the manifest (or, where the stage records only its file's, the whole file's). A tensor is
         handed over before its hash is known, but the last one only once every hash is: a
         damaged byte stops the iteration with :class:`~.errors.DamagedStage` before the caller's
-        load can finish. Tensors the split shared with the source record no sha256: loaded
+        load can finish, even one that stops after ``len(stage)`` tensors (``zip(stage.names,
+        ...)``) and never asks for more. Tensors the split shared with the source record no sha256: loaded
         unchecked, said in the log (``verify --source`` proves those).
 
         Args:
@@ -226,6 +227,8 @@ class Stage:
             said = "qwen35-reshard: %s: loaded without checking its bytes' sha256 (%s=0)"
             log.warning(said, self.display, VERIFY_LOAD_ENV)
         move = torch.device(device).type != "cpu"
+        # Checked in full before it is handed out: a caller that knows the count never resumes us.
+        final = by_file[self.files[-1]][-1] if self.files else None
         with DigestPool(cores()) if checked else nullcontext() as pool:
             for file in self.files:
                 path = self.path / file
@@ -247,12 +250,12 @@ class Stage:
                 with _Readahead(path, tensors[0].offset, last) as readahead:
                     for t in tensors:
                         readahead.through(t.offset + t.nbytes)
-                        if pool is not None and (bad := pool.reached(t.offset)):
-                            raise self._damaged(bad[0])
+                        if pool is not None:
+                            bad = pool.finish() if t is final else pool.reached(t.offset)
+                            if bad:
+                                raise self._damaged(bad[0])
                         tensor = _tensor_at(torch, storage, t.offset, dtypes[t.dtype], t.shape)
                         yield t.name, tensor.to(device) if move else tensor
-            if pool is not None and (bad := pool.finish()):
-                raise self._damaged(bad[0])
 
     def _digest_ranges(self, file: str, tensors: list[StageTensor]) -> list[Range]:
         """What of ``file`` is hashed as it is loaded: each of its ``tensors`` against its

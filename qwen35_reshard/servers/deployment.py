@@ -121,7 +121,8 @@ def own_view(
 ) -> dict[str, object]:
     """This rank's view for the exchange, plain data: its layers per rank (or the error computing
     them), its raw partition variable, its revision, and on rank 0 of an unsplit Hub repo the
-    commit the revision resolves to (or the error resolving it)."""
+    commit the revision resolves to (or the error resolving it, whatever it is, in one line:
+    every rank must reach the exchange, or the others wait until the group times out)."""
     var = os.environ.get(runtime_of(runtime).partition_env)
     try:
         ranges = [pp_indices(layers, r, pp_size) for r in range(pp_size)]
@@ -136,8 +137,9 @@ def own_view(
 
         try:
             view["commit"] = pinned_commit(model, revision, token)
-        except StageError as e:
-            view["error"] = str(e)
+        except Exception as e:  # any failure (OSError, a missing package): raised alone, it hangs the others
+            said = str(e) if isinstance(e, StageError) else f"{type(e).__name__}: {e}"
+            view["error"] = " ".join(said.split())  # one line
     return view
 
 

@@ -56,3 +56,15 @@ def test_rank_0_failing_to_resolve_stops_every_rank_with_its_line(tmp_path, movi
     spec = {"server": "none", "model": "Qwen/Tiny", "runtime": "vllm", "revision": "no-such-branch"}
     lines = two_ranks(tmp_path, hub, [spec, spec])
     assert lines[0] == lines[1] and lines[0].startswith("REFUSED ") and "no-such-branch" in lines[0], lines
+
+
+def test_any_failure_of_rank_0s_lookup_stops_every_rank_with_its_line(tmp_path):
+    """Not only a StageError: rank 0's node lacks huggingface_hub (ModuleNotFoundError). Raised
+    on rank 0 alone, rank 1 waited in the exchange until the group timed out (30 min)."""
+    from support.hub_server import HubServer
+
+    spec = {"server": "none", "model": "Qwen/Tiny", "runtime": "vllm", "without": {"0": ["huggingface_hub"]}}
+    with HubServer() as hub:
+        lines = two_ranks(tmp_path, hub, [spec, spec], hold=False, timeout=90)
+    assert lines[0] == lines[1] and lines[0].startswith("REFUSED ") and "\n" not in lines[0], lines
+    assert "rank 0 resolves the model's revision" in lines[0] and "huggingface_hub" in lines[0], lines

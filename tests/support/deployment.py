@@ -26,10 +26,12 @@ def lookups(hub, agent: str) -> list[str]:
 
 
 def two_ranks(
-    tmp_path: Path, hub, specs: list[dict], *, python: str = sys.executable, between=None
+    tmp_path: Path, hub, specs: list[dict], *, python: str = sys.executable, between=None,
+    hold: bool = True, timeout: float = 300,
 ) -> list[str]:
     """Run both ranks; rank 1 waits (in the group) until rank 0 looked up its revision on the Hub
-    and ``between()`` ran. Returns each rank's SERVED/REFUSED line (else its output)."""
+    and ``between()`` ran (``hold=False``: it does not wait). Returns each rank's SERVED/REFUSED
+    line (else its output); both ranks are killed if they run past ``timeout`` seconds."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
@@ -42,16 +44,23 @@ def two_ranks(
             HF_HUB_DISABLE_XET="1", HF_HUB_DISABLE_TELEMETRY="1", QWEN35_RESHARD_RETRY_WAIT="0.01",
             **{STAGE_CACHE_ENV: str(tmp_path / f"stages-node{rank}")},  # each node its own disk
         )
-        spec = {**spec, "wait_for": str(go) if rank == 1 else None}
+        spec = {**spec, "wait_for": str(go) if rank == 1 and hold else None}
         procs.append(subprocess.Popen([python, str(RANK), address, str(rank), json.dumps(spec)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    deadline = time.monotonic() + 120
-    while not lookups(hub, "pp0") and procs[0].poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if between is not None:
-        between()
-    go.touch()
-    out = [p.communicate(timeout=300) for p in procs]
+    try:
+        deadline = time.monotonic() + 120
+        while hold and not lookups(hub, "pp0") and procs[0].poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if between is not None:
+            between()
+        go.touch()
+        ends = time.monotonic() + timeout
+        out = [p.communicate(timeout=max(0.1, ends - time.monotonic())) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     found = [next((ln for ln in o.splitlines() if ln.startswith(("SERVED", "REFUSED"))), "") for o, _ in out]
     return [line or o + e for line, (o, e) in zip(found, out, strict=True)]
 

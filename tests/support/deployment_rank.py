@@ -9,6 +9,7 @@ an even ``pp_indices``; ``vllm`` initialises vLLM's own distributed state (world
 groups, gloo) and calls the load format's ``own_stage``; ``sglang`` initialises SGLang's and
 calls the plugin's ``target_stage``. If ``wait_for`` names a file, the rank waits for it after
 joining the group and before its lookup: the test's barrier, to move a branch between the ranks.
+``without`` ({"RANK": [module, ...]}): modules that rank cannot import, as on a node that lacks them.
 Prints ``SERVED {"rank", "commit", "how"...}`` or ``REFUSED <line>``; the loader's log lines
 go to stdout as ``LOG <line>``.
 """
@@ -92,6 +93,8 @@ def main() -> int:
     logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="LOG %(message)s")
     logging.getLogger("qwen35_reshard").setLevel(logging.INFO)  # the plugin's lines, not httpx's
     address, rank, spec = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+    for name in spec.get("without", {}).get(str(rank), []):  # a package this node lacks
+        sys.modules[name] = None
     try:
         stage = stage_of(spec, address, rank)
     except StageError as e:

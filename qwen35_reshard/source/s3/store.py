@@ -4,6 +4,7 @@ and the transport the fetch engine reads objects through (ranged GETs with ``If-
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -15,6 +16,10 @@ from ..ranged import describe, redact
 from ..remote.engine import RemoteFile, Transient
 
 SCHEME = "s3://"
+# S3's bucket naming rules (docs.aws.amazon.com/AmazonS3/latest/userguide/bucketnamingrules.html):
+# 3-63 lowercase letters, digits, dots and hyphens, a letter or digit at each end, no "..".
+# The bucket is a folder name of the caches (header cache, stage cache): this also keeps it one.
+BUCKET_NAME = re.compile(r"(?!.*\.\.)[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 # boto3 itself: qwen35-reshard is not on the package index, so 'qwen35-reshard[s3]' would not resolve.
 INSTALL_HINT = "pip install boto3 (the s3 extra)"
 # Answers worth another try, as the fetch engine retries them (the Hub's too).
@@ -74,10 +79,17 @@ class S3Location:
             S3Location(bucket='acc-models', prefix='qwen/tiny')
 
         Raises:
-            ReshardError: not such a URI (no bucket, a query, ``..`` in the prefix).
+            ReshardError: not such a URI (no bucket, a query, ``.`` or ``..`` in the prefix), or
+                the bucket is not an S3 bucket name (:data:`BUCKET_NAME`; it names cache folders).
         """
         parts = urlsplit(uri)
         prefix = parts.path.strip("/")
+        if parts.netloc and "@" not in parts.netloc and not BUCKET_NAME.fullmatch(parts.netloc):
+            raise BadInput(
+                f"{redact(uri)}: {parts.netloc!r} is not an S3 bucket name (3-63 lowercase letters, "
+                f"digits, dots and hyphens, a letter or digit at each end, no '..'); pass {param('model')} "
+                "as s3://BUCKET/PREFIX"
+            )
         if (
             not parts.netloc
             or parts.query

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
 import shutil
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ from qwen35_reshard import loader
 from qwen35_reshard.errors import DamagedStage, ReshardError
 from qwen35_reshard.format.dtypes import DTYPE_SIZES, DTYPES
 from qwen35_reshard.source.header import encode_header, read_header
+from qwen35_reshard.stage import digestpool
 from qwen35_reshard.write import writer as write
 
 from support.helpers import run_without
@@ -447,6 +450,32 @@ def test_a_flipped_data_byte_stops_the_load_naming_tensor_and_file(out, monkeypa
     monkeypatch.setenv(loader.VERIFY_LOAD_ENV, "1")
     with pytest.raises(DamagedStage):
         list(stage.iter_weights())
+
+
+def test_a_damaged_last_tensor_stops_a_load_that_takes_exactly_the_stage_count(out, monkeypatch):
+    """A caller that takes exactly ``len(names)`` tensors (zip, islice) never asks for one more:
+    the final tensor is handed out only once every hash is checked. Hashes complete late here
+    (each job waits 0.3 s in a thread, as a large tensor's does), so none is known when the
+    reader reaches the final tensor."""
+    check = digestpool._Job.check
+    monkeypatch.setattr(digestpool, "SMALL", 0)  # every range hashed in a thread
+    monkeypatch.setattr(digestpool._Job, "check", lambda job: time.sleep(0.3) or check(job))
+    stage = loader.open_stage(out, pp_rank=1)
+    last = stage.path / stage.files[-1]
+    header = read_header(last)
+    victim = max(header.tensors, key=lambda t: t.begin)  # the final tensor in load order
+    assert victim.name == stage.names[-1]
+    with open(last, "r+b") as f:
+        f.seek(header.data_start + victim.end - 1)
+        b = f.read(1)
+        f.seek(header.data_start + victim.end - 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    with pytest.raises(DamagedStage) as e:
+        for _ in zip(stage.names, stage.iter_weights(), strict=False):  # never asks for one more
+            pass
+    assert (e.value.path, e.value.tensor) == (str(last), victim.name)
+    with pytest.raises(DamagedStage):
+        list(itertools.islice(stage.iter_weights(), len(stage)))
 
 
 def test_an_intact_stage_loads_checked_with_nothing_logged(out, caplog):
