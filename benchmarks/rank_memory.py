@@ -19,9 +19,10 @@ fresh interpreter with the tree first on ``PYTHONPATH``:
 - ``open cached``: ``open_stage`` of the same rank's stage already in a stage cache (what a
   rank does on every later start), on a stage split from a checkpoint of the same tensor
   names and dtypes with tiny dimensions (the per-tensor cost is all there is), built once.
-- ``split plan``: ``make_plan(read_checkpoint(MODEL), ..., ranks=[rank])``, what a rank that
-  builds its stage (from the Hub, or ``QWEN35_RESHARD_STAGE_COPY``) plans before it fetches:
-  every stage laid out, as the split's run manifest records them all.
+- ``split plan``: ``make_plan(read_checkpoint(MODEL), ..., ranks=[rank])`` with the collector
+  paused (as ``reshard`` runs them), what a rank that builds its stage (from the Hub, or
+  ``QWEN35_RESHARD_STAGE_COPY``) plans before it fetches: every stage laid out, as the split's
+  run manifest records them all.
 
 Each child also prints a digest of what it made (in place and cached: every tensor's name,
 file, dtype, shape, size and offset, and the headers the loader checks files against; the
@@ -71,7 +72,9 @@ base = rss()
 start = time.perf_counter()
 h = hashlib.sha256()
 if what == "split plan":
+    import gc
     from qwen35_reshard import make_plan, read_checkpoint
+    gc.disable()  # as reshard() reads and plans (bulk.collector_paused)
     plan = make_plan(read_checkpoint(model), pp=pp, runtime=runtime, partition=partition, ranks=[rank])
     seconds = time.perf_counter() - start
     for s in plan.stages:

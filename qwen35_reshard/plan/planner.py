@@ -288,7 +288,7 @@ def _place(
     required = schema.required_tensors(ckpt.config, ckpt.tensors, quant_side=ckpt.quant_side)
     schema.check_complete(required, ckpt.tensors, str(ckpt.root))
     unchecked = required.unchecked
-    del required  # a name per tensor: not held while the stages are placed
+    del required  # lists as long as the checkpoint: not held while the stages are placed
     # After the checks above, so that a config that does not match the weights is told as such.
     check_servable(runtime, schema.layer_types(ckpt.config), sizes, default=partition is None)
     kinds = {r.kind for r in roles.values()}
@@ -301,7 +301,6 @@ def _place(
     placed_kinds = kinds - {names.LAYER} - ({names.MTP} if mtp == MTP_DROPPED else set())
     replicated = dict.fromkeys(range(pp), False) | {k: len(place[k]) > 1 for k in placed_kinds}
     runs = _key_runs(keys)
-    del keys
     per_stage: dict[int, tuple[list[SourceTensor], list[bool]]] = {}
     for r in stages:
         here = {r, *(k for k in placed_kinds if r in place[k])}

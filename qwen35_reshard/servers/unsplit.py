@@ -45,7 +45,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..api import reshard
-from ..bulk import return_freed_memory
+from ..bulk import collector_paused, return_freed_memory
 from ..errors import ReshardError
 from ..format.names import CACHE_REPO_PREFIX, CLONE, STAGE_MANIFEST, TOOL_NAME, stage_dirname
 from ..loader import Stage, StageError, open_stage
@@ -312,9 +312,11 @@ def _from_local(
     """The stage of the local checkpoint ``model``: read in place, or (``copy``) built into the
     stage cache ``root`` first. Its own function so that the checkpoint read here (a few
     hundred bytes a tensor, ~290,000 tensors at the largest shapes) is freed on return."""
-    ckpt, _ = open_model(model, settings)
     if not copy:
-        return ServedStage(in_place_stage(ckpt, runtime, partition, rank), IN_PLACE, model, None)
+        with collector_paused():  # as reshard and open_stage read and plan: see bulk.collector_paused
+            ckpt, _ = open_model(model, settings)
+            return ServedStage(in_place_stage(ckpt, runtime, partition, rank), IN_PLACE, model, None)
+    ckpt, _ = open_model(model, settings)
     fingerprint = source_identity(ckpt)["fingerprint"][:FINGERPRINT_CHARS]
     out = root / LOCAL_DIRNAME / fingerprint / cache_key(runtime, partition)
     source = os.fspath(ckpt.root)

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 from urllib.parse import urljoin, urlsplit
 
 from ..errors import HubError
-from .remote.engine import RemoteFile, Transient
+from .remote.engine import RemoteFile, Transient, read_timeout_setting
 
 # Status codes worth another try (as huggingface_hub retries them), and CDN answers that mean
 # "this signed address has expired: ask the Hub for a fresh one".
@@ -82,9 +82,12 @@ class HttpTransport:
     ``headers`` (the Hub's, with the token if any) go to each URL's own origin only.
     ``raise_for_status(response)`` turns the Hub's error answers into exceptions
     (huggingface_hub's ``hf_raise_for_status``). ``counter.add(nbytes)``, when given, is told
-    every body byte received. The CDN address a redirect names is kept per address asked (one
-    request per read instead of two), shared by every transport of the process (planning's and
-    the copy's), and asked again once expired.
+    every body byte received. ``read_timeout`` (default:
+    :func:`.remote.engine.read_timeout_setting`) bounds each wait for the server, so a stalled
+    answer becomes :class:`Transient` (huggingface_hub's shared client waits forever). The CDN
+    address a redirect names is kept per address asked (one request per read instead of two),
+    shared by every transport of the process (planning's and the copy's), and asked again once
+    expired.
     """
 
     _locations: dict[str, str] = {}  # address asked -> the CDN address of its last redirect
@@ -99,6 +102,7 @@ class HttpTransport:
         headers: dict[str, str],
         raise_for_status: Callable[[object], None],
         counter: object | None = None,
+        read_timeout: float | None = None,
     ) -> None:
         self.url_of = url_of
         self.display = display
@@ -106,6 +110,7 @@ class HttpTransport:
         self._headers = headers
         self._raise_for_status = raise_for_status
         self._counter = counter
+        self._timeout = read_timeout if read_timeout is not None else read_timeout_setting()
 
     def open(self, file: RemoteFile, start: int, end: int) -> Iterator[bytes]:
         """Bytes ``[start, end)`` of ``file`` as they arrive (no re-chunking: a dropped
@@ -135,7 +140,7 @@ class HttpTransport:
             sent = self._headers if same_origin else _agent_only(self._headers)
             headers = {**sent, "Range": f"bytes={begin}-{end - 1}", "Accept-Encoding": "identity"}
             try:
-                request = self._session.build_request("GET", url, headers=headers)
+                request = self._session.build_request("GET", url, headers=headers, timeout=self._timeout)
                 response = self._session.send(request, stream=True, follow_redirects=False)
             except Exception as e:
                 if not _transient(e):
@@ -157,7 +162,7 @@ class HttpTransport:
                 continue
             if status in RETRY_STATUS:
                 response.close()
-                raise Transient(f"the server answered {status}", status)
+                raise Transient(f"the server answered {status}", status, _retry_after(response))
             if status != 206:
                 self._refuse(response, where, file, begin, end)
             self._check_range(response, where, file, begin, end)
@@ -212,6 +217,12 @@ def _transient(e: Exception) -> bool:
     # importing it here: ProxyError is a misconfiguration, not worth retrying.
     names = {c.__name__ for c in type(e).__mro__}
     return "TransportError" in names and "ProxyError" not in names
+
+
+def _retry_after(response: object) -> float | None:
+    """The seconds a ``Retry-After`` header asks to wait (its HTTP-date form is not used)."""
+    raw = response.headers.get("Retry-After", "").strip()
+    return float(raw) if raw.isdigit() else None
 
 
 def _agent_only(headers: dict[str, str]) -> dict[str, str]:

@@ -71,6 +71,7 @@ class LogEntry:
     auth: bool  # an Authorization header was sent
     started: float = 0.0  # when the request came in: the log is in this order
     agent: str = ""  # the User-Agent header: which process (or rank) asked
+    ended: float = 0.0  # when the answer's last byte was sent: [started, ended) is in flight
 
     @property
     def file(self) -> str:
@@ -83,6 +84,8 @@ class Fault:
     """Spoil the next ``times`` GET responses for ``file``: drop the connection after ``after``
     body bytes (``status=None``), answer ``status`` instead (503, or 403 as an expired CDN
     signature), or with ``shift`` send the bytes one further on and say so in Content-Range.
+    With ``stall`` (seconds): after ``after`` body bytes, go silent that long (or until the
+    server stops) with the connection open, then drop it: a stalled stream.
 
     With ``path`` instead of ``file``: answer ``status`` to the next ``times`` requests (any
     method, either origin) whose path ``path`` matches (a regex searched in it), e.g.
@@ -95,6 +98,8 @@ class Fault:
     status: int | None = None
     shift: bool = False
     path: str | None = None
+    stall: float = 0.0
+    retry_after: int | None = None  # with ``status``: the Retry-After header (seconds)
 
 
 @dataclass
@@ -115,6 +120,7 @@ class _State:
     settled: threading.Condition = field(default_factory=threading.Condition)
     rate: float | None = None  # body bytes/s per connection (None: as fast as it goes)
     latency: float = 0.0  # seconds every request waits before its answer
+    stopped: threading.Event = field(default_factory=threading.Event)  # ends stalls
 
 
 def _sha256(path: Path) -> str:
@@ -248,6 +254,7 @@ class HubServer:
         self.state.peak_in_flight = 0
 
     def stop(self) -> None:
+        self.state.stopped.set()
         for server in (self.hub, self.cdn):
             server.shutdown()
             server.server_close()
@@ -318,6 +325,7 @@ class _Handler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError):
             pass
         finally:
+            ended = time.monotonic()
             with self.owner.state.lock:
                 self.owner.state.log.append(
                     LogEntry(
@@ -330,6 +338,7 @@ class _Handler(BaseHTTPRequestHandler):
                         "Authorization" in self.headers,
                         started,
                         self.headers.get("User-Agent", ""),
+                        ended,
                     )
                 )
             with self.owner.state.settled:
@@ -533,7 +542,8 @@ class _Handler(BaseHTTPRequestHandler):
         name = path.name if self.origin == "hub" else self.path.split("?")[0].rsplit("/", 1)[-1]
         fault = None if head else self._fault(name, want is not None and not self.owner.state.ignore_range)
         if fault is not None and fault.status is not None:
-            return self._error(fault.status, None, "injected fault")
+            wait = {} if fault.retry_after is None else {"Retry-After": str(fault.retry_after)}
+            return self._error(fault.status, None, "injected fault", wait)
         if want and not self.owner.state.ignore_range:
             m = _RANGE.match(want.strip())
             if m is None or int(m.group(1)) >= size:
@@ -576,6 +586,8 @@ class _Handler(BaseHTTPRequestHandler):
                     self.wfile.write(chunk[: limit - self._sent])
                     self._sent = limit
                     self.wfile.flush()
+                    if fault.stall:
+                        self.owner.state.stopped.wait(fault.stall)
                     self.close_connection = True
                     self.connection.shutdown(2)  # the peer sees the body end early
                     return

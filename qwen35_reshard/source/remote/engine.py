@@ -14,9 +14,14 @@ same for every transport:
   the number of streams or the size of a part;
 - a part that fails transiently is asked again from its first byte not yet delivered, after a
   backoff; ``retries`` failures in a row without a byte of progress end the run;
-- a 429 or 503 halves the streams in flight (at most once per first backoff wait), each part
-  finished after that gives one back (additive increase, multiplicative decrease): the server
-  asked for fewer requests, and gets them, without the run failing.
+- a 429 or 503 halves the streams in flight (at most once per first backoff wait); no part
+  starts until fewer than that are in flight, and one stream comes back per that many parts
+  finished after the cut (additive increase, multiplicative decrease): the server asked for
+  fewer requests, and gets them, without the run failing. A ``Retry-After`` (seconds) is the
+  least wait before asking again;
+- a read that stalls (no byte for :data:`READ_TIMEOUT` seconds) is a transient failure, and
+  :meth:`FetchEngine.close` never waits on the network: cleanup after Ctrl-C or another
+  failure is prompt.
 """
 
 from __future__ import annotations
@@ -39,6 +44,12 @@ from .parts import Part
 DEFAULT_STREAMS = 8
 STREAMS_ENV = "QWEN35_RESHARD_STREAMS"  # the servers' in-server fetch reads it (no CLI there)
 SLOW_DOWN_STATUS = (429, 503)  # "too many requests": fewer streams, then try again
+# Seconds without a byte before a read counts as stalled and is asked again from its first
+# missing byte. A live link delivers a chunk far more often (even 1 MB/s fills a 64 KiB chunk in
+# 0.07 s); a CDN under load may pause for seconds, so a minute is only ever a dead connection
+# (huggingface_hub's own downloads wait 10 s: HF_HUB_DOWNLOAD_TIMEOUT).
+READ_TIMEOUT = 60.0
+READ_TIMEOUT_ENV = "QWEN35_RESHARD_READ_TIMEOUT"  # shorter in tests of a stalled server
 
 log = logging.getLogger(__name__)
 
@@ -85,13 +96,41 @@ class RemoteFile:
     identity: str | None = None
 
 
+def read_timeout_setting() -> float:
+    """Seconds a read may go without a byte: ``QWEN35_RESHARD_READ_TIMEOUT`` if set, else
+    :data:`READ_TIMEOUT`.
+
+    Returns:
+        A positive number of seconds.
+
+    Raises:
+        ReshardError: the setting is not a positive number.
+
+    Example:
+        >>> read_timeout_setting()
+        60.0
+    """
+    raw = os.environ.get(READ_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return READ_TIMEOUT
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:
+        raise BadInput(f"{READ_TIMEOUT_ENV}={raw!r}: set it to a positive number of seconds, e.g. 60")
+    return seconds
+
+
 class Transient(Exception):
     """A failed read worth another try from where it stopped: a dropped connection, a body
-    that ended early, or an answer asking to try again later (``status``: 408, 429, 5xx)."""
+    that ended early, or an answer asking to try again later (``status``: 408, 429, 5xx;
+    ``retry_after``: the seconds the server asked to wait, if it said)."""
 
-    def __init__(self, message: str, status: int | None = None) -> None:
+    def __init__(self, message: str, status: int | None = None, retry_after: float | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.retry_after = retry_after
 
 
 class Transport(Protocol):
@@ -141,7 +180,7 @@ def read_range(
     policy: RetryPolicy,
     *,
     on_transient: Callable[[Transient], None] = lambda e: None,
-    cancelled: Callable[[], bool] = lambda: False,
+    cancelled: threading.Event | None = None,
 ) -> None:
     """Hand ``sink`` bytes ``[start, end)`` of ``file`` in order, each once, asking again from
     the first byte not yet delivered after a transient failure.
@@ -154,7 +193,7 @@ def read_range(
         sink: ``sink(offset, chunk)`` for every chunk.
         policy: how often and when to try again.
         on_transient: told every transient failure before its backoff.
-        cancelled: polled between chunks: stop (raising) when it says so.
+        cancelled: once set, stop (raising) between chunks or during a backoff wait.
 
     Raises:
         RemoteError: ``policy.retries`` failures in a row without progress.
@@ -162,13 +201,14 @@ def read_range(
     Example:
         >>> read_range(transport, RemoteFile("a", 100), 0, 100, sink, RetryPolicy())  # doctest: +SKIP
     """
+    cancelled = cancelled if cancelled is not None else threading.Event()
     pos, failures = start, 0
     while pos < end:
         try:
             chunks = transport.open(file, pos, end)
             try:
                 for chunk in chunks:
-                    if cancelled():
+                    if cancelled.is_set():
                         raise _Cancelled
                     n = min(len(chunk), end - pos)
                     sink(pos, memoryview(chunk)[:n])
@@ -189,6 +229,8 @@ def read_range(
                 ) from e
             on_transient(e)
             wait = backoff(policy.wait, failures, policy.max_wait)
+            if e.retry_after is not None:  # the server's wait, within the policy's longest
+                wait = max(wait, min(e.retry_after, policy.max_wait))
             log_retry(
                 f"{transport.display}: {file.name}: bytes {pos}-{end - 1}",
                 str(e),
@@ -196,7 +238,8 @@ def read_range(
                 failures,
                 policy.retries,
             )
-            time.sleep(wait)
+            if cancelled.wait(wait):
+                raise _Cancelled from e
 
 
 def log_retry(display: str, cause: str, wait: float, attempt: int, attempts: int) -> None:
@@ -259,9 +302,10 @@ class FetchEngine:
     """Reads parts of remote files ``streams`` at a time, for every transfer started on it.
 
     Threads start with the first transfer and end with :meth:`close`, which also cancels what
-    is queued and waits for the reads in flight to stop: after it returns, no sink is called
-    again (the copy closes the files the sinks write into only then). The engine can be used
-    again after that."""
+    is queued and stops the reads in flight: after it returns, no sink is called again (the
+    copy closes the files the sinks write into only then). It waits for a sink call under way,
+    never for the network: a thread blocked in a read is left to end at its read timeout, and
+    touches nothing of the engine after that. The engine can be used again after that."""
 
     def __init__(
         self, transport: Transport, *, streams: int = DEFAULT_STREAMS, policy: RetryPolicy | None = None
@@ -274,8 +318,11 @@ class FetchEngine:
         self._queue: collections.deque[tuple[Transfer, int]] = collections.deque()
         self._cond = threading.Condition()
         self._threads: list[threading.Thread] = []
-        self._closed = False
+        self._stop = threading.Event()  # set by close(): this generation of threads stops
+        self._sinking = 0  # sink calls under way (close waits for them)
         self._last_cut = 0.0
+        self._cuts = 0  # 429/503 cuts so far: a part that saw one since its start does not count
+        self._since_cut = 0  # parts started after the last cut and finished since
 
     def start(self, file: RemoteFile, parts: list[Part], sink: Sink) -> Transfer:
         """Queue ``parts`` of ``file`` (after those queued before), their bytes for ``sink``.
@@ -294,11 +341,10 @@ class FetchEngine:
         """
         transfer = Transfer(file, parts, sink)
         with self._cond:
-            if self._closed:
-                raise RuntimeError("the fetch engine is closed")
             self._queue.extend((transfer, i) for i in range(len(transfer.parts)))
             while len(self._threads) < min(self.streams, len(self._queue) + self._active):
-                t = threading.Thread(target=self._run, name="qwen35-reshard-fetch", daemon=True)
+                t = threading.Thread(target=self._run, args=(self._stop,), name="qwen35-reshard-fetch")
+                t.daemon = True  # a read stalled on the network never holds the process at exit
                 self._threads.append(t)
                 t.start()
             self._cond.notify_all()
@@ -306,6 +352,9 @@ class FetchEngine:
 
     def read(self, file: RemoteFile, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of ``file`` (clipped to its size), read in this thread.
+
+        Its retries back off on their own and leave the parallel streams' limit alone: this
+        one read is not what loaded the server.
 
         Example:
             >>> engine.read(RemoteFile("a", 100), 0, 8)  # doctest: +SKIP
@@ -316,29 +365,32 @@ class FetchEngine:
         def sink(pos: int, chunk: memoryview) -> None:
             buf[pos - start : pos - start + len(chunk)] = chunk
 
-        read_range(self.transport, file, start, end, sink, self.policy, on_transient=self._slow_down)
+        read_range(self.transport, file, start, end, sink, self.policy)
         return bytes(buf)
 
     def close(self) -> None:
-        """Cancel the parts not started, stop those in flight, wait for the threads to end."""
+        """Cancel the parts not started, stop those in flight (see the class), and wait for a
+        sink call under way to return."""
         with self._cond:
-            self._closed = True
+            stop = self._stop
+            stop.set()
             self._queue.clear()
             self._cond.notify_all()
-        for t in self._threads:
-            t.join()
-        with self._cond:  # ready for more transfers (a later copy in the same process)
-            self._threads, self._closed, self.limit = [], False, self.streams
+            self._cond.wait_for(lambda: self._sinking == 0)
+            # ready for more transfers (a later copy in the same process), with new threads
+            self._threads, self._active, self.limit = [], 0, self.streams
+            self._stop = threading.Event()
 
-    def _run(self) -> None:
+    def _run(self, stop: threading.Event) -> None:
         while True:
             with self._cond:
-                while not self._closed and not (self._queue and self._active < self.limit):
+                while not stop.is_set() and not (self._queue and self._active < self.limit):
                     self._cond.wait()
-                if self._closed:
+                if stop.is_set():
                     return
                 transfer, index = self._queue.popleft()
                 self._active += 1
+                cuts = self._cuts
             try:
                 if transfer.error is None:
                     part = transfer.parts[index]
@@ -347,29 +399,62 @@ class FetchEngine:
                         transfer.file,
                         part.start,
                         part.end,
-                        transfer.sink,
+                        self._guarded(transfer.sink, stop),
                         self.policy,
                         on_transient=self._slow_down,
-                        cancelled=lambda: self._closed,
+                        cancelled=stop,
                     )
                     transfer.part_done(index)
-                    with self._cond:
-                        self.limit = min(self.streams, self.limit + 1)
+                    self._recover(cuts)
             except BaseException as e:  # handed to whoever waits on the transfer
                 transfer.fail(e)
             finally:
                 with self._cond:
-                    self._active -= 1
+                    if not stop.is_set():  # close() has reset the count of a stopped generation
+                        self._active -= 1
                     self._cond.notify_all()
 
+    def _guarded(self, sink: Sink, stop: threading.Event) -> Sink:
+        """``sink`` that refuses once ``stop`` is set, counted while it runs (what close()
+        waits for): a read that returns after close() never writes."""
+
+        def guarded(pos: int, chunk: memoryview) -> None:
+            with self._cond:
+                if stop.is_set():
+                    raise _Cancelled
+                self._sinking += 1
+            try:
+                sink(pos, chunk)
+            finally:
+                with self._cond:
+                    self._sinking -= 1
+                    self._cond.notify_all()
+
+        return guarded
+
+    def _recover(self, cuts: int) -> None:
+        """One stream back per ``limit`` parts finished that started after the last cut (parts
+        started before it say nothing of the load at the reduced limit)."""
+        with self._cond:
+            if cuts != self._cuts or self.limit >= self.streams:
+                return
+            self._since_cut += 1
+            if self._since_cut >= self.limit:
+                self._since_cut = 0
+                self.limit += 1
+                self._cond.notify_all()
+
     def _slow_down(self, e: Transient) -> None:
-        """Halve the streams in flight after a 429/503 (once per first backoff wait)."""
+        """Halve the streams in flight after a 429/503 (once per first backoff wait): no part
+        starts until fewer than that are in flight."""
         if e.status not in SLOW_DOWN_STATUS:
             return
         with self._cond:
             now = time.monotonic()
             if now - self._last_cut >= self.policy.wait:
                 self._last_cut = now
+                self._cuts += 1
+                self._since_cut = 0
                 self.limit = max(1, min(self.limit, self._active) // 2)
                 log.warning(
                     "%s: the server answered %d: %d streams from now on",
