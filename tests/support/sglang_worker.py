@@ -108,7 +108,10 @@ def set_up_rank(job: dict) -> tuple[int, int]:
     # model is built from the stage's config, outside server-argument resolution).
     publish(ServerArgs(model_path="dummy", device="cpu", pp_size=pp), role="test",
             ranks=SpawnRanks(world_rank=rank))
-    get_parallel().override_permanently(pp_group=pipeline_group(rank, pp))
+    # Each job is one process alone (no gloo group): the plugin's cross-rank exchange over the
+    # world group (servers/deployment.py) has only this rank to agree with.
+    alone = SimpleNamespace(world_size=1, rank_in_group=0, cpu_group=None)
+    get_parallel().override_permanently(pp_group=pipeline_group(rank, pp), world_group=alone)
     return pp, rank
 
 
