@@ -30,7 +30,6 @@ from .source.hub.cache import HubRepo, HubSettings
 from .source.hub.http import Traffic
 from .source.open import open_model, remote_fetcher
 from .source.s3.checkpoint import S3Repo
-from .source.s3.store import is_s3_uri
 from .verify.check import verify
 from .verify.report import VerifyReport
 from .write.manifest import run_manifest
@@ -378,6 +377,7 @@ def repair(
     *,
     write: WriteOptions = DEFAULTS,
     on_wait: Callable[[str], None] = lambda message: None,
+    hub: HubSettings | None = None,
 ) -> RepairResult:
     """Verify the split in ``out_dir`` against ``source``, rewrite what is damaged, verify again.
 
@@ -393,19 +393,21 @@ def repair(
 
     Args:
         out_dir: the run directory OUT, or one stage directory OUT/ppN.
-        source: the local checkpoint directory the split was made from, or its
-            ``s3://bucket/prefix`` (only the byte ranges of the files to rewrite are fetched).
+        source: the local checkpoint directory the split was made from, its Hub repo id, or its
+            ``s3://bucket/prefix`` (from a repo id or a URI only the byte ranges of the files to
+            rewrite are fetched).
         write: how to write: its ``workers``, the source shards copied at once (the split's
             own settings are the ones its manifest records).
         on_wait: called with a message when the repair waits for another run changing OUT.
+        hub: for a repo id ``source``: its revision (the commit the split records), token, ...
 
     Returns:
         A :class:`RepairResult`: the report before, the files rewritten, the report after.
 
     Raises:
-        BadInput: ``source`` is not a directory (nor an ``s3://`` URI), the split records no
-            readable settings, or it was made from another checkpoint (another layout, or other
-            bytes: one tensor named).
+        BadInput: ``source`` is no checkpoint (a directory, a repo id or an ``s3://`` URI), the
+            split records no readable settings, or it was made from another checkpoint (another
+            layout, or other bytes: one tensor named).
         OutBusy: another live run is writing it.
         OutError: a rewrite the OS refused.
 
@@ -420,37 +422,32 @@ def repair(
         >>> result.before.ok, result.rewritten == [os.path.join(stage, data)], result.after.ok
         (False, True, True)
     """
-    if not Path(source).is_dir() and not is_s3_uri(os.fspath(source)):
-        raise BadInput(
-            f"{param('repair')} rewrites files from a local checkpoint or an s3:// URI, and {source} is "
-            "not a directory: download the checkpoint (or the shards verify names) and pass its directory as "
-            f"{param('source')}"
-        )
     target = Path(out_dir)
     single = stage_dir_rank(target) is not None and not (target / RUN_MANIFEST).exists()
     out = target.parent if single else target
     with repair_lock(out, single, on_wait) as now:
-        return _repair(target, out, single, source, write.workers, now)
+        return _repair(target, out, single, source, write.workers, now, hub or HubSettings())
 
 
-def _verify_locked(target: Path, source: str | os.PathLike[str]) -> VerifyReport:
-    report = verify(target, source)
+def _verify_locked(target: Path, source: str | os.PathLike[str], hub: HubSettings) -> VerifyReport:
+    report = verify(target, source, hub=hub)
     report.findings = without_lock(report.findings)
     return report
 
 
 def _repair(
-    target: Path, out: Path, single: bool, source: str | os.PathLike[str], workers: int, now: int
+    target: Path, out: Path, single: bool, source: str | os.PathLike[str], workers: int, now: int,
+    hub: HubSettings,
 ) -> RepairResult:
     """:func:`repair` under OUT's lock, taken at ``now``."""
-    before = _verify_locked(target, source)
+    before = _verify_locked(target, source, hub)
     if before.ok:
         return RepairResult(before, [], before)
     if before.not_from_source and before.not_from_source[0].tensor is not None:
         f = before.not_from_source[0]
         _refuse_other_bytes(target, source, f.tensor, f"{f.stage}/{f.file}")
-    remote = is_s3_uri(os.fspath(source))
-    ckpt, repo = open_model(os.fspath(source), HubSettings()) if remote else (read_checkpoint(source), None)
+    remote = not Path(source).is_dir()  # a repo id or an s3:// URI: open_model says which
+    ckpt, repo = open_model(os.fspath(source), hub) if remote else (read_checkpoint(source), None)
     identity = recorded_identity(out, target if single else None)
     if identity.source_fingerprint != source_fingerprint(ckpt):
         raise BadInput(
@@ -482,4 +479,4 @@ def _repair(
         plan, out, files, rewrite_run_manifest=redo_run_manifest, side_files_of_out=out_side, workers=workers,
         source=access,
     )
-    return RepairResult(before, [str(out / p) for p in done], _verify_locked(target, source))
+    return RepairResult(before, [str(out / p) for p in done], _verify_locked(target, source, hub))

@@ -455,7 +455,9 @@ def _verify(args: VerifyArgs, output: Output) -> int:
 
         if args.ranks is not None:
             raise ReshardError("--repair mends the stages found damaged: drop --rank")
-        result = repair(args.out, args.source, on_wait=lambda message: print(message, file=sys.stderr))
+        result = repair(
+            args.out, args.source, on_wait=lambda message: print(message, file=sys.stderr), hub=args.hub
+        )
         if not result.before.ok:
             for line in verify_lines(result.before, problems_only=output.quiet, verdict=False):
                 print(line, file=out)

@@ -391,7 +391,10 @@ def replace_command(report: VerifyReport) -> str:
 def repair_command(report: VerifyReport) -> str:
     """The command that mends what ``report`` found, with the source it names or the split records."""
     source = report.source or report.recorded_source or "MODEL"
-    return f"qwen35-reshard verify {shlex.quote(report.target)} --source {shlex.quote(source)} --repair"
+    argv = ["qwen35-reshard", "verify", report.target, "--source", source]
+    if not report.source and report.recorded_revision:
+        argv += ["--revision", report.recorded_revision]
+    return shlex.join([*argv, "--repair"])
 
 
 def balance_table(choice: Choice, runtime: str) -> Table:

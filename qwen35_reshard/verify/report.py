@@ -55,7 +55,8 @@ class VerifyReport:
     not_from_source: list[Finding] = field(default_factory=list)
     source_digests: dict[str, str] = field(default_factory=dict, repr=False)  # source tensor -> sha256
     source_bytes_hashed: int = 0
-    recorded_source: str | None = None  # the checkpoint path the stage manifests record
+    recorded_source: str | None = None  # the source the stage manifests record (see stagedir.recorded_source)
+    recorded_revision: str | None = None  # with a Hub repo id there: the commit the split was made from
     recorded_split: bool = False  # a run record or a stage manifest says which split this is
     # A quantization method the schema does not know: warnings, one per stage, not findings.
     unchecked: list[str] = field(default_factory=list)
@@ -102,6 +103,7 @@ class VerifyReport:
             "not_built": self.not_built,
             "source_bytes_hashed": self.source_bytes_hashed,
             "recorded_source": self.recorded_source,
+            "recorded_revision": self.recorded_revision,
             "unchecked_quantization": self.unchecked,
             "findings": [asdict(f) for f in self.findings],
         }

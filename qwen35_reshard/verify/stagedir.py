@@ -4,12 +4,22 @@ stricter header rules, stray files, every layer's tensors and every tensor's byt
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
 from ..format.dtypes import DTYPE_SIZES
 from ..format.holder import left_by_gone_run
-from ..format.names import CLAIM, CLONE, CONFIG_NAME, INDEX_NAME, JOURNAL, PARTIAL_SUFFIX, STAGE_MANIFEST
+from ..format.names import (
+    CLAIM,
+    CLONE,
+    CONFIG_NAME,
+    INDEX_NAME,
+    JOURNAL,
+    PARTIAL_SUFFIX,
+    SINGLE_FILE_NAME,
+    STAGE_MANIFEST,
+)
 from ..format.paths import checked_file
 from ..model.names import LAYER, classify
 from ..model.quant import unchecked_message
@@ -52,8 +62,8 @@ def check_stage(stage: CheckedStage, report: VerifyReport, ckpt: Checkpoint | No
     if m is None:
         return
     report.recorded_split |= m.identity is not None
-    if report.recorded_source is None and isinstance(m.source.get("path"), str):
-        report.recorded_source = m.source["path"]
+    if report.recorded_source is None:
+        report.recorded_source, report.recorded_revision = recorded_source(m.source)
     stage.summary.rank = m.rank
     stage.summary.complete = not any(p.file == INDEX_NAME for p in found.problems)
     # config.json has its own check (read_stage): it must be the source's.
@@ -199,3 +209,27 @@ def _check_layers(stage: CheckedStage, m: StageManifest, add: Add) -> None:
                 f"{stage.display}: layer {layer} of this stage's layers {start}-{end - 1} has no tensors",
             )
     return None
+
+
+def recorded_source(source: dict) -> tuple[str | None, str | None]:
+    """``(source, revision)`` a repair can read the split's bytes from, as a stage manifest's
+    ``source`` record names it: the directory it was read from, unless that is a Hugging Face
+    cache snapshot that lacks shards (a split from a repo id fetches them straight into the
+    stages, not the cache); then the repo id pinned to the recorded commit."""
+    path = source.get("path") if isinstance(source.get("path"), str) else None
+    repo, commit = source.get("repo_id"), source.get("commit")
+    if isinstance(repo, str) and isinstance(commit, str) and (path is None or not _holds_shards(Path(path))):
+        return repo, commit
+    return path, None
+
+
+def _holds_shards(snapshot: Path) -> bool:
+    """Whether ``snapshot`` holds its index (or single file) and every shard the index lists."""
+    try:
+        index = json.loads((snapshot / INDEX_NAME).read_bytes())
+        shards = set(index["weight_map"].values())
+    except FileNotFoundError:
+        shards = {SINGLE_FILE_NAME}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+    return all(isinstance(s, str) and (snapshot / s).is_file() for s in shards)

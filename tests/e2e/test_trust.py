@@ -159,12 +159,14 @@ def test_readers_refuse_a_split_whose_stages_come_from_two_commits(moving_hub, t
     with pytest.raises(loader.StageError, match=f"@{a}.*@{b}"):
         loader.open_stage(out, pp_rank=1)
 
-    # The repair line names the cache snapshot of the commit the split records: it mends pp1.
+    # The repair line names the repo at the commit the split records (the shards came straight
+    # into the stages, so the cache snapshot lacks them): it mends pp1, with main moved on.
     repair = shlex.split(REPAIR_LINE.search(cli("verify", out).stdout).group(1))
-    assert f"snapshots/{a}" in repair[repair.index("--source") + 1]
+    assert repair[repair.index("--source") + 1] == test_hub.REPO, repair
+    assert repair[repair.index("--revision") + 1] == a, repair
     mended = tmp_path / "mended"
     shutil.copytree(out, mended)
-    ok(cli(*[str(mended) if c == str(out) else c for c in repair[1:]]))
+    test_hub.run([str(mended) if c == str(out) else c for c in repair[1:]], hub=server, hf_home=hf_home)
     ok(cli("verify", mended))
 
     (out / "reshard.json").unlink()
@@ -445,7 +447,9 @@ def test_a_cached_hub_blob_that_is_not_the_hub_s_bytes_fails_the_run(make_checkp
     with HubServer() as server:
         server.add_repo(test_hub.REPO, model)
         first = tmp_path / "first"
-        ok(test_hub.run(["--pp", 2, test_hub.REPO, first], hub=server, hf_home=hf_home))
+        # --hf-cache: the shards a stage needs whole go through the Hugging Face cache, as a
+        # cache filled by `hf download` holds them (by default they come straight into the stage).
+        ok(test_hub.run(["--pp", 2, "--hf-cache", test_hub.REPO, first], hub=server, hf_home=hf_home))
         clones = [
             info["sha256"]
             for p in first.glob("pp*/reshard-stage.json")
