@@ -144,10 +144,11 @@ def test_capacity_is_checked_where_it_is_made():
         Capacity(10**9, 0.9, 1, 0)
 
 
-def test_repair_needs_a_local_source(model, tmp_path):
+def test_repair_takes_a_repo_id_through_its_hub_settings(model, tmp_path):
+    # A repo id is a Hub source, read with the settings given (offline here: refused, naming it).
     reshard(model, tmp_path / "out", pp=2)
-    with pytest.raises(ReshardError, match=r"^repair rewrites files from a local checkpoint.*as source$"):
-        qwen35_reshard.repair(tmp_path / "out", "Qwen/Tiny")
+    with pytest.raises(ReshardError, match=r"Qwen/Tiny.*offline"):
+        qwen35_reshard.repair(tmp_path / "out", "Qwen/Tiny", hub=qwen35_reshard.HubSettings(offline=True))
 
 
 _HUB_RUN = """
