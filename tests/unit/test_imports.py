@@ -29,7 +29,8 @@ LAYERS = [
     (1, "format", ["format", "format.names", "format.dtypes", "format.jsonio", "format.paths",
                    "format.manifest", "format.identity", "format.holder"]),
     (2, "model", ["model", "model.names", "model.modules", "model.quant", "model.quant.schemes",
-                  "model.quant.config", "model.completeness", "model.schema", "model.runtimes"]),
+                  "model.quant.config", "model.completeness", "model.schema", "model.runtimes",
+                  "model.experts"]),
     # One remote checkpoint reader (remote: the store protocol, the checkpoint, the fetch, the
     # engine) over stores (hub, s3): a store imports remote, never another store.
     (3, "source", ["source", "source.header", "source.checkpoint", "source.remote", "source.remote.parts",
@@ -37,7 +38,7 @@ LAYERS = [
                    "source.remote.fetch", "source.ranged", "source.hub", "source.hub.cache",
                    "source.hub.http", "source.hub.store", "source.s3", "source.s3.store", "source.open"]),
     (4, "plan", ["plan", "plan.layout", "plan.planner", "plan.capacity", "plan.balance", "plan.fetch",
-                 "plan.nodes"]),
+                 "plan.nodes", "plan.experts"]),
     (5, "transfer", ["transfer", "transfer.reflink", "transfer.segments", "transfer.pages", "transfer.hasher",
                      "transfer.copier"]),
     (6, "stage", ["stage", "stage.findings", "stage.manifest", "stage.reader", "stage.digestpool"]),

@@ -92,8 +92,9 @@ class RemoteFetcher:
             missing = [f.file for f in self.fetches.values() if f.how != FETCH_CACHE]
             missing += missing_offline(store, self.ckpt.extra_files)
             if missing:
+                lacks = plural(len(missing), "file")
                 raise RemoteError(
-                    f"{store.describe()}: offline, and what is cached here lacks {plural(len(missing), 'file')} "
+                    f"{store.describe()}: offline, and what is cached here lacks {lacks} "
                     f"this run needs: {', '.join(missing)}; run with network access, or download "
                     f"{'it' if len(missing) == 1 else 'them'} first (`hf download`)"
                 )
