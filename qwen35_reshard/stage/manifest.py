@@ -39,6 +39,7 @@ from ..format.names import (
     STAGE_MANIFEST,
 )
 from ..format.paths import checked_file, is_plain_name, is_plain_safetensors_name
+from ..model.parallelism import Parallelism
 from ..model.runtimes import RUNTIMES, layer_ranges
 
 
@@ -114,6 +115,11 @@ class StageManifest:
     layouts: dict[str, FileLayout]  # by data file
     tensors: dict[str, StageTensor]  # in load order (file, then offset) once read by read_stage
     digest: str = XXH128  # what each tensor's ``digest`` is (format.digest): sha256 in stage-v1
+
+    @property
+    def layout(self) -> Parallelism:
+        """The layout the stage was split for."""
+        return Parallelism(pp=self.pp, runtime=self.runtime, partition=self.partition)
 
 
 def parse_stage_manifest(m: dict) -> StageManifest | str:

@@ -1,0 +1,323 @@
+"""Loading a stage through the shim, checked and unchecked, against ``safetensors.safe_open`` on
+the same files (warm page cache by default).
+
+Builds two checkpoints (``--shapes``) and splits each with every tree's own code (``--pp``,
+default 2; vLLM's placement), then streams one stage (``--rank``):
+
+- ``large``: the Qwen3.5-35B-A3B structure at ``--size`` bytes (default 1.12e9: a 0.56 GB stage
+  of a few hundred large tensors, where bytes dominate);
+- ``many``: per-expert FP8 weights with a scale each, 512 experts x 32 layers, small dimensions
+  (~49,500 tensors in the stage, as many as a stage of the 397B FP8 checkpoint at pp=4: the
+  per-tensor cost is all there is).
+
+Per round, the trees' order rotating, one fresh interpreter per tree (the tree first on
+``PYTHONPATH``) warms the stage's files (``--cache warm``; ``cold``: drops the page cache, root)
+before each method and times, in rotated order, each tensor copied into a tensor allocated
+before the timing (as ``load_weights`` copies into parameters):
+
+- ``safe_open``: ``safe_open(file, framework="pt")`` per file, ``get_tensor`` per name: a
+  stock loader on the stage's files, the baseline;
+- ``shim checked``: ``loader.open_stage(OUT, pp_rank=R).iter_weights()`` with its defaults
+  (every byte checked, what a server gets), as the node's first loader (an empty node record);
+- ``checked, 2nd worker``: the same as another worker of the node loads it (tensor parallelism:
+  every worker of a node loads the stage; the first one's check, made untimed before, is used);
+- ``checked, no spare core``: the first loader with a node budget of no hashing threads
+  (``QWEN35_RESHARD_HASH_THREADS=0``): the copying thread hashes too, as where every core is
+  busy: what the check costs where it cannot hide behind the copy;
+- ``shim unchecked``: the same with ``QWEN35_RESHARD_VERIFY_LOAD=0``;
+- ``open_stage``: opening and checking the stage alone (manifest, index, config, headers).
+
+Prints medians, GB/s, speed against ``safe_open`` (ratio of medians, and median of the rounds'
+own ratios: steadier on a machine whose speed drifts), checked / unchecked, and each method's
+CPU seconds: where the check costs more CPU than the copy, a node with fewer free cores per
+loading worker (or a faster disk) pays it in time; then that cost on this machine and in words
+for a GPU node. ``--digests`` first measures the digests considered for the check (sha256,
+BLAKE3 on 1 and 2 threads, crc32c, xxh3-128; those installed) against a copy of one buffer.
+
+    python -m benchmarks loader                        # 0.56 GB stage and 49,5xx-tensor stage, warm
+    python -m benchmarks loader --before main --rounds 7
+    python -m benchmarks loader --shapes many --cache warm,cold
+    python -m benchmarks loader --digests --before 020519d     # issue 43: sha256 before, xxh3-128 after
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.lib import checkpoints, procs
+from benchmarks.lib.report import median, stamp, table
+from benchmarks.lib.trees import Tree, check_imports, order
+
+QUICK = ["--shapes", "tiny", "--rounds", "1"]
+BEFORE = True
+METHODS = (
+    "safe_open", "shim checked", "shim unchecked", "checked, 2nd worker", "checked, no spare core",
+    "open_stage",
+)  # fmt: skip
+
+# One round of every method in one tree: warms (or drops) the cache before each, times it.
+_CHILD = r"""
+import json, os, sys, time
+import torch
+from safetensors import safe_open
+import qwen35_reshard
+from qwen35_reshard import loader
+import tempfile
+out, rank, cache, order = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4].split(",")
+node = sys.argv[5]  # where the node records of checked files go
+stage = loader.open_stage(out, pp_rank=rank)
+files = [os.path.join(stage.path, f) for f in stage.files]
+DT = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F8_E4M3": torch.float8_e4m3fn,
+      "I32": torch.int32, "I64": torch.int64, "U8": torch.uint8, "I8": torch.int8, "BOOL": torch.bool,
+      "F64": torch.float64, "I16": torch.int16, "F8_E5M2": torch.float8_e5m2}
+dst = {n: torch.empty(tuple(t.shape), dtype=DT[t.dtype]) for n, t in stage.tensors.items()}
+for t in dst.values():
+    t.view(torch.uint8).zero_() if t.element_size() == 1 else t.zero_()  # faulted in, as parameters are
+def safe():
+    n = 0
+    for f in files:
+        with safe_open(f, framework="pt") as h:
+            for name in h.keys():
+                dst[name].copy_(h.get_tensor(name)); n += 1
+    return n
+def shim(checked, record=None, threads=None):
+    if checked:
+        os.environ.pop("QWEN35_RESHARD_VERIFY_LOAD", None)
+    else:
+        os.environ["QWEN35_RESHARD_VERIFY_LOAD"] = "0"
+    # The node's record of checked files (a tree before issue 43 ignores both): a fresh one
+    # unless given (the first loader of the node), and the node's budget of hashing threads.
+    os.environ["QWEN35_RESHARD_CHECKED_DIR"] = record or tempfile.mkdtemp(dir=node) + "/node"
+    os.environ.pop("QWEN35_RESHARD_HASH_THREADS", None)
+    if threads is not None:
+        os.environ["QWEN35_RESHARD_HASH_THREADS"] = str(threads)
+    n = 0
+    for name, tensor in loader.open_stage(out, pp_rank=rank).iter_weights():
+        dst[name].copy_(tensor); n += 1
+    return n
+second = os.path.join(node, "checked")  # the node whose first worker checked the stage, untimed:
+shim(True, record=second)
+methods = {"safe_open": safe, "shim checked": lambda: shim(True), "shim unchecked": lambda: shim(False),
+           "checked, 2nd worker": lambda: shim(True, record=second),
+           "checked, no spare core": lambda: shim(True, threads=0),
+           "open_stage": lambda: len(loader.open_stage(out, pp_rank=rank))}
+def prepare():
+    if cache == "cold":
+        os.sync()
+        open("/proc/sys/vm/drop_caches", "w").write("3\n")
+        return
+    buf = bytearray(16 << 20)
+    for f in files:
+        with open(f, "rb", buffering=0) as h:
+            while h.readinto(buf):
+                pass
+got = {}
+for name in order:
+    prepare()
+    t0, c0 = time.perf_counter(), time.process_time()
+    n = methods[name]()
+    got[name] = [time.perf_counter() - t0, time.process_time() - c0]
+    assert n == len(stage.tensors), (name, n, len(stage.tensors))
+print(json.dumps({"file": qwen35_reshard.__file__, "times": got, "tensors": len(stage.tensors),
+                  "bytes": stage.nbytes, "files": len(files)}))
+"""
+
+
+def build(shape: str, work: Path, size: float) -> Path:
+    if shape == "large":
+        return checkpoints.scaled(work / "model-large", size)
+    if shape == "many":
+        return checkpoints.many_tensors(work / "model-many")
+    return checkpoints.build(work / "model-tiny", **checkpoints.tiny.preset("tiny"))
+
+
+def measure(shape: str, work: Path, args: argparse.Namespace, trees: list[Tree], caches: list[str]) -> None:
+    model = build(shape, work, args.size)
+    outs = {}
+    for t in trees:  # each tree loads a split its own code wrote
+        outs[t.label] = work / f"out-{shape}-{t.label}"
+        shutil.rmtree(outs[t.label], ignore_errors=True)
+        argv = [procs.PY, "-m", "qwen35_reshard", "--pp", str(args.pp), "--runtime", "vllm", "-q"]
+        subprocess.run(
+            [*argv, str(model), str(outs[t.label])],
+            check=True,
+            env=t.env(),
+            cwd="/",
+            stdout=subprocess.DEVNULL,
+        )
+    times: dict[tuple[str, str, str], list[float]] = {}
+    cpu: dict[tuple[str, str, str], list[float]] = {}
+    info: dict = {}
+    for r in range(args.rounds):
+        for cache in caches:
+            for t in order(trees, r):
+                k = r % len(METHODS)
+                rotated = ",".join(METHODS[k:] + METHODS[:k])  # no method always first
+                node = Path(tempfile.mkdtemp(dir=work))
+                argv = [procs.PY, "-c", _CHILD, str(outs[t.label]), str(args.rank), cache, rotated, str(node)]
+                got = json.loads(procs.run(argv, env=t.env()).stdout)
+                check_imports(t, got.pop("file"))
+                info = got
+                for name, (wall, cpu_s) in got["times"].items():
+                    times.setdefault((cache, t.label, name), []).append(wall)
+                    cpu.setdefault((cache, t.label, name), []).append(cpu_s)
+    size = info["bytes"]
+    print(
+        f"\n### {shape}: stage {args.rank} of a pp={args.pp} split: {info['tensors']:,} tensors, "
+        f"{size / 1e9:.3f} GB in {info['files']} files; medians of {args.rounds} rounds\n"
+    )
+    rows = []
+    for cache in caches:
+        for t in trees:
+            base = times[(cache, t.label, "safe_open")]
+            for name in METHODS:
+                ts = times[(cache, t.label, name)]
+                paired = median([b / x for b, x in zip(base, ts, strict=True)])
+                speed = "-" if name == "open_stage" else f"{size / median(ts) / 1e9:.2f}"
+                rows.append(
+                    [cache, t.label, name, f"{median(ts):.3f}", speed,
+                     f"{median(base) / median(ts):.2f}x", f"{paired:.2f}x",
+                     f"{median(cpu[(cache, t.label, name)]):.2f}"]
+                )  # fmt: skip
+    print(table(["cache", "tree", "method", "median s", "GB/s", "speed vs safe_open", "same, per round",
+                 "CPU s"], rows))  # fmt: skip
+    print()
+    for cache in caches:
+        for t in trees:
+            on, off = times[(cache, t.label, "shim checked")], times[(cache, t.label, "shim unchecked")]
+            per_round = median([a / b for a, b in zip(on, off, strict=True)])
+            extra = median(cpu[(cache, t.label, "shim checked")]) - median(
+                cpu[(cache, t.label, "shim unchecked")]
+            )
+            print(
+                f"- {cache}, {t.label}: checked / unchecked {median(on) / median(off):.2f}x "
+                f"(per round {per_round:.2f}x); the check's CPU: {extra:+.2f} s, "
+                f"{extra / size * 1e9:+.2f} s per GB"
+            )
+        if len(trees) > 1:
+            for name in METHODS:
+                a, b = (median(times[(cache, label, name)]) for label in ("after", "before"))
+                print(f"- {cache}, {name}: after/before {a / b:.2f}x")
+    _check_cost(times, caches, trees[0].label, size, info["tensors"])
+
+
+def _check_cost(times: dict, caches: list[str], label: str, size: int, tensors: int) -> None:
+    """Where the check cannot hide behind the copy: its cost with no spare core, measured, and
+    what follows for a GPU node from this machine's digest speed."""
+    from qwen35_reshard.format.digest import TENSOR_DIGEST
+
+    rate = _digest_rate()
+    per_gb = 1e9 / rate
+    print(
+        f"\nWhere the check costs more than the copy: it needs a core at {rate / 1e9:.0f} GB/s "
+        f"({TENSOR_DIGEST}, one thread here: {per_gb * 1e3:.0f} ms of a core per GB) beside the copy, and "
+        "hides behind it while a core is free for it."
+    )
+    for cache in caches:
+        off = median(times[(cache, label, "shim unchecked")])
+        busy = median(times[(cache, label, "checked, no spare core")])
+        second = median(times[(cache, label, "checked, 2nd worker")])
+        print(
+            f"- this machine, {cache}, {size / 1e9:.2f} GB, {tensors:,} tensors: with no spare core (the "
+            f"copying thread hashes too) the check adds {busy - off:+.3f} s ({busy / off:.2f}x unchecked); "
+            f"a 2nd worker of the node, whose bytes the 1st checked: {second / off:.2f}x unchecked."
+        )
+    print(
+        f"- a GPU node (64+ cores, 8 workers with TP=8, NVMe at ~7 GB/s, or 25+ GB/s striped): each byte "
+        f"is hashed once per node, by whichever worker reaches its file first, in at most 8 threads for "
+        f"the node (QWEN35_RESHARD_HASH_THREADS): a 100 GB stage costs ~{100 * per_gb:.0f} core-seconds "
+        f"in all, spread over those threads, while its disk needs 4-15 s to read it: hidden. It "
+        f"shows only where no core is free beside the copies (every core pinned to a worker's own "
+        f"threads): then ~{10 * per_gb:.1f} s per 10 GB on the worker's copying thread, as in the "
+        "no-spare-core row; QWEN35_RESHARD_VERIFY_LOAD=0 if the files are checked elsewhere."
+    )
+
+
+def _digest_rate() -> float:
+    """Bytes per second one thread hashes with the tensors' digest (best of 3, 256 MB)."""
+    from qwen35_reshard.format.digest import TENSOR_DIGEST, hexdigest
+
+    buf = memoryview(os.urandom(1 << 20) * 256)
+    return len(buf) / min(_timed(lambda: hexdigest(TENSOR_DIGEST, buf)) for _ in range(3))
+
+
+def _timed(fn: object) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def digest_speeds() -> None:
+    """The digests considered for the loader's check, on one 512 MB buffer, against a copy of
+    it in the same run (the server's work per byte); those not installed are said so."""
+    import hashlib
+    import importlib.util
+
+    buf = memoryview(os.urandom(1 << 20) * 512)
+    dst = bytearray(len(buf))
+
+    def copy() -> None:
+        dst[:] = buf
+
+    candidates = {"copy (memmove): the baseline": copy, "sha256": lambda: hashlib.sha256(buf).digest()}
+    found = {name: importlib.util.find_spec(name) is not None for name in ("blake3", "crc32c", "xxhash")}
+    if found["blake3"]:
+        import blake3
+
+        candidates["BLAKE3, 1 thread"] = lambda: blake3.blake3(buf).digest()
+        candidates["BLAKE3, 2 threads"] = lambda: blake3.blake3(buf, max_threads=2).digest()
+    if found["crc32c"]:
+        import crc32c
+
+        candidates["crc32c"] = lambda: crc32c.crc32c(buf)
+    if found["xxhash"]:
+        import xxhash
+
+        candidates["xxh3-128"] = lambda: xxhash.xxh3_128(buf).digest()
+    speeds = {name: len(buf) / min(_timed(fn) for _ in range(3)) for name, fn in candidates.items()}
+    base = speeds["copy (memmove): the baseline"]
+    print(f"\n### Digests on a {len(buf) >> 20} MB buffer, best of 3\n")
+    rows = [[name, f"{speed / 1e9:.1f}", f"{speed / base:.2f}x"] for name, speed in speeds.items()]
+    print(table(["digest", "GB/s", "vs the copy"], rows))
+    missing = [n for n, ok in found.items() if not ok]
+    if missing:
+        print(f"\nnot installed, not measured: {', '.join(missing)} (pip install {' '.join(missing)})")
+
+
+def main(argv: list[str], trees: list[Tree]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks loader", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="large,many", help="large, many (see above) or tiny (a check)")
+    ap.add_argument(
+        "--size", type=float, default=1.12e9, help="the large checkpoint's bytes (default 1.12e9)"
+    )
+    ap.add_argument("--pp", type=int, default=2)
+    ap.add_argument("--rank", type=int, default=0, help="the stage that is loaded")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--cache", default="warm", help="warm, cold or both (cold needs root)")
+    ap.add_argument("--workdir", type=Path, default=None, help="parent of the temporary work directory")
+    ap.add_argument("--digests", action="store_true", help="first measure the digests considered")
+    args = ap.parse_args(argv)
+    caches = args.cache.split(",")
+    if "cold" in caches and os.geteuid() != 0:
+        raise SystemExit("error: --cache cold drops the page cache, which needs root; use --cache warm")
+    work = Path(tempfile.mkdtemp(prefix="bench-loader-", dir=args.workdir))
+    try:
+        print(
+            f"## Loader, {stamp()}, {platform.node()} ({os.cpu_count()} cores), load average "
+            f"{os.getloadavg()[0]:.1f}; each round one fresh interpreter per tree, methods interleaved"
+        )
+        if args.digests:
+            digest_speeds()
+        for shape in args.shapes.split(","):
+            measure(shape, work, args, trees, caches)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
