@@ -63,7 +63,12 @@ try:
 except ImportError:  # before the servers' folder
     from qwen35_reshard.serve import server_stage
 partition = [int(x) for x in sys.argv[3].split(",")]
-print(server_stage(sys.argv[1], runtime="sglang", partition=partition, rank=int(sys.argv[2])).how)
+try:  # the layout object (issue 44), else the settings one by one
+    from qwen35_reshard.model.parallelism import Parallelism
+    given = ((Parallelism(pp=len(partition), partition=tuple(partition)),), {})
+except ImportError:
+    given = ((), {"runtime": "sglang", "partition": partition})
+print(server_stage(sys.argv[1], *given[0], rank=int(sys.argv[2]), **given[1]).how)
 """
 
 _RANGE_START = re.compile(r"bytes=(\d+)-")
