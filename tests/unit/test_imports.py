@@ -31,11 +31,12 @@ LAYERS = [
     (2, "model", ["model", "model.names", "model.modules", "model.quant", "model.quant.schemes",
                   "model.quant.config", "model.completeness", "model.schema", "model.runtimes",
                   "model.experts"]),
+    # One remote checkpoint reader (remote: the store protocol, the checkpoint, the fetch, the
+    # engine) over stores (hub, s3): a store imports remote, never another store.
     (3, "source", ["source", "source.header", "source.checkpoint", "source.remote", "source.remote.parts",
-                   "source.remote.engine", "source.ranged", "source.hub",
-                   "source.hub.cache", "source.hub.http", "source.hub.listing", "source.hub.headers",
-                   "source.hub.checkpoint", "source.hub.fetch", "source.s3", "source.s3.store",
-                   "source.s3.checkpoint", "source.open"]),
+                   "source.remote.engine", "source.remote.store", "source.remote.checkpoint",
+                   "source.remote.fetch", "source.ranged", "source.hub", "source.hub.cache",
+                   "source.hub.http", "source.hub.store", "source.s3", "source.s3.store", "source.open"]),
     (4, "plan", ["plan", "plan.layout", "plan.planner", "plan.capacity", "plan.balance", "plan.fetch",
                  "plan.nodes", "plan.experts"]),
     (5, "transfer", ["transfer", "transfer.reflink", "transfer.segments", "transfer.pages", "transfer.hasher",
