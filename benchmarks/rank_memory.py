@@ -79,7 +79,12 @@ if what == "split plan":
     tensors = len(plan.stages[rank].tensors)
 else:
     if what == "in place":
-        stage = server_stage(model, runtime=runtime, partition=partition, rank=rank, cache=cache).stage
+        try:  # the layout object (issue 44), else the settings one by one
+            from qwen35_reshard.model.parallelism import Parallelism
+            given = ((Parallelism(pp=pp, runtime=runtime, partition=tuple(partition)),), {})
+        except ImportError:
+            given = ((), {"runtime": runtime, "partition": partition})
+        stage = server_stage(model, *given[0], rank=rank, cache=cache, **given[1]).stage
     else:
         stage = open_stage(model, pp_rank=rank)
     seconds = time.perf_counter() - start

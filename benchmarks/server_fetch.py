@@ -55,7 +55,9 @@ print(n)
 STAGES = """
 import sys
 from qwen35_reshard.servers.unsplit import server_stage
-served = server_stage(sys.argv[1], runtime=sys.argv[2], partition=[int(x) for x in sys.argv[3].split(",")],
+from qwen35_reshard.model.parallelism import Parallelism
+sizes = tuple(int(x) for x in sys.argv[3].split(","))
+served = server_stage(sys.argv[1], Parallelism(pp=len(sizes), runtime=sys.argv[2], partition=sizes),
                       rank=int(sys.argv[4]))
 print(sum(t.clone().numel() for _, t in served.stage.iter_weights()), served.how)
 """

@@ -96,12 +96,10 @@ def _plan_for(ckpt: Checkpoint, m: StageManifest, plans: dict, add: Add, display
     layout can be compared); older manifests get the defaults, which decide stages alike.
     """
     limits = _recorded_limits(m) or {}
-    key = (m.pp, m.runtime, m.partition, m.mtp, tuple(sorted(limits.items())))
+    key = (m.layout, m.mtp, tuple(sorted(limits.items())))
     if key not in plans:
         try:
-            plans[key] = recorded_plan(
-                ckpt, pp=m.pp, runtime=m.runtime, partition=m.partition, mtp=m.mtp, **limits
-            )
+            plans[key] = recorded_plan(ckpt, m.layout, mtp=m.mtp, **limits)
         except ReshardError as e:
             plans[key] = None
             add(

@@ -30,7 +30,7 @@ LAYERS = [
                    "format.manifest", "format.identity", "format.holder"]),
     (2, "model", ["model", "model.names", "model.modules", "model.quant", "model.quant.schemes",
                   "model.quant.config", "model.completeness", "model.schema", "model.runtimes",
-                  "model.experts"]),
+                  "model.experts", "model.parallelism"]),
     # One remote checkpoint reader (remote: the store protocol, the checkpoint, the fetch, the
     # engine) over stores (hub, s3): a store imports remote, never another store.
     (3, "source", ["source", "source.header", "source.checkpoint", "source.remote", "source.remote.parts",

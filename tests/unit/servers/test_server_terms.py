@@ -21,6 +21,7 @@ from qwen35_reshard import errors, reshard
 from qwen35_reshard.cli.cache import CACHE_FLAGS
 from qwen35_reshard.cli.flags import FLAGS, VERIFY_FLAGS
 from qwen35_reshard.errors import AGAIN, ELSEWHERE, OutError, ReshardError, StageError, advice, param
+from qwen35_reshard.model.parallelism import Parallelism
 from qwen35_reshard.servers.deployment import rank_stage
 from qwen35_reshard.servers.terms import (
     CACHE,
@@ -38,7 +39,8 @@ from support.helpers import ROOT
 
 def test_a_shard_read_in_place_that_changes_while_loading_is_not_to_be_deleted(make_checkpoint, tmp_path):
     model = shutil.copytree(make_checkpoint(), tmp_path / "model")
-    served = server_stage(model, runtime="vllm", partition=[4, 4], rank=1, cache=tmp_path / "stages")
+    layout = Parallelism(pp=2, runtime="vllm", partition=(4, 4))
+    served = server_stage(model, layout, rank=1, cache=tmp_path / "stages")
     assert served.how == "in place"
     shard = Path(model) / served.stage.files[0]
     with open(shard, "ab") as f:  # the checkpoint rewritten while the server starts
@@ -178,22 +180,25 @@ def retype_first_tensor(data_file: Path) -> None:
     data_file.write_bytes(bytes(raw))
 
 
+VLLM_4_4 = Parallelism(pp=2, runtime="vllm", partition=(4, 4))
+
+
 def test_a_cached_file_whose_header_changed_says_what_to_do_and_that_works(make_checkpoint, tmp_path):
     """Issue 44: a stage cache's file whose header no longer matches its manifest told the operator
     to "delete it and run the same qwen35-reshard command again". Now: delete it and start the
     server again, which is what mends it (the same start again still refuses it)."""
     model, cache = make_checkpoint(), tmp_path / "stages"
-    first = server_stage(model, runtime="vllm", partition=[4, 4], rank=1, cache=cache, copy=True)
+    first = server_stage(model, VLLM_4_4, rank=1, cache=cache, copy=True)
     damaged = first.stage.path / first.stage.files[0]
     retype_first_tensor(damaged)
     for _ in range(2):  # starting again alone does not mend it: the line must say more
         with pytest.raises(StageError) as e:
-            server_stage(model, runtime="vllm", partition=[4, 4], rank=1, cache=cache, copy=True)
+            server_stage(model, VLLM_4_4, rank=1, cache=cache, copy=True)
         line = str(e.value)
         assert line.startswith(f"{damaged}: tensor ") and "records F32" in line, line
         assert line.endswith("; delete it and start the server again: the stage cache builds it anew"), line
     damaged.unlink()
-    again = server_stage(model, runtime="vllm", partition=[4, 4], rank=1, cache=cache, copy=True)
+    again = server_stage(model, VLLM_4_4, rank=1, cache=cache, copy=True)
     assert again.stage.rank == 1 and damaged.is_file()
 
 
