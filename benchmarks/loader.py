@@ -18,14 +18,19 @@ before the timing (as ``load_weights`` copies into parameters):
 - ``safe_open``: ``safe_open(file, framework="pt")`` per file, ``get_tensor`` per name: a
   stock loader on the stage's files, the baseline;
 - ``shim checked``: ``loader.open_stage(OUT, pp_rank=R).iter_weights()`` with its defaults
-  (every byte checked, what a server gets), as the node's first loader (an empty node record);
-- ``checked, 2nd worker``: the same as another worker of the node loads it (tensor parallelism:
+  (every byte checked, what a server gets), as the node's first loader (an empty node record;
+  with ``--workers`` the N share one, as a node's workers do);
+- ``2nd worker checked``: the same as another worker of the node loads it (tensor parallelism:
   every worker of a node loads the stage; the first one's check, made untimed before, is used);
-- ``checked, no spare core``: the first loader with a node budget of no hashing threads
+- ``checked no spare core``: the first loader with a node budget of no hashing threads
   (``QWEN35_RESHARD_HASH_THREADS=0``): the copying thread hashes too, as where every core is
   busy: what the check costs where it cannot hide behind the copy;
 - ``shim unchecked``: the same with ``QWEN35_RESHARD_VERIFY_LOAD=0``;
 - ``open_stage``: opening and checking the stage alone (manifest, index, config, headers).
+
+With ``--workers N`` each method runs in N processes at once on the same stage, as the N
+tensor-parallel workers of a node load it (the cache prepared once, the N started together): the
+time is the slowest worker's, the CPU seconds the sum over the workers.
 
 Prints medians, GB/s, speed against ``safe_open`` (ratio of medians, and median of the rounds'
 own ratios: steadier on a machine whose speed drifts), checked / unchecked, and each method's
@@ -50,16 +55,17 @@ import shutil
 import subprocess
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from benchmarks.lib import checkpoints, procs
+from benchmarks.lib import checkpoints, pages, procs
 from benchmarks.lib.report import median, stamp, table
 from benchmarks.lib.trees import Tree, check_imports, order
 
 QUICK = ["--shapes", "tiny", "--rounds", "1"]
 BEFORE = True
 METHODS = (
-    "safe_open", "shim checked", "shim unchecked", "checked, 2nd worker", "checked, no spare core",
+    "safe_open", "shim checked", "shim unchecked", "2nd worker checked", "checked no spare core",
     "open_stage",
 )  # fmt: skip
 
@@ -70,9 +76,9 @@ import torch
 from safetensors import safe_open
 import qwen35_reshard
 from qwen35_reshard import loader
-import tempfile
-out, rank, cache, order = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4].split(",")
-node = sys.argv[5]  # where the node records of checked files go
+out, rank, cache, barrier = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[5]
+order = sys.argv[4].split(",")
+node = sys.argv[6]  # where the node's records of checked files go: shared by the workers started together
 stage = loader.open_stage(out, pp_rank=rank)
 files = [os.path.join(stage.path, f) for f in stage.files]
 DT = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F8_E4M3": torch.float8_e4m3fn,
@@ -88,14 +94,14 @@ def safe():
             for name in h.keys():
                 dst[name].copy_(h.get_tensor(name)); n += 1
     return n
-def shim(checked, record=None, threads=None):
+def shim(checked, record="first", threads=None):
     if checked:
         os.environ.pop("QWEN35_RESHARD_VERIFY_LOAD", None)
     else:
         os.environ["QWEN35_RESHARD_VERIFY_LOAD"] = "0"
-    # The node's record of checked files (a tree before issue 43 ignores both): a fresh one
-    # unless given (the first loader of the node), and the node's budget of hashing threads.
-    os.environ["QWEN35_RESHARD_CHECKED_DIR"] = record or tempfile.mkdtemp(dir=node) + "/node"
+    # The node's record of checked files (a tree before issue 43 ignores both variables), empty
+    # but for "second", and the node's budget of hashing threads.
+    os.environ["QWEN35_RESHARD_CHECKED_DIR"] = os.path.join(node, record)
     os.environ.pop("QWEN35_RESHARD_HASH_THREADS", None)
     if threads is not None:
         os.environ["QWEN35_RESHARD_HASH_THREADS"] = str(threads)
@@ -103,11 +109,10 @@ def shim(checked, record=None, threads=None):
     for name, tensor in loader.open_stage(out, pp_rank=rank).iter_weights():
         dst[name].copy_(tensor); n += 1
     return n
-second = os.path.join(node, "checked")  # the node whose first worker checked the stage, untimed:
-shim(True, record=second)
+shim(True, record="second")  # the node whose first worker checked the stage, untimed
 methods = {"safe_open": safe, "shim checked": lambda: shim(True), "shim unchecked": lambda: shim(False),
-           "checked, 2nd worker": lambda: shim(True, record=second),
-           "checked, no spare core": lambda: shim(True, threads=0),
+           "2nd worker checked": lambda: shim(True, record="second"),
+           "checked no spare core": lambda: shim(True, record="busy", threads=0),
            "open_stage": lambda: len(loader.open_stage(out, pp_rank=rank))}
 def prepare():
     if cache == "cold":
@@ -120,8 +125,13 @@ def prepare():
             while h.readinto(buf):
                 pass
 got = {}
+if barrier != "-":  # start with the other workers of the node: ready, then wait for "go"
+    open(os.path.join(barrier, f"ready.{os.getpid()}"), "w").close()
+    while not os.path.exists(os.path.join(barrier, "go")):
+        time.sleep(0.001)
 for name in order:
-    prepare()
+    if barrier == "-":
+        prepare()
     t0, c0 = time.perf_counter(), time.process_time()
     n = methods[name]()
     got[name] = [time.perf_counter() - t0, time.process_time() - c0]
@@ -137,6 +147,26 @@ def build(shape: str, work: Path, size: float) -> Path:
     if shape == "many":
         return checkpoints.many_tensors(work / "model-many")
     return checkpoints.build(work / "model-tiny", **checkpoints.tiny.preset("tiny"))
+
+
+def together(child: list[str], method: str, cache: str, tree: Tree, workers: int, work: Path) -> list[dict]:
+    """``method`` in ``workers`` processes started together on one stage, the cache prepared once."""
+    barrier, node = Path(tempfile.mkdtemp(dir=work)), Path(tempfile.mkdtemp(dir=work))
+    if cache == "cold":
+        pages.drop_all()
+    else:
+        pages.warm(Path(child[3]).glob(f"pp{child[4]}/*.safetensors"))
+    with ThreadPoolExecutor(workers) as pool:
+        running = [
+            pool.submit(procs.run, [*child, method, str(barrier), str(node)], env=tree.env())
+            for _ in range(workers)
+        ]
+        while len(list(barrier.glob("ready.*"))) < workers and not any(f.done() for f in running):
+            time.sleep(0.01)
+        (barrier / "go").touch()
+        done = [json.loads(f.result().stdout) for f in running]
+    shutil.rmtree(barrier)
+    return done
 
 
 def measure(shape: str, work: Path, args: argparse.Namespace, trees: list[Tree], caches: list[str]) -> None:
@@ -160,19 +190,30 @@ def measure(shape: str, work: Path, args: argparse.Namespace, trees: list[Tree],
         for cache in caches:
             for t in order(trees, r):
                 k = r % len(METHODS)
-                rotated = ",".join(METHODS[k:] + METHODS[:k])  # no method always first
-                node = Path(tempfile.mkdtemp(dir=work))
-                argv = [procs.PY, "-c", _CHILD, str(outs[t.label]), str(args.rank), cache, rotated, str(node)]
-                got = json.loads(procs.run(argv, env=t.env()).stdout)
-                check_imports(t, got.pop("file"))
-                info = got
-                for name, (wall, cpu_s) in got["times"].items():
-                    times.setdefault((cache, t.label, name), []).append(wall)
-                    cpu.setdefault((cache, t.label, name), []).append(cpu_s)
+                rotated = METHODS[k:] + METHODS[:k]  # no method always first
+                child = [procs.PY, "-c", _CHILD, str(outs[t.label]), str(args.rank), cache]
+                if args.workers == 1:
+                    node = tempfile.mkdtemp(dir=work)
+                    run = procs.run([*child, ",".join(rotated), "-", node], env=t.env())
+                    results = [[json.loads(run.stdout)]]
+                else:
+                    results = [together(child, name, cache, t, args.workers, work) for name in rotated]
+                for got in results:
+                    for one in got:
+                        check_imports(t, one.pop("file"))
+                        info = one
+                    for name in got[0]["times"]:
+                        times.setdefault((cache, t.label, name), []).append(
+                            max(g["times"][name][0] for g in got)
+                        )
+                        cpu.setdefault((cache, t.label, name), []).append(
+                            sum(g["times"][name][1] for g in got)
+                        )
     size = info["bytes"]
     print(
         f"\n### {shape}: stage {args.rank} of a pp={args.pp} split: {info['tensors']:,} tensors, "
-        f"{size / 1e9:.3f} GB in {info['files']} files; medians of {args.rounds} rounds\n"
+        f"{size / 1e9:.3f} GB in {info['files']} files; {args.workers} worker(s); "
+        f"medians of {args.rounds} rounds\n"
     )
     rows = []
     for cache in caches:
@@ -223,8 +264,8 @@ def _check_cost(times: dict, caches: list[str], label: str, size: int, tensors: 
     )
     for cache in caches:
         off = median(times[(cache, label, "shim unchecked")])
-        busy = median(times[(cache, label, "checked, no spare core")])
-        second = median(times[(cache, label, "checked, 2nd worker")])
+        busy = median(times[(cache, label, "checked no spare core")])
+        second = median(times[(cache, label, "2nd worker checked")])
         print(
             f"- this machine, {cache}, {size / 1e9:.2f} GB, {tensors:,} tensors: with no spare core (the "
             f"copying thread hashes too) the check adds {busy - off:+.3f} s ({busy / off:.2f}x unchecked); "
@@ -301,6 +342,9 @@ def main(argv: list[str], trees: list[Tree]) -> int:
     ap.add_argument("--pp", type=int, default=2)
     ap.add_argument("--rank", type=int, default=0, help="the stage that is loaded")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument(
+        "--workers", type=int, default=1, help="processes loading the stage at once (a node's TP)"
+    )
     ap.add_argument("--cache", default="warm", help="warm, cold or both (cold needs root)")
     ap.add_argument("--workdir", type=Path, default=None, help="parent of the temporary work directory")
     ap.add_argument("--digests", action="store_true", help="first measure the digests considered")
