@@ -29,8 +29,9 @@ class FileChanged(Exception):
 class LoadCheck:
     """Checks the ranges of each data file a load goes through, each byte once per node.
 
-    Call :meth:`feed` for every file in load order, :meth:`reached` as the reader goes and
-    :meth:`finish` before the last tensor; a context manager (releases threads, locks and
+    Call :meth:`feed` for every file in load order, ``reached(offset)`` as the reader goes
+    (:meth:`DigestPool.reached <..stage.digestpool.DigestPool.reached>`: mismatches found since
+    the last call) and :meth:`finish` before the last tensor; a context manager (releases threads, locks and
     descriptors).
     """
 
@@ -41,6 +42,7 @@ class LoadCheck:
         self._node = node
         want = min(cores(), WORKER_THREADS)
         self._pool = DigestPool(node.take_threads(want) if node is not None else want)
+        self.reached = self._pool.reached  # called once per tensor: no call of its own in between
         # file name -> (path, fd, size, identity when opened, claim or None)
         self._files: dict[str, tuple[Path, int, int, tuple, Claim | None]] = {}
 
@@ -52,10 +54,6 @@ class LoadCheck:
         self._files[file] = (path, fd, size, identity(fd), claim)
         mine = claim is None or claim.state == MINE
         self._pool.feed(path, fd, ranges if mine else [], size)
-
-    def reached(self, offset: int) -> list[Mismatch]:
-        """The reader is at ``offset`` of the file fed last: mismatches found since the last call."""
-        return self._pool.reached(offset)
 
     def finish(self) -> list[Mismatch]:
         """Every range checked, here or by another loader of the node: the mismatches.
