@@ -39,9 +39,14 @@ class LoadCheck:
         """``ranges``: what to hash of each data file, by file name; ``node``: the node's
         record, None to hash every range here."""
         self._ranges = ranges
-        self._node = node
         want = min(cores(), WORKER_THREADS)
-        self._pool = DigestPool(node.take_threads(want) if node is not None else want)
+        try:
+            threads = node.take_threads(want) if node is not None else want
+        except OSError:  # a record directory that refuses locks (not the node's memory): on our own
+            node.close()
+            node, threads = None, want
+        self._node = node
+        self._pool = DigestPool(threads)
         self.reached = self._pool.reached  # called once per tensor: no call of its own in between
         # file name -> (path, fd, size, identity when opened, claim or None)
         self._files: dict[str, tuple[Path, int, int, tuple, Claim | None]] = {}
@@ -50,7 +55,10 @@ class LoadCheck:
         """The reader opened data ``file`` at ``path`` as ``fd`` (kept open until :meth:`close`;
         the file mapped is the one this descriptor names) and goes through it next."""
         ranges = self._ranges[file]
-        claim = self._node.claim(fd, _expected(ranges)) if self._node is not None and ranges else None
+        try:
+            claim = self._node.claim(fd, _expected(ranges)) if self._node is not None and ranges else None
+        except OSError:  # the record cannot be used for this file: checked here
+            claim = None
         self._files[file] = (path, fd, size, identity(fd), claim)
         mine = claim is None or claim.state == MINE
         self._pool.feed(path, fd, ranges if mine else [], size)
