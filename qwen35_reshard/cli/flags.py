@@ -33,7 +33,7 @@ FLAGS = {
     "nodes": "--nodes",
     "node": "--node",
     "redundant_experts": "--redundant-experts",
-    "expert_location": "--init-expert-location",
+    "init_expert_location": "--init-expert-location",
     "nnodes": "--nnodes",
     "node_rank": "--node-rank",
     "max_file_bytes": "--max-file-size",
