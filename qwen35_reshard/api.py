@@ -26,10 +26,10 @@ from .plan.fetch import fetch_report, needed_by
 from .plan.nodes import Node, Nodes, pick_node
 from .plan.planner import Plan, make_plan, recorded_plan
 from .source.checkpoint import Checkpoint, read_checkpoint, source_fingerprint
-from .source.hub.cache import HubRepo, HubSettings
-from .source.hub.http import Traffic
-from .source.open import open_model, remote_fetcher
-from .source.s3.checkpoint import S3Repo
+from .source.hub.cache import HubSettings
+from .source.open import open_model
+from .source.remote.fetch import RemoteFetcher
+from .source.remote.store import Store
 from .verify.check import verify
 from .verify.report import VerifyReport
 from .write.manifest import run_manifest
@@ -249,9 +249,8 @@ def reshard(
     if located is not None:
         events.located(located)
         ranks = located.stages
-    traffic = Traffic()
     with collector_paused():
-        ckpt, repo = _open(model, hub or HubSettings(), traffic, events)
+        ckpt, repo = _open(model, hub or HubSettings(), events)
         choice = None
         if layout.partition == BALANCED:
             choice = choose(
@@ -270,8 +269,8 @@ def reshard(
     events.planned(plan, choice)
     planned = ReshardResult(plan, out, choice, tuple(ckpt.unlisted), node=located)
     if dry_run:
-        return _preview(planned, repo, traffic, overwrite=write.overwrite)
-    return _write(planned, repo, traffic, progress, events, write)
+        return _preview(planned, repo, overwrite=write.overwrite)
+    return _write(planned, repo, progress, events, write)
 
 
 def _check_run(model: str | os.PathLike[str], out: Path | None, *, dry_run: bool, workers: int) -> None:
@@ -285,10 +284,10 @@ def _check_run(model: str | os.PathLike[str], out: Path | None, *, dry_run: bool
 
 
 def _open(
-    model: str | os.PathLike[str], settings: HubSettings, traffic: Traffic, events: ReshardProgress
-) -> tuple[Checkpoint, HubRepo | S3Repo | None]:
+    model: str | os.PathLike[str], settings: HubSettings, events: ReshardProgress
+) -> tuple[Checkpoint, Store | None]:
     """MODEL's checkpoint (and its Hub repo, for a repo id), its unlisted shard files warned of."""
-    ckpt, repo = open_model(os.fspath(model), settings, traffic=traffic)
+    ckpt, repo = open_model(os.fspath(model), settings)
     for name in ckpt.unlisted:
         events.warning(
             f"{ckpt.display}/{name} is not listed in the checkpoint's index: ignored, as the "
@@ -297,15 +296,13 @@ def _open(
     return ckpt, repo
 
 
-def _preview(
-    planned: ReshardResult, repo: HubRepo | S3Repo | None, traffic: Traffic, *, overwrite: bool
-) -> ReshardResult:
+def _preview(planned: ReshardResult, repo: Store | None, *, overwrite: bool) -> ReshardResult:
     """A dry run's result: what a split would fetch, and what it would do in OUT (the writer's
     own decision, refusals included)."""
     plan, out = planned.plan, planned.out_dir
     fetch = None
     if repo is not None:
-        fetcher = remote_fetcher(repo, plan.checkpoint, needed_by(plan), traffic=traffic)
+        fetcher = RemoteFetcher(repo, plan.checkpoint, needed_by(plan))
         fetch = fetch_report(plan, fetcher)
         fetcher.close()
     state = assess_out(plan, out, overwrite=overwrite) if out is not None else None
@@ -314,8 +311,7 @@ def _preview(
 
 def _write(
     planned: ReshardResult,
-    repo: HubRepo | S3Repo | None,
-    traffic: Traffic,
+    repo: Store | None,
     progress: Reporter | None,
     events: ReshardProgress,
     options: WriteOptions,
@@ -325,9 +321,7 @@ def _write(
     started = time.monotonic()
     fetcher = None
     if repo is not None:
-        fetcher = remote_fetcher(
-            repo, plan.checkpoint, needed_by(plan), traffic=traffic, on_fetched=events.fetched
-        )
+        fetcher = RemoteFetcher(repo, plan.checkpoint, needed_by(plan), on_fetched=events.fetched)
         events.expect_downloads(fetcher.download_bytes)
         fetcher.prepare()
     source = (
@@ -459,7 +453,7 @@ def _repair(
         needed: dict[str, set[str]] = {}
         for t in (t for rank in files for t in plan.stages[rank].tensors):
             needed.setdefault(t.source.file, set()).add(t.name)
-        fetcher = remote_fetcher(repo, ckpt, needed)
+        fetcher = RemoteFetcher(repo, ckpt, needed)
         access = SourceAccess.fetched(fetcher.open, fetcher.remote, fetcher.close)
     done = repair_files(
         plan, out, files, rewrite_run_manifest=redo_run_manifest, side_files_of_out=out_side, workers=workers,

@@ -56,10 +56,9 @@ from ..plan.planner import stage_tensors
 from ..source.checkpoint import Checkpoint, downloaded_sha256, source_identity
 from ..source.header import read_header
 from ..source.hub.cache import HubSettings
-from ..source.hub.http import resolve
+from ..source.hub.store import open_hub
 from ..source.open import is_repo_id, open_model
-from ..source.s3.checkpoint import open_s3
-from ..source.s3.store import is_s3_uri
+from ..source.s3.store import is_s3_uri, open_s3
 from ..stage.manifest import FileLayout, StageManifest, StageTensor
 from ..units import format_bytes
 from ..write.claims import in_use
@@ -185,7 +184,7 @@ def server_stage(
             key = out / cache_key(layout)
             served = _cached_or_built(name, key, layout, rank, hub=unpinned, commit=commit)
         elif is_repo_id(name):
-            repo = resolve(name, settings)
+            repo = open_hub(name, settings)
             out = root / f"{CACHE_REPO_PREFIX}{repo.repo_id.replace('/', '--')}" / repo.commit
             pinned = replace(settings, revision=repo.commit)
             key = out / cache_key(layout)
@@ -292,7 +291,7 @@ def pinned_commit(model: str, revision: str | None, token: str | None) -> str | 
         return None
     settings = HubSettings(revision=revision, token=token, user_agent=USER_AGENT.format(rank=0))
     try:
-        return resolve(model, settings).commit
+        return open_hub(model, settings).commit
     except ReshardError as e:
         raise StageError(server_terms(e)) from e
 

@@ -103,7 +103,7 @@ def parse_node_entry(entry: object) -> NodeRecord | str:
     if not isinstance(entry, dict) or set(entry) != set(NODE_FIELDS):
         return "node entry"
     ints = [entry[k] for k in ("node", "nodes", "ep", "redundant_experts")]
-    if not all(map(is_uint, ints)) or entry["nodes"] < 1 or entry["node"] >= entry["nodes"] or entry["ep"] < 2:
+    if not all(map(is_uint, ints)) or not entry["node"] < entry["nodes"] or entry["ep"] < 2:
         return f"node {entry['node']!r} of {entry['nodes']!r} nodes, ep {entry['ep']!r}"
     ranks, experts, location = entry["ep_ranks"], entry["experts"], entry["expert_location"]
     if not (isinstance(ranks, list) and ranks and all(is_uint(r) and r < entry["ep"] for r in ranks)):
