@@ -3,17 +3,40 @@ it came: pure summaries."""
 
 from __future__ import annotations
 
+from bisect import bisect_right
+from collections.abc import Callable
+
+from ..source.checkpoint import Checkpoint, SourceTensor
 from ..source.remote.fetch import FETCH_CACHE, FETCH_WHOLE, RemoteFetcher, ShardFetch
 from .planner import Plan
 
 
 def needed_by(plan: Plan) -> dict[str, set[str]]:
-    """Per source shard, the tensors the plan's selected stages read from it. Pure."""
+    """Per source shard, the tensors the plan's selected stages read from it (an expert cut from
+    a fused tensor names the fused tensor: the copy fetches only the expert's byte range). Pure."""
     needed: dict[str, set[str]] = {}
+    whole = source_names(plan.checkpoint)
     for stage in plan.selected:
         for t in stage.tensors:
-            needed.setdefault(t.source.file, set()).add(t.name)
+            needed.setdefault(t.source.file, set()).add(whole(t.source))
     return needed
+
+
+def source_names(ckpt: Checkpoint) -> Callable[[SourceTensor], str]:
+    """``name(t)``: the checkpoint tensor whose bytes hold ``t``'s: ``t.name`` for a tensor of
+    the checkpoint, the fused tensor an expert was cut from (:mod:`.experts`) otherwise."""
+    starts: dict[str, tuple[list[int], list[str]]] = {}
+
+    def name(t: SourceTensor) -> str:
+        if t.name in ckpt.tensors:
+            return t.name
+        if t.file not in starts:
+            at = sorted((s.offset, s.name) for s in ckpt.tensors.values() if s.file == t.file)
+            starts[t.file] = ([o for o, _ in at], [n for _, n in at])
+        offsets, names = starts[t.file]
+        return names[bisect_right(offsets, t.offset) - 1]
+
+    return name
 
 
 def stage_summary(plan: Plan, fetches: dict[str, ShardFetch]) -> list[dict]:

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from ..errors import BadInput, param
 from ..format.names import node_dirname
 from ..model import schema
-from ..model.experts import ExpertPlacement, MoeLayer, expert_placement
+from ..model.experts import ExpertPlacement, MoeLayer, expert_placement, expert_tensors
 from ..model.parallelism import Parallelism
 from ..source.checkpoint import Checkpoint, SourceTensor
-from .experts import expert_tensor, node_expert_tensors
+from .experts import nodes_expert_tensors
 
 
 @dataclass(frozen=True)
@@ -99,18 +99,21 @@ def node_dirs(
     dirs = []
     for stage in range(layout.pp):
         sources = stage_tensors[stage]
-        found = {w.layer for w in map(expert_tensor, (t.name for t in sources)) if w is not None}
+        found = {w.layer for w in expert_tensors([t.name for t in sources]) if w is not None}
         layers = sorted(found, key=lambda m: (m.mtp, m.index))  # decoder layers, then MTP's
-        for node in range(layout.nodes):
-
-            def experts_of(layer: MoeLayer, node: int = node) -> frozenset[int]:
-                return placement.node_experts(layer, node, layout.nodes)
-
-            held = tuple((layer_label(m), tuple(sorted(experts_of(m)))) for m in layers)
+        held = [
+            {m: placement.node_experts(m, node, layout.nodes) for m in layers} for node in range(layout.nodes)
+        ]
+        cut = nodes_expert_tensors(sources, [experts.__getitem__ for experts in held], scale_block=block)
+        for node, (experts, tensors) in enumerate(zip(held, cut, strict=True)):
             what = NodeExperts(
-                stage, node, node_dirname(stage, node, layout.pp), layout.node_ep_ranks(node), held
+                stage,
+                node,
+                node_dirname(stage, node, layout.pp),
+                layout.node_ep_ranks(node),
+                tuple((layer_label(m), tuple(sorted(experts[m]))) for m in layers),
             )
-            dirs.append((what, node_expert_tensors(sources, experts_of, scale_block=block)))
+            dirs.append((what, tensors))
     copies = Counter(t.name for _, tensors in dirs for t in tensors)
     return [(what, tensors, [copies[t.name] > 1 for t in tensors]) for what, tensors in dirs]
 

@@ -146,6 +146,11 @@ class StageManifest:
     node: NodeRecord | None = None  # a node directory of an expert-parallel split
 
     @property
+    def index(self) -> int:
+        """The directory's index in its split's plan: the stage, or (a node) ``stage * nodes + node``."""
+        return self.rank if self.node is None else self.rank * self.node.nodes + self.node.node
+
+    @property
     def layout(self) -> Parallelism:
         """The layout the stage was split for."""
         n = self.node
