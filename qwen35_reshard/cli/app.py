@@ -22,9 +22,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from ..errors import BadInput, ReshardError
-from ..model.parallelism import Parallelism
 from ..plan.capacity import capacity_from
-from ..plan.nodes import Nodes
 from ..source.hub.cache import HubSettings
 from ..write.options import DEFAULT_WORKERS, WriteOptions
 from . import cache, process
@@ -35,13 +33,18 @@ from .flags import (
     VERIFY_FLAGS,
     ContextLength,
     Debug,
+    Ep,
+    EpNodes,
+    ExpertArgs,
     GpuMemory,
     HfCache,
+    InitExpertLocation,
     Json,
     MaxFileSize,
     MemFraction,
     Model,
     Nnodes,
+    NodeOpt,
     NodeRank,
     NoMtp,
     Offline,
@@ -49,6 +52,7 @@ from .flags import (
     Pp,
     Quiet,
     Rank,
+    RedundantExperts,
     Reflink,
     Revision,
     Runtime,
@@ -209,6 +213,11 @@ def split(
     rank: Rank = None,
     nnodes: Nnodes = None,
     node_rank: NodeRank = None,
+    ep: Ep = 1,
+    nodes: EpNodes = 1,
+    redundant_experts: RedundantExperts = 0,
+    init_expert_location: InitExpertLocation = None,
+    node: NodeOpt = None,
     no_mtp: NoMtp = False,
     max_file_size: MaxFileSize = MAX_FILE_DEFAULT,
     dry_run: Annotated[
@@ -238,18 +247,21 @@ def split(
     debug: Debug = False,
     version: Version = False,
 ) -> None:
-    """Split MODEL into OUT/pp0, OUT/pp1, ...: one Hugging Face directory per pipeline stage,
-    byte for byte, resumable. Prints the launch line for the server."""
+    """Split MODEL into OUT/pp0, OUT/pp1, ...: one Hugging Face directory per pipeline stage
+    (with --ep, per node: OUT/pp0-node0, ...), byte for byte, resumable. Prints the launch line
+    for the server."""
     ranks = ranks_of(rank)
+    expert = ExpertArgs(ep, nodes, redundant_experts, init_expert_location, node)
 
     # The one place the flags become the library's options (FLAGS spells them back in errors).
     def run(progress: Reporter) -> ReshardResult:
         from ..api import reshard
 
+        picked, where = expert.node_pick(ranks, nnodes, node_rank)
         return reshard(
             model,
             out,
-            Parallelism(pp=pp, runtime=runtime.value, partition=partition),
+            expert.layout(pp, runtime.value, partition),
             capacity=capacity_from(
                 partition,
                 gpu_memory=gpu_memory,
@@ -257,8 +269,8 @@ def split(
                 tp=tp,
                 mem_fraction=mem_fraction,
             ),
-            ranks=ranks,
-            node=None if nnodes is None and node_rank is None else Nodes(nnodes, node_rank),
+            ranks=picked,
+            node=where,
             hub=HubSettings(
                 revision=revision, token=token, offline=offline, streams=streams, hf_cache=hf_cache
             ),
@@ -305,6 +317,11 @@ def plan(
     rank: Rank = None,
     nnodes: Nnodes = None,
     node_rank: NodeRank = None,
+    ep: Ep = 1,
+    nodes: EpNodes = 1,
+    redundant_experts: RedundantExperts = 0,
+    init_expert_location: InitExpertLocation = None,
+    node: NodeOpt = None,
     no_mtp: NoMtp = False,
     max_file_size: MaxFileSize = MAX_FILE_DEFAULT,
     revision: Revision = None,
@@ -320,8 +337,9 @@ def plan(
     # plan is a dry run of split.
     split(
         model, out, pp, runtime, partition, gpu_memory, tp, context_length, mem_fraction, rank, nnodes,
-        node_rank, no_mtp, max_file_size, dry_run=True, revision=revision, token=token, offline=offline,
-        streams=streams, quiet=quiet, json_=json_, debug=debug,
+        node_rank, ep, nodes, redundant_experts, init_expert_location, node, no_mtp, max_file_size,
+        dry_run=True, revision=revision, token=token, offline=offline, streams=streams, quiet=quiet,
+        json_=json_, debug=debug,
     )  # fmt: skip
 
 

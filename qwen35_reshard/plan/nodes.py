@@ -44,6 +44,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..errors import BadInput, ReshardError, param, spell
+from ..model.parallelism import Parallelism
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,45 @@ def pick_node(
             f"{param('nnodes')} and {param('node_rank')} go together: pass both, or {param('ranks', 'auto')}"
         )
     return given_node(pp, nnodes, node_rank)
+
+
+def pick_dirs(
+    ranks: Sequence[int] | str | None, nodes: Nodes | None, layout: Parallelism, *, environ: Mapping[str, str]
+) -> tuple[Node | None, list[int] | None]:
+    """The node a run builds for (None: none picked) and the directories of the plan it builds
+    (None: all): :func:`pick_node`'s stages; under expert parallelism, where every node has a
+    directory, the node's own (``node_rank``, or from the scheduler with ``ranks="auto"``: the
+    servers' node rank of ``pp * nodes`` nodes), or every node of the stages ``ranks``.
+
+    Raises:
+        ReshardError: as :func:`pick_node`, and a node count other than the layout's.
+    """
+    if not layout.expert_parallel:
+        node = pick_node(ranks, nodes, pp=layout.pp, environ=environ)
+        return node, list(node.stages) if node is not None else None if ranks is None else list(ranks)
+    count, given = layout.nnodes, nodes or Nodes()
+    if given.nnodes is not None and given.nnodes != count:
+        raise BadInput(
+            f"{param('nnodes', given.nnodes)}, but {param('pp', layout.pp)} x "
+            f"{param('nodes', layout.nodes)} is {count} nodes: drop {param('nnodes')}"
+        )
+    if given.node_rank is not None and ranks is None:
+        given = Nodes(count, given.node_rank, given.env)
+    node = pick_node(ranks, given, pp=count, environ=environ)
+    if node is not None and node.nnodes != count:
+        raise BadInput(
+            f"the scheduler gives {node.nnodes} nodes ({spell(node.source, {})}), but "
+            f"{param('pp', layout.pp)} x {param('nodes', layout.nodes)} is {count}: launch as many "
+            f"nodes, or fix {param('nodes')}"
+        )
+    if node is not None or ranks is None:
+        return node, None if node is None else list(node.stages)
+    for r in ranks:
+        if not 0 <= r < layout.pp:
+            raise BadInput(
+                f"{param('ranks', r)} is out of range for {param('pp', layout.pp)} (0..{layout.pp - 1})"
+            )
+    return None, [r * layout.nodes + k for r in sorted(set(ranks)) for k in range(layout.nodes)]
 
 
 def node_stages(pp: int, nnodes: int, node_rank: int) -> range:

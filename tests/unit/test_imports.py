@@ -58,7 +58,8 @@ LAYERS = [
     (9, "servers", ["servers", "servers.unsplit", "servers.stagecache", "servers.deployment", "servers.vllm",
                     "servers.sglang"]),
     # The CLI sits on top: it may show what the servers keep (the stage cache).
-    (10, "cli", ["cli", "cli.progress", "cli.report", "cli.flags", "cli.process", "cli.cache", "cli.app",
+    (10, "cli", ["cli", "cli.progress", "cli.nodeview", "cli.report", "cli.flags", "cli.process", "cli.cache",
+                 "cli.app",
                  "__main__"]),
 ]  # fmt: skip
 LAYER = {
