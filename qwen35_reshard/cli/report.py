@@ -98,7 +98,8 @@ def plan_table(plan: Plan, node: Node | None = None) -> Table:
     for s in plan.stages:
         skipped |= s.rank not in plan.ranks
         row = {
-            "stage": s.dirname, "layers": f"{s.start_layer}-{s.end_layer - 1} ({s.end_layer - s.start_layer})",
+            "stage": s.dirname,
+            "layers": f"{s.start_layer}-{s.end_layer - 1} ({s.end_layer - s.start_layer})",
             "tensors": str(len(s.tensors)), "size": format_bytes(s.size), "files": str(len(s.files)),
             "shards": f"{len(s.source_files)}/{len(ckpt.files)}", "also": ", ".join(s.extras) or "-",
             "experts": experts_cell(s.node) if s.node is not None else "",
