@@ -27,6 +27,7 @@ from ..source.hub.cache import HubSettings
 from ..write.options import DEFAULT_WORKERS, WriteOptions
 from . import cache, process
 from .flags import (
+    EP_FLAGS,
     FLAGS,
     MAX_FILE_DEFAULT,
     PROG,
@@ -286,13 +287,14 @@ def split(
         )
 
     output = Output(quiet, json_, debug)
+    flags = EP_FLAGS if ep > 1 else FLAGS
     run_guarded(
-        lambda: _reshard(run, out, output),
+        lambda: _reshard(run, out, output, flags),
         output,
         "nothing was written"
         if dry_run
         else "unfinished files were removed; run the same command again to resume",
-        FLAGS,
+        flags,
     )
 
 
@@ -413,14 +415,16 @@ def _progress_bar(console: Console) -> RichReporter | LogReporter:
     return LogReporter(sys.stderr, float(os.environ.get(LOG_INTERVAL_ENV) or LOG_INTERVAL))
 
 
-def _reshard(run: Callable[[Reporter], ReshardResult], out: Path | None, output: Output) -> int:
+def _reshard(
+    run: Callable[[Reporter], ReshardResult], out: Path | None, output: Output, flags: dict[str, str]
+) -> int:
     """``split`` and ``plan``: ``run``, the library's reshard, its plan shown once made, then
     its result."""
     from .report import QuietView, SplitView, dry_run_lines, fetch_line, summary
 
     results, progress = _consoles(output)
     view = process.collector_off_until_planned(
-        QuietView(FLAGS) if output.quiet else SplitView(results, _progress_bar(progress), FLAGS)
+        QuietView(flags) if output.quiet else SplitView(results, _progress_bar(progress), flags)
     )
     try:
         result = run(view)
@@ -440,11 +444,11 @@ def _reshard(run: Callable[[Reporter], ReshardResult], out: Path | None, output:
     if output.quiet:
         results.print(plan.launch_env, highlight=False, markup=False, soft_wrap=True)
     if output.json:
-        print(json.dumps(_json_doc(result), indent=2))
+        print(json.dumps(_json_doc(result, flags), indent=2))
     return 0
 
 
-def _json_doc(result: ReshardResult) -> dict:
+def _json_doc(result: ReshardResult, flags: dict[str, str]) -> dict:
     """``--json``'s summary: the status, then the result's own record."""
     if result.dry_run:
         status = "dry_run"
@@ -452,7 +456,7 @@ def _json_doc(result: ReshardResult) -> dict:
         status = "nothing_to_do" if result.written.nothing_to_do else "ok"
     doc = {"status": status, **result.to_dict()}
     if result.node is not None:  # its source in this command line's flags
-        doc["node"] = result.node.to_dict(FLAGS)
+        doc["node"] = result.node.to_dict(flags)
     return doc
 
 

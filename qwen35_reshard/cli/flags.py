@@ -53,6 +53,9 @@ FLAGS = {
 }
 
 
+# With --ep, a node is picked by --node: the library's node_rank and ranks="auto" are its.
+EP_FLAGS = {**FLAGS, "node_rank": "--node", "ranks": "--node", "nnodes": "--pp x --nodes"}
+
 # verify names the checkpoint with --source.
 VERIFY_FLAGS = {
     **FLAGS,
@@ -244,7 +247,7 @@ class ExpertArgs:
             return "auto", None
         if not (self.node.isascii() and self.node.isdigit()):
             raise BadInput(f"--node {self.node} is no node number: pass 0, 1, ... or auto")
-        return None, Nodes(node_rank=int(self.node))
+        return None, Nodes(node_rank=int(self.node))  # the servers' node rank: --node's (EP_FLAGS)
 
 
 VerifyRank = Annotated[

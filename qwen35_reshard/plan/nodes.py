@@ -41,7 +41,7 @@ launch scripts         NODE_RANK                NNODES, else as for an Indexed J
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..errors import BadInput, ReshardError, param, spell
 from ..model.parallelism import Parallelism
@@ -63,7 +63,7 @@ class Node:
     nnodes: int
     stages: range
     source: str
-
+    what: str = "stage"  # what ``stages`` numbers: pipeline stages, or a split's node directories
     def to_dict(self, flags: Mapping[str, str] | None = None) -> dict:
         """Plain JSON-ready data: rank, nnodes, stages (a list) and source (spelt as in
         :meth:`describe`)."""
@@ -74,7 +74,7 @@ class Node:
         """E.g. ``rank 2 of 4 from LWS_WORKER_INDEX, LWS_GROUP_SIZE: stage 2``; parameters
         named in ``source`` are spelt as ``flags`` maps them (see :func:`errors.spell`)."""
         stages = list(self.stages)
-        which = f"stage {stages[0]}" if len(stages) == 1 else f"stages {', '.join(map(str, stages))}"
+        which = f"{self.what} {stages[0]}" if len(stages) == 1 else f"stages {', '.join(map(str, stages))}"
         return f"rank {self.rank} of {self.nnodes} from {spell(self.source, flags or {})}: {which}"
 
 
@@ -150,7 +150,8 @@ def pick_dirs(
             f"{param('nodes', layout.nodes)} is {count} nodes: drop {param('nnodes')}"
         )
     if given.node_rank is not None and ranks is None:
-        given = Nodes(count, given.node_rank, given.env)
+        node = given_node(count, count, given.node_rank)
+        return replace(node, source=param("node_rank"), what="node"), list(node.stages)
     node = pick_node(ranks, given, pp=count, environ=environ)
     if node is not None and node.nnodes != count:
         raise BadInput(
@@ -159,7 +160,7 @@ def pick_dirs(
             f"nodes, or fix {param('nodes')}"
         )
     if node is not None or ranks is None:
-        return node, None if node is None else list(node.stages)
+        return (None, None) if node is None else (replace(node, what="node"), list(node.stages))
     for r in ranks:
         if not 0 <= r < layout.pp:
             raise BadInput(
