@@ -22,6 +22,10 @@ before the timing (as ``load_weights`` copies into parameters):
 - ``shim unchecked``: the same with ``QWEN35_RESHARD_VERIFY_LOAD=0``;
 - ``open_stage``: opening and checking the stage alone (manifest, index, config, headers).
 
+With ``--workers N`` each method runs in N processes at once on the same stage, as the N
+tensor-parallel workers of a node load it (the cache prepared once, the N started together): the
+time is the slowest worker's, the CPU seconds the sum over the workers.
+
 Prints medians, GB/s, speed against ``safe_open`` (ratio of medians, and median of the rounds'
 own ratios: steadier on a machine whose speed drifts), checked / unchecked, and each method's
 CPU seconds: where the check costs more CPU than the copy, a node with fewer free cores per
@@ -41,9 +45,11 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from benchmarks.lib import checkpoints, procs
+from benchmarks.lib import checkpoints, pages, procs
 from benchmarks.lib.report import median, stamp, table
 from benchmarks.lib.trees import Tree, check_imports, order
 
@@ -58,7 +64,8 @@ import torch
 from safetensors import safe_open
 import qwen35_reshard
 from qwen35_reshard import loader
-out, rank, cache, order = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4].split(",")
+out, rank, cache, barrier = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[5]
+order = sys.argv[4].split(",")
 stage = loader.open_stage(out, pp_rank=rank)
 files = [os.path.join(stage.path, f) for f in stage.files]
 DT = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F8_E4M3": torch.float8_e4m3fn,
@@ -96,8 +103,13 @@ def prepare():
             while h.readinto(buf):
                 pass
 got = {}
+if barrier != "-":  # start with the other workers of the node: ready, then wait for "go"
+    open(os.path.join(barrier, f"ready.{os.getpid()}"), "w").close()
+    while not os.path.exists(os.path.join(barrier, "go")):
+        time.sleep(0.001)
 for name in order:
-    prepare()
+    if barrier == "-":
+        prepare()
     t0, c0 = time.perf_counter(), time.process_time()
     n = methods[name]()
     got[name] = [time.perf_counter() - t0, time.process_time() - c0]
@@ -113,6 +125,25 @@ def build(shape: str, work: Path, size: float) -> Path:
     if shape == "many":
         return checkpoints.many_tensors(work / "model-many")
     return checkpoints.build(work / "model-tiny", **checkpoints.tiny.preset("tiny"))
+
+
+def together(child: list[str], method: str, cache: str, tree: Tree, workers: int, work: Path) -> list[dict]:
+    """``method`` in ``workers`` processes started together on one stage, the cache prepared once."""
+    barrier = Path(tempfile.mkdtemp(dir=work))
+    if cache == "cold":
+        pages.drop_all()
+    else:
+        pages.warm(Path(child[3]).glob(f"pp{child[4]}/*.safetensors"))
+    with ThreadPoolExecutor(workers) as pool:
+        running = [
+            pool.submit(procs.run, [*child, method, str(barrier)], env=tree.env()) for _ in range(workers)
+        ]
+        while len(list(barrier.glob("ready.*"))) < workers and not any(f.done() for f in running):
+            time.sleep(0.01)
+        (barrier / "go").touch()
+        done = [json.loads(f.result().stdout) for f in running]
+    shutil.rmtree(barrier)
+    return done
 
 
 def measure(shape: str, work: Path, args: argparse.Namespace, trees: list[Tree], caches: list[str]) -> None:
@@ -136,18 +167,28 @@ def measure(shape: str, work: Path, args: argparse.Namespace, trees: list[Tree],
         for cache in caches:
             for t in order(trees, r):
                 k = r % len(METHODS)
-                rotated = ",".join(METHODS[k:] + METHODS[:k])  # no method always first
-                argv = [procs.PY, "-c", _CHILD, str(outs[t.label]), str(args.rank), cache, rotated]
-                got = json.loads(procs.run(argv, env=t.env()).stdout)
-                check_imports(t, got.pop("file"))
-                info = got
-                for name, (wall, cpu_s) in got["times"].items():
-                    times.setdefault((cache, t.label, name), []).append(wall)
-                    cpu.setdefault((cache, t.label, name), []).append(cpu_s)
+                rotated = METHODS[k:] + METHODS[:k]  # no method always first
+                child = [procs.PY, "-c", _CHILD, str(outs[t.label]), str(args.rank), cache]
+                if args.workers == 1:
+                    results = [[json.loads(procs.run([*child, ",".join(rotated), "-"], env=t.env()).stdout)]]
+                else:
+                    results = [together(child, name, cache, t, args.workers, work) for name in rotated]
+                for got in results:
+                    for one in got:
+                        check_imports(t, one.pop("file"))
+                        info = one
+                    for name in got[0]["times"]:
+                        times.setdefault((cache, t.label, name), []).append(
+                            max(g["times"][name][0] for g in got)
+                        )
+                        cpu.setdefault((cache, t.label, name), []).append(
+                            sum(g["times"][name][1] for g in got)
+                        )
     size = info["bytes"]
     print(
         f"\n### {shape}: stage {args.rank} of a pp={args.pp} split: {info['tensors']:,} tensors, "
-        f"{size / 1e9:.3f} GB in {info['files']} files; medians of {args.rounds} rounds\n"
+        f"{size / 1e9:.3f} GB in {info['files']} files; {args.workers} worker(s); "
+        f"medians of {args.rounds} rounds\n"
     )
     rows = []
     for cache in caches:
@@ -192,6 +233,9 @@ def main(argv: list[str], trees: list[Tree]) -> int:
     ap.add_argument("--pp", type=int, default=2)
     ap.add_argument("--rank", type=int, default=0, help="the stage that is loaded")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument(
+        "--workers", type=int, default=1, help="processes loading the stage at once (a node's TP)"
+    )
     ap.add_argument("--cache", default="warm", help="warm, cold or both (cold needs root)")
     ap.add_argument("--workdir", type=Path, default=None, help="parent of the temporary work directory")
     args = ap.parse_args(argv)

@@ -470,7 +470,7 @@ def open_stage(path: str | os.PathLike[str], pp_rank: int | None = None) -> Stag
 
     run = read_run_record(root.parent, str(root.parent)) if stage_dir_rank(root) is not None else None
     if isinstance(run, Finding):
-        raise StageError(run.message)
+        raise StageError(run.text)
     with collector_paused():
         found = read_stage(root, display, run)
     m = found.manifest
@@ -480,5 +480,5 @@ def open_stage(path: str | os.PathLike[str], pp_rank: int | None = None) -> Stag
             f"split or was copied to the wrong place; {REBUILD}"
         )
     if found.problems:
-        raise StageError(found.problems[0].message)
+        raise StageError(found.problems[0].text)
     return Stage(path=root, display=display, manifest=m, headers={f: h.raw for f, h in found.headers.items()})

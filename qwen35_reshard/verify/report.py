@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..errors import Audience
 from ..format.identity import RunIdentity
 from ..format.names import RUN_MANIFEST, RUN_MARKER, STAGE_MANIFEST, stage_dir_rank
 from ..stage.findings import CORRUPT, DIFFERENT, EXTRA, KINDS, MISSING, REPAIR, Finding
@@ -91,7 +92,9 @@ class VerifyReport:
     def counts(self) -> dict[str, int]:
         return {k: sum(1 for f in self.findings if f.kind == k) for k in KINDS}
 
-    def to_dict(self) -> dict:
+    def to_dict(self, audience: Audience | None = None) -> dict:
+        """The report as JSON-ready data, its findings' messages in ``audience``'s terms (else the
+        library's)."""
         return {
             "status": "ok" if self.ok else "failed",
             "target": self.target,
@@ -105,7 +108,7 @@ class VerifyReport:
             "recorded_source": self.recorded_source,
             "recorded_revision": self.recorded_revision,
             "unchecked_quantization": self.unchecked,
-            "findings": [asdict(f) for f in self.findings],
+            "findings": [f.to_dict(audience) for f in self.findings],
         }
 
 

@@ -55,7 +55,7 @@ def check_stage(stage: CheckedStage, report: VerifyReport, ckpt: Checkpoint | No
             )
     found = read_stage(stage.path, stage.display, stage.run)
     for p in found.problems:
-        add(p.kind, p.message, file=p.file, tensor=p.tensor)
+        add(p.kind, p.text, file=p.file, tensor=p.tensor)
     if found.unchecked:
         report.unchecked.append(unchecked_message(stage.display, found.unchecked))
     m = stage.manifest = found.manifest
@@ -141,7 +141,7 @@ def _check_data_file(
         stage.digests[name] = digest
         if recorded.get(name) is not None and recorded[name] != digest:
             found = tensor_digest_finding(where, file, name)
-            add(found.kind, found.message, file=found.file, tensor=found.tensor)
+            add(found.kind, found.text, file=found.file, tensor=found.tensor)
 
 
 def _check_file_digest(path: Path, recorded: str, where: str, add: Add, file: str) -> None:

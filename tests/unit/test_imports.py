@@ -55,8 +55,8 @@ LAYERS = [
     # The server integrations (issue 37): a rank building its own stage from the unsplit model
     # (issue 33) goes through the library; the load format and the plugin import it only when a
     # rank is handed no split.
-    (9, "servers", ["servers", "servers.unsplit", "servers.stagecache", "servers.deployment", "servers.vllm",
-                    "servers.sglang"]),
+    (9, "servers", ["servers", "servers.terms", "servers.unsplit", "servers.stagecache", "servers.deployment",
+                    "servers.vllm", "servers.sglang"]),
     # The CLI sits on top: it may show what the servers keep (the stage cache).
     (10, "cli", ["cli", "cli.progress", "cli.nodeview", "cli.report", "cli.flags", "cli.process", "cli.cache",
                  "cli.app",
