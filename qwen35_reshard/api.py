@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .bulk import collector_paused
 from .errors import BadInput, param
-from .format.names import RUN_MANIFEST, stage_dir_rank
+from .format.names import RUN_MANIFEST, node_dir_of, stage_dir_rank
 from .model.parallelism import BALANCED, Parallelism, layout_of
 from .model.quant import unchecked_message
 from .plan.balance import Choice, choose
@@ -37,6 +37,7 @@ from .write.options import DEFAULTS, WriteOptions
 from .write.repair import (
     damaged_files,
     recorded_identity,
+    recorded_location,
     remove_leftovers,
     repair_files,
     repair_lock,
@@ -419,7 +420,8 @@ def repair(
         (False, True, True)
     """
     target = Path(out_dir)
-    single = stage_dir_rank(target) is not None and not (target / RUN_MANIFEST).exists()
+    named = stage_dir_rank(target) is not None or node_dir_of(target) is not None
+    single = named and not (target / RUN_MANIFEST).exists()
     out = target.parent if single else target
     with repair_lock(out, single, on_wait) as now:
         return _repair(target, out, single, source, write.workers, now, hub or HubSettings())
@@ -452,7 +454,7 @@ def _repair(
         )
     plan = recorded_plan(
         ckpt,
-        Parallelism.recorded(identity),
+        Parallelism.recorded(identity, recorded_location(out, identity)),
         mtp=identity.mtp,
         max_file_bytes=identity.max_file_bytes,
         max_header_bytes=identity.max_header_bytes,

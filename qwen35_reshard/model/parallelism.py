@@ -80,10 +80,14 @@ class Parallelism:
             object.__setattr__(self, "init_expert_location", _location(self))
 
     @classmethod
-    def recorded(cls, record: RunIdentity) -> Parallelism:
-        """The layout a split's manifests record (its run identity): what verify checks the
-        split against and a repair rewrites it for."""
-        return cls(pp=record.pp, runtime=record.runtime, partition=tuple(record.partition))
+    def recorded(
+        cls, record: RunIdentity, location: tuple[tuple[int, ...], ...] | None = None
+    ) -> Parallelism:
+        """The layout a split's manifests record (its run identity; SGLang's initial expert
+        ``location``, which the identity records by digest, from a node's manifest): what a
+        repair rewrites the split for."""
+        ep = dict(ep=record.ep, nodes=record.nodes, redundant_experts=record.redundant_experts)
+        return cls(record.pp, record.runtime, tuple(record.partition), **ep, init_expert_location=location)
 
     @property
     def expert_parallel(self) -> bool:

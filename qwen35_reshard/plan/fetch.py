@@ -3,8 +3,7 @@ it came: pure summaries."""
 
 from __future__ import annotations
 
-from bisect import bisect_right
-from collections.abc import Callable
+from collections.abc import Iterable
 
 from ..source.checkpoint import Checkpoint, SourceTensor
 from ..source.remote.fetch import FETCH_CACHE, FETCH_WHOLE, RemoteFetcher, ShardFetch
@@ -12,31 +11,25 @@ from .planner import Plan
 
 
 def needed_by(plan: Plan) -> dict[str, set[str]]:
-    """Per source shard, the tensors the plan's selected stages read from it (an expert cut from
-    a fused tensor names the fused tensor: the copy fetches only the expert's byte range). Pure."""
+    """Per source shard, the tensors the plan's selected stages read from it. Pure."""
     needed: dict[str, set[str]] = {}
-    whole = source_names(plan.checkpoint)
     for stage in plan.selected:
-        for t in stage.tensors:
-            needed.setdefault(t.source.file, set()).add(whole(t.source))
+        needed_of(plan.checkpoint, (t.source for t in stage.tensors), needed)
     return needed
 
 
-def source_names(ckpt: Checkpoint) -> Callable[[SourceTensor], str]:
-    """``name(t)``: the checkpoint tensor whose bytes hold ``t``'s: ``t.name`` for a tensor of
-    the checkpoint, the fused tensor an expert was cut from (:mod:`.experts`) otherwise."""
-    starts: dict[str, tuple[list[int], list[str]]] = {}
-
-    def name(t: SourceTensor) -> str:
+def needed_of(
+    ckpt: Checkpoint, tensors: Iterable[SourceTensor], needed: dict[str, set[str]] | None = None
+) -> dict[str, set[str]]:
+    """``needed`` (file -> checkpoint tensors) with ``tensors`` read from their shards. An expert
+    cut from a fused tensor (:mod:`.experts`) names no tensor, only its shard: the fetch then
+    takes that shard's ranges, never the whole shard for a part of its fused tensor."""
+    needed = {} if needed is None else needed
+    for t in tensors:
+        names = needed.setdefault(t.file, set())
         if t.name in ckpt.tensors:
-            return t.name
-        if t.file not in starts:
-            at = sorted((s.offset, s.name) for s in ckpt.tensors.values() if s.file == t.file)
-            starts[t.file] = ([o for o, _ in at], [n for _, n in at])
-        offsets, names = starts[t.file]
-        return names[bisect_right(offsets, t.offset) - 1]
-
-    return name
+            names.add(t.name)
+    return needed
 
 
 def stage_summary(plan: Plan, fetches: dict[str, ShardFetch]) -> list[dict]:

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ..errors import ReshardError
 from ..format.names import CLONE, LOCAL_SOURCE
-from ..plan.fetch import source_names
+from ..plan.fetch import needed_of
 from ..plan.planner import Plan, recorded_plan
 from ..source.checkpoint import Checkpoint, SourceTensor, source_fingerprint, source_name
 from ..source.remote.checkpoint import remote_header
@@ -222,13 +222,10 @@ def _hash_source(
     chunks (from a Hub repo or an object store: only the shards and byte ranges of these
     tensors are fetched)."""
     by_file: dict[str, list[Segment]] = {}
-    whole: dict[str, set[str]] = {}
-    name_of = source_names(ckpt)
     for name in sorted(tensors):
         t = tensors[name]
         by_file.setdefault(t.file, []).append(Segment(name, t.offset, t.nbytes))
-        whole.setdefault(t.file, set()).add(name_of(t))
-    fetcher = RemoteFetcher(repo, ckpt, whole) if repo is not None else None
+    fetcher = RemoteFetcher(repo, ckpt, needed_of(ckpt, tensors.values())) if repo is not None else None
 
     def one(file: str) -> dict[str, str]:
         src = fetcher.open(file) if fetcher is not None else str(ckpt.path(file))

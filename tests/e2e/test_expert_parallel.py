@@ -23,6 +23,7 @@ from qwen35_reshard.plan.layout import layout_files
 from qwen35_reshard.verify import verify
 
 from support.helpers import ROOT
+from support.hub_server import HubServer
 
 SCHEDULER_VARS = ("LWS_WORKER_INDEX", "JOB_COMPLETION_INDEX", "PET_NODE_RANK", "SLURM_ARRAY_TASK_ID",
                   "SLURM_NODEID", "GROUP_RANK", "NODE_RANK", "NNODES")  # fmt: skip
@@ -179,3 +180,29 @@ def test_verify_names_a_nodes_missing_expert(make_checkpoint, tmp_path):
     (finding,) = [f for f in report.findings if f.tensor and "experts.3" in f.tensor]
     assert finding.tensor == "model.language_model.layers.2.mlp.experts.3.up_proj"
     assert "pp0-node1 lacks expert 3 of layers.2 (up_proj), which its EP ranks 2-3 load" in finding.message
+
+
+def test_a_node_from_the_hub_fetches_about_its_own_bytes(make_checkpoint, tmp_path):
+    # Experts are most of the bytes here, as in the real models: 8 experts over 4 nodes, each
+    # expert's slice of a fused tensor over 1 MiB (ranges closer than that are fetched as one).
+    model = make_checkpoint(
+        layout="fused", layers=2, experts=8, hidden=256, moe_intermediate=1024, vision=False, mtp=False
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
+    env.update(PYTHONPATH=str(ROOT), HF_HOME=str(tmp_path / "hf"), HF_HUB_DISABLE_XET="1")
+    with HubServer() as hub:
+        hub.add_repo("Qwen/Tiny", model)
+        env["HF_ENDPOINT"] = hub.url
+        args = ["--pp", "1", "--ep", "8", "--nodes", "4", "--node", "1", "--json", "Qwen/Tiny"]
+        p = subprocess.run(
+            [sys.executable, "-m", "qwen35_reshard", *args, str(tmp_path / "out")],
+            env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    node = next(s for s in doc["stages"] if s["dir"] == "node1")
+    fetched, whole = doc["fetch"]["fetched_bytes"], doc["fetch"]["checkpoint_bytes"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir() if p.is_dir()) == ["node1"]
+    # Its tensors' bytes, plus headers and side files: far from the whole checkpoint.
+    assert node["bytes"] * 0.9 < fetched < node["bytes"] * 1.1 and fetched < 0.4 * whole
+    assert verify(tmp_path / "out", model, ranks=[1]).ok

@@ -72,8 +72,9 @@ def test_fused_experts_are_byte_ranges_of_the_source_and_fetched_as_such(ckpts):
     )  # fmt: skip
     # No shard is cloned whole where an expert was cut out of it.
     assert all(f.layout != "clone" for f in node.files if f.source_file in {c.file for c in cut})
-    needed = needed_by(plan)
+    needed = needed_by(plan)  # a shard is fetched whole only when all its tensors are needed whole
     assert all(name in ckpt.tensors for names in needed.values() for name in names)
+    assert {c.file for c in cut} <= needed.keys() and not fused.keys() & set().union(*needed.values())
     assert sum(s.size for s in plan.stages) < 2 * make_plan(ckpt, pp=1).stages[0].size
 
 
