@@ -78,6 +78,11 @@ def node_dirname(stage: int, node: int, pp: int) -> str:
     return f"node{node}" if pp == 1 else f"pp{stage}-node{node}"
 
 
+def is_split_dirname(name: str) -> bool:
+    """A directory a split writes in OUT: a stage's (``ppN``) or a node's (``pp{r}-node{k}``, ``node{k}``)."""
+    return bool(STAGE_DIR.fullmatch(name) or NODE_DIR.fullmatch(name))
+
+
 def node_dir_of(path: Path) -> tuple[int, int] | None:
     """``(stage, node)`` for a directory named ``pp{stage}-node{node}`` or ``node{node}`` (stage 0);
     None for any other name."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import ReshardError
-from ..format.names import CONFIG_NAME, STAGE_MANIFEST, node_dir_of
+from ..format.names import CONFIG_NAME, STAGE_MANIFEST, is_split_dirname, node_dir_of
 from ..model import schema
 from ..model.experts import EXPERTS, MoeLayer, expert_placement, expert_tensors
 from ..model.modules import EXPERT
@@ -14,6 +14,15 @@ from .findings import DIFFERENT, MISSING, REBUILD, Finding
 from .manifest import StageManifest
 
 ROUTER = "mlp.gate.weight"  # a MoE layer's router, relative to its layer: every MoE layer has one
+
+
+def split_dirs(run_dir: Path) -> list[Path]:
+    """Every directory of a split in ``run_dir``: stages' (``ppN``) and nodes' alike.
+
+    Raises:
+        OSError: ``run_dir`` cannot be listed.
+    """
+    return [p for p in sorted(run_dir.iterdir()) if is_split_dirname(p.name) and p.is_dir()]
 
 
 def node_dirs(run_dir: Path, nodes: int) -> dict[int, Path]:

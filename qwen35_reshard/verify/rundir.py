@@ -17,12 +17,11 @@ from ..format.names import (
     INDEX_NAME,
     JOURNAL,
     LOCK,
-    NODE_DIR,
     PARTIAL_SUFFIX,
     RUN_MANIFEST,
     RUN_MARKER,
-    STAGE_DIR,
     STAGE_MANIFEST,
+    is_split_dirname,
     node_dirname,
     partial_base,
     stage_dir_rank,
@@ -48,12 +47,11 @@ def is_run_dir(root: Path) -> bool:
 
 
 def _split_dir(p: Path) -> bool:
-    """A stage directory (``ppN``) or a node's (``pp{r}-node{k}``, ``node{k}``)."""
-    return bool(STAGE_DIR.fullmatch(p.name) or NODE_DIR.fullmatch(p.name)) and p.is_dir()
+    return is_split_dirname(p.name) and p.is_dir()
 
 
 def is_stage_dir(root: Path) -> bool:
-    if STAGE_DIR.fullmatch(root.name) or NODE_DIR.fullmatch(root.name):
+    if is_split_dirname(root.name):
         return True
     names = (STAGE_MANIFEST, INDEX_NAME, JOURNAL)
     return any(p.name in names or p.name.endswith(".safetensors") for p in root.iterdir())
