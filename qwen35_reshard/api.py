@@ -203,11 +203,13 @@ def reshard(
         partition: decoder layers per stage (a list, or ``"15,15,15,15"``), ``"balanced"``
             (the split whose fullest stage holds the fewest bytes), or None for the runtime's
             own split.
-        ep, nodes, redundant_experts, init_expert_location: expert parallelism: ``ep`` ranks
-            per stage over ``nodes`` nodes each, with the server's redundant expert slots and
-            (SGLang) its initial expert location's ``physical_to_logical_map``: one directory
-            per node (``OUT/pp{r}-node{k}``, ``OUT/node{k}`` without PP) holding its stage's other
-            tensors and the experts its EP ranks start with, per expert by global id.
+        ep: expert-parallel ranks per stage: one directory per node (``OUT/pp{r}-node{k}``,
+            ``OUT/node{k}`` without PP) holding its stage's other tensors and the experts its
+            EP ranks start with, per expert by global id.
+        nodes: with ``ep``: the nodes each stage's EP group spans.
+        redundant_experts: with ``ep``: the server's redundant expert slots.
+        init_expert_location: with ``ep``, SGLang: its ``--init-expert-location``'s
+            ``physical_to_logical_map`` (default: its trivial location).
         capacity: with ``partition="balanced"``: size the split for serving (maximise the
             requests the worst stage holds) on these GPUs (:class:`Capacity`).
         ranks: build only these stages (default: all; with ``ep``, every node of them);
