@@ -16,11 +16,12 @@ A round passes when every process exits 0, OUT is byte-identical to one sequenti
 (every file, hidden ones included, and so the same reshard.json), and ``verify --source``
 passes. Prints one line per round and a JSON summary last.
 
-    python benchmarks/concurrent_stress.py --procs 4 8 16 --rounds 10 [--mode ranks whole]
-        [--root DIR] [--model MODEL] [--hosts]
+    python -m benchmarks concurrent_stress --procs 4 8 16 --rounds 10 [--mode ranks whole]
+        [--root DIR] [--model MODEL] [--hosts] [--before REF]
 
-``--root`` puts the checkpoint and the OUTs there (an NFS mount, say); ``PYTHONPATH`` pointing
-at another tree runs that tree's code (a baseline).
+``--root`` puts the checkpoint and the OUTs there (an NFS mount, say). Each round's time is
+printed against the sequential build's (the baseline, measured once per tree); ``--before REF``
+runs every round with REF's code too.
 """
 
 from __future__ import annotations
@@ -35,8 +36,11 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "examples"))
+from benchmarks.lib import checkpoints
+from benchmarks.lib.trees import Tree
+
+QUICK = ["--procs", "2", "--rounds", "1", "--pp", "2"]
+BEFORE = True
 
 
 def digests(root: Path) -> dict[str, str]:
@@ -60,7 +64,7 @@ def as_host(i: int, cmd: list[str]) -> list[str]:
 
 
 def round_once(
-    model: Path, out: Path, procs: int, pp: int, mode: str, hosts: bool
+    model: Path, out: Path, procs: int, pp: int, mode: str, hosts: bool, tree: Tree
 ) -> tuple[list[int], list[str]]:
     """Start ``procs`` runs together into ``out``; returns their exit codes and stderr tails."""
     cmds = [
@@ -68,14 +72,21 @@ def round_once(
     ]
     cmds = [as_host(i, c) for i, c in enumerate(cmds)] if hosts else cmds
     running = [
-        subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for c in cmds
+        subprocess.Popen(
+            c, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=tree.env(), cwd="/"
+        )
+        for c in cmds
     ]
     results = [p.communicate(timeout=600) for p in running]
     return [p.returncode for p in running], [err.strip().splitlines()[-1:] for _, err in results]
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str], trees: list[Tree]) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks concurrent_stress",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--procs", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--pp", type=int, default=None, help="stages (default: the process count)")
@@ -84,70 +95,75 @@ def main() -> int:
     ap.add_argument("--model", type=Path, default=None)
     ap.add_argument("--no-verify", action="store_true", help="skip verify --source each round")
     ap.add_argument("--hosts", action="store_true", help="each process its own hostname and pid namespace")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     root = Path(tempfile.mkdtemp(prefix="stress-", dir=args.root))
     model = args.model
     if model is None:
-        import tiny_checkpoint
-
         # ~60 MB, 16 layers: the size of the checkpoint the races were first measured with.
-        model = tiny_checkpoint.build_checkpoint(
+        model = checkpoints.build(
             root / "model", layers=16, experts=32, hidden=256, moe_intermediate=64, vision=False
         )
     summary = []
     try:
         for procs in args.procs:
             pp = args.pp or procs
-            ref = root / f"ref-pp{pp}"
-            if not ref.exists():
-                subprocess.run(split(model, ref, pp), check=True)
-            want = digests(ref)
-            for mode in args.mode:
-                ok = 0
+            for tree in trees:
+                ref = root / f"ref-pp{pp}-{tree.label}"
                 started = time.monotonic()
-                for r in range(args.rounds):
-                    out = root / f"out-{procs}-{mode}-{r}"
-                    codes, tails = round_once(model, out, procs, pp, mode, args.hosts)
-                    same = digests(out) == want
-                    verified = (
-                        args.no_verify
-                        or subprocess.run(
-                            [
-                                sys.executable,
-                                "-m",
-                                "qwen35_reshard",
-                                "verify",
-                                str(out),
-                                "--source",
-                                str(model),
-                                "-q",
-                            ],
-                            capture_output=True,
-                        ).returncode
-                        == 0
-                    )
-                    good = all(c == 0 for c in codes) and same and verified
-                    ok += good
-                    bad = [t for c, t in zip(codes, tails, strict=True) if c != 0]
-                    print(
-                        f"{procs} procs {mode} round {r}: exit {sorted(set(codes))}, "
-                        f"{'byte-identical' if same else 'DIFFERENT'}, "
-                        f"verify {'ok' if verified else 'FAILED'}" + (f"; e.g. {bad[0]}" if bad else ""),
-                        flush=True,
-                    )
-                    if good:
-                        shutil.rmtree(out)
-                summary.append(
-                    {
-                        "procs": procs,
-                        "pp": pp,
-                        "mode": mode,
-                        "hosts": args.hosts,
-                        "rounds": args.rounds,
-                        "rounds_ok": ok,
-                        "seconds": round(time.monotonic() - started, 1),
-                    }
+                subprocess.run(
+                    split(model, ref, pp), check=True, env=tree.env(), cwd="/", capture_output=True
                 )
+                sequential = time.monotonic() - started
+                want = digests(ref)
+                for mode in args.mode:
+                    ok, seconds = 0, []
+                    for r in range(args.rounds):
+                        out = root / f"out-{procs}-{mode}-{r}-{tree.label}"
+                        started = time.monotonic()
+                        codes, tails = round_once(model, out, procs, pp, mode, args.hosts, tree)
+                        seconds.append(time.monotonic() - started)
+                        same = digests(out) == want
+                        verify = [
+                            sys.executable,
+                            "-m",
+                            "qwen35_reshard",
+                            "verify",
+                            str(out),
+                            "--source",
+                            str(model),
+                            "-q",
+                        ]
+                        verified = (
+                            args.no_verify
+                            or subprocess.run(verify, capture_output=True, env=tree.env(), cwd="/").returncode
+                            == 0
+                        )
+                        good = all(c == 0 for c in codes) and same and verified
+                        ok += good
+                        bad = [t for c, t in zip(codes, tails, strict=True) if c != 0]
+                        print(
+                            f"{tree.label}: {procs} procs {mode} round {r}: exit {sorted(set(codes))}, "
+                            f"{'byte-identical' if same else 'DIFFERENT'}, "
+                            f"verify {'ok' if verified else 'FAILED'}, {seconds[-1]:.1f} s "
+                            f"({seconds[-1] / sequential:.2f}x the sequential build)"
+                            + (f"; e.g. {bad[0]}" if bad else ""),
+                            flush=True,
+                        )
+                        if good:
+                            shutil.rmtree(out)
+                    summary.append(
+                        {
+                            "tree": tree.label,
+                            "procs": procs,
+                            "pp": pp,
+                            "mode": mode,
+                            "hosts": args.hosts,
+                            "rounds": args.rounds,
+                            "rounds_ok": ok,
+                            "sequential_seconds": round(sequential, 2),
+                            "median_round_seconds": round(sorted(seconds)[len(seconds) // 2], 2),
+                        }
+                    )
     finally:
         if all(s["rounds_ok"] == s["rounds"] for s in summary):
             shutil.rmtree(root, ignore_errors=True)
@@ -155,7 +171,3 @@ def main() -> int:
             print(f"failed rounds kept in {root}", file=sys.stderr)
     print(json.dumps({"stress": summary}))
     return 0 if all(s["rounds_ok"] == s["rounds"] for s in summary) else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

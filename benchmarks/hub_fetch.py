@@ -6,141 +6,128 @@ speaking the Hub's file protocol, with a CDN origin) and runs the real command a
 1. ``--pp 4 --rank R`` for each R, each in a fresh cache as a node of its own: body bytes and
    requests per rank (from the server's request log), against the checkpoint's size and the
    stage's own size; then all four stages at once.
-2. ``plan --pp 4`` of a checkpoint with many shards: from a local directory (the baseline),
-   from the Hub with a cold cache (every header fetched by range requests), and again with the
-   kept headers; median of ``--rounds``.
+2. ``plan --pp 4`` of a checkpoint with many shards (the 397B-FP8 header-only shape; ``--shape
+   tiny`` the tiny model): from a local directory (the baseline), from the Hub with a cold cache
+   (every header fetched by range requests), and again with the kept headers; median of
+   ``--rounds``.
 
-    python benchmarks/hub_fetch.py                       # 300 MB scaled 35B-A3B + 397B-FP8 headers
-    python benchmarks/hub_fetch.py --size 1e9 --rounds 5
+With ``--before REF`` both run with each tree's code, side by side.
+
+    python -m benchmarks hub_fetch                       # 300 MB scaled 35B-A3B + 397B-FP8 headers
+    python -m benchmarks hub_fetch --size 1e9 --rounds 5 --before main
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "examples")]  # support.hub_server, tiny_checkpoint
+from benchmarks.lib import checkpoints, procs
+from benchmarks.lib.links import HubServer, hub_env
+from benchmarks.lib.trees import Tree, order
 
-import tiny_checkpoint  # noqa: E402
-
-from support.hub_server import HubServer  # noqa: E402
-
+QUICK = ["--size", "2e7", "--rounds", "1", "--shape", "tiny"]
+BEFORE = True
 PP = 4
 
 
-def run(
-    args: list[str], *, hub: HubServer | None, hf_home: Path
-) -> tuple[float, subprocess.CompletedProcess]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
-    env.update(
-        PYTHONPATH=str(ROOT),
-        HF_HOME=str(hf_home),
-        HF_HUB_DISABLE_XET="1",
-        HF_HUB_DISABLE_TELEMETRY="1",
-        **({"HF_ENDPOINT": hub.url} if hub else {}),
-    )
-    started = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, "-m", "qwen35_reshard", *args], env=env, capture_output=True, text=True
-    )
-    seconds = time.perf_counter() - started
-    if proc.returncode != 0:
-        sys.exit(f"{' '.join(args)} failed:\n{proc.stderr}")
-    return seconds, proc
+def run(args: list[str], *, tree: Tree, hub: HubServer, hf_home: Path) -> procs.Measure:
+    """``qwen35-reshard ARGS`` with ``tree``'s code, a node of its own whose cache is ``hf_home``."""
+    env = hub_env(tree.env(), hub, hf_home)
+    env["HF_HOME"] = str(hf_home)
+    return procs.run([procs.PY, "-m", "qwen35_reshard", *args], env=env)
 
 
 def gb(n: float) -> str:
     return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
 
 
-def per_rank(work: Path, size: float) -> None:
-    kwargs = tiny_checkpoint.preset("qwen3.5-35b-a3b-scaled", target_bytes=int(size))
-    model = tiny_checkpoint.build_checkpoint(work / "scaled", **kwargs)
+def per_rank(work: Path, size: float, trees: list[Tree]) -> None:
+    model = checkpoints.scaled(work / "scaled", size)
     total = sum(p.stat().st_size for p in model.iterdir())
     shards = sum(1 for p in model.glob("*.safetensors"))
     print(f"\n## {PP}-stage split of a {gb(total)} checkpoint ({shards} shards), one fresh cache per node\n")
     print(
-        "| ranks | stage bytes | fetched (body bytes) | of checkpoint | requests (Hub + CDN) "
+        "| ranks | tree | stage bytes | fetched (body bytes) | of checkpoint | requests (Hub + CDN) "
         "| shards whole / ranged |"
     )
-    print("|---|---:|---:|---:|---:|---|")
+    print("|---|---|---:|---:|---:|---:|---|")
     with HubServer() as hub:
         hub.add_repo("Qwen/Scaled", model)
-        for ranks in [[r] for r in range(PP)] + [list(range(PP))]:
+        for ranks, tree in [(r, t) for r in [[r] for r in range(PP)] + [list(range(PP))] for t in trees]:
             hub.clear_log()
             home = Path(tempfile.mkdtemp(dir=work))
             out = Path(tempfile.mkdtemp(dir=work)) / "out"
             rank_args = [a for r in ranks for a in ("--rank", str(r))] if len(ranks) < PP else []
-            _, proc = run(
-                ["--pp", str(PP), *rank_args, "--json", "Qwen/Scaled", str(out)], hub=hub, hf_home=home
+            m = run(
+                ["--pp", str(PP), *rank_args, "--json", "Qwen/Scaled", str(out)],
+                tree=tree,
+                hub=hub,
+                hf_home=home,
             )
-            doc = json.loads(proc.stdout)
+            doc = json.loads(m.stdout)
             stage_bytes = sum(s["bytes"] for s in doc["stages"] if s["stage"] in ranks)
             sent = sum(e.sent for e in hub.log)
             whole = {e.file for e in hub.log if e.origin == "cdn" and e.range is None}
             ranged = {f for s in doc["fetch"]["stages"] for f, how in s["shards"].items() if how == "ranges"}
             label = ",".join(map(str, ranks))
             print(
-                f"| {label} | {gb(stage_bytes)} | {gb(sent)} | {100 * sent / total:.1f}% | "
+                f"| {label} | {tree.label} | {gb(stage_bytes)} | {gb(sent)} | {100 * sent / total:.1f}% | "
                 f"{len(hub.log)} ({sum(e.origin == 'hub' for e in hub.log)} + "
                 f"{sum(e.origin == 'cdn' for e in hub.log)}) | {len(whole)} / {len(ranged)} |"
             )
 
 
-def plan_time(work: Path, rounds: int) -> None:
-    kwargs = tiny_checkpoint.preset("qwen3.5-397b-a17b-fp8-headers")
-    model = tiny_checkpoint.build_checkpoint(work / "big", **kwargs)
+def plan_time(work: Path, rounds: int, shape: str, trees: list[Tree]) -> None:
+    if shape == "tiny":
+        model = checkpoints.build(work / "tiny", **checkpoints.tiny.preset("tiny"))
+    else:
+        model = checkpoints.headers(work / "big", "397B")
     shards = sum(1 for _ in model.glob("*.safetensors"))
     tensors = len(json.loads((model / "model.safetensors.index.json").read_text())["weight_map"])
     print(
-        f"\n## plan --pp {PP} of a Qwen3.5-397B-A17B-FP8-shaped checkpoint "
+        f"\n## plan --pp {PP} of {'the tiny' if shape == 'tiny' else 'a Qwen3.5-397B-A17B-FP8-shaped'} "
+        "checkpoint "
         f"({tensors} tensors, {shards} shards)\n"
     )
-    times: dict[str, list[float]] = {"local directory": [], "Hub, cold cache": [], "Hub, kept headers": []}
+    times: dict[tuple[str, str], list[float]] = {}
     requests = []
     with HubServer(hash_lfs=False) as hub:  # 400 GB of holes: no sha256 of them
         hub.add_repo("Qwen/Big", model)
-        for _ in range(rounds):
-            home = Path(tempfile.mkdtemp(dir=work))
-            times["local directory"].append(
-                run(["plan", "--pp", str(PP), str(model)], hub=None, hf_home=home)[0]
-            )
-            hub.clear_log()
-            times["Hub, cold cache"].append(
-                run(["plan", "--pp", str(PP), "Qwen/Big"], hub=hub, hf_home=home)[0]
-            )
-            requests.append(len(hub.log))
-            times["Hub, kept headers"].append(
-                run(["plan", "--pp", str(PP), "Qwen/Big"], hub=hub, hf_home=home)[0]
-            )
-    base = statistics.median(times["local directory"])
-    print("| source | median s | min-max s | / local |")
-    print("|---|---:|---:|---:|")
-    for name, values in times.items():
-        med = statistics.median(values)
-        print(f"| {name} | {med:.2f} | {min(values):.2f}-{max(values):.2f} | {med / base:.2f}x |")
+        for r in range(rounds):
+            for tree in order(trees, r):
+                home = Path(tempfile.mkdtemp(dir=work))
+                for name, source in (
+                    ("local directory", str(model)),
+                    ("Hub, cold cache", "Qwen/Big"),
+                    ("Hub, kept headers", "Qwen/Big"),
+                ):
+                    hub.clear_log()
+                    wall = run(["plan", "--pp", str(PP), source], tree=tree, hub=hub, hf_home=home).wall
+                    times.setdefault((name, tree.label), []).append(wall)
+                    if name == "Hub, cold cache" and tree.label == "after":
+                        requests.append(len(hub.log))
+    print("| source | tree | median s | min-max s | / local |")
+    print("|---|---|---:|---:|---:|")
+    for (name, label), values in times.items():
+        med, base = statistics.median(values), statistics.median(times[("local directory", label)])
+        print(f"| {name} | {label} | {med:.2f} | {min(values):.2f}-{max(values):.2f} | {med / base:.2f}x |")
     print(f"\ncold-cache plan: {statistics.median(requests):.0f} requests ({shards} shards)")
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str], trees: list[Tree]) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks hub_fetch", description=__doc__.splitlines()[0])
     p.add_argument("--size", type=float, default=3e8, help="bytes of the per-rank checkpoint (default 3e8)")
     p.add_argument("--rounds", type=int, default=3, help="rounds of the plan timing (default 3)")
+    p.add_argument("--shape", choices=("397b", "tiny"), default="397b", help="the plan timing's checkpoint")
     p.add_argument("--work", type=Path, default=None, help="scratch directory (default: a new temp dir)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     work = args.work or Path(tempfile.mkdtemp(prefix="hub-bench-"))
     print(f"# hub_fetch, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, scratch {work}")
-    per_rank(work, args.size)
-    plan_time(work, args.rounds)
-
-
-if __name__ == "__main__":
-    main()
+    per_rank(work, args.size, trees)
+    plan_time(work, args.rounds, args.shape, trees)
+    return 0

@@ -10,8 +10,11 @@ is written), the stage bytes from the same placement rules and optimiser the too
 It also times the optimiser on the 397B-FP8 shape at pp = 16 against planning that split
 (``make_plan``), the rest of a dry run, measured in the same run.
 
-    python benchmarks/partition_table.py                 # pp = 2, 4, 8
-    python benchmarks/partition_table.py --pp 2,3,4,8,16
+    python -m benchmarks partition_table                 # pp = 2, 4, 8
+    python -m benchmarks partition_table --pp 2,3,4,8,16
+
+This tree only (the tables are the current placement rules'; the timing's baseline is make_plan
+in the same run). tests/unit/plan/test_balance.py loads ``checkpoint`` from here.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -31,6 +35,12 @@ import tiny_checkpoint  # noqa: E402
 from qwen35_reshard.plan.balance import choose  # noqa: E402
 from qwen35_reshard.plan.planner import make_plan  # noqa: E402
 from qwen35_reshard.source.checkpoint import Checkpoint, SourceTensor  # noqa: E402
+
+if TYPE_CHECKING:
+    from benchmarks.lib.trees import Tree
+
+QUICK = ["--pp", "2", "--rounds", "1"]
+BEFORE = False
 
 GB = 1e9
 COMMON = {"vocab": 248320, "vision_dims": tiny_checkpoint.REAL_VISION, "mtp": True}
@@ -142,8 +152,10 @@ def _split(partition: tuple[int, ...]) -> str:
     return ",".join(map(str, partition))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str], trees: list[Tree]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks partition_table", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--pp", default="2,4,8", help="comma-separated stage counts (default 2,4,8)")
     parser.add_argument("--rounds", type=int, default=3, help="timing rounds (default 3)")
     args = parser.parse_args(argv)
@@ -154,7 +166,3 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print("\n".join(timing(args.rounds)))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

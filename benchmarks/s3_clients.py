@@ -17,35 +17,25 @@ flight, in interleaved rounds, and reports the median MB/s and requests per seco
 The candidates that are not installed are skipped with a line saying so:
 ``pip install boto3 obstore s3fs 'moto[server]'``.
 
-    python benchmarks/s3_clients.py                          # 64 MB, 8 MB parts, 8 streams
-    python benchmarks/s3_clients.py --rate 10e6 --latency 0.03 --rounds 3
+    python -m benchmarks s3_clients                          # 64 MB, 8 MB parts, 8 streams
+    python -m benchmarks s3_clients --rate 10e6 --latency 0.03 --rounds 3
 """
 
 from __future__ import annotations
 
 import argparse
 import io
-import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from benchmarks.lib.links import s3_server
+from benchmarks.lib.trees import Tree
+
+QUICK = ["--size", "4e6", "--part", "1e6", "--rounds", "1", "--rate", "0"]
+BEFORE = False  # it measures client libraries, not this package
 BUCKET, KEY = "bench", "model/blob.safetensors"
-
-
-def start_server(rate: float | None, latency: float) -> tuple[subprocess.Popen, dict]:
-    args = [sys.executable, str(ROOT / "tests/support/s3_server.py"), "--latency", str(latency)]
-    if rate:
-        args += ["--rate", str(rate)]
-    proc = subprocess.Popen(
-        args, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT / "tests")}
-    )
-    return proc, json.loads(proc.stdout.readline())
 
 
 def boto_client(info: dict, streams: int) -> object:
@@ -157,8 +147,7 @@ def installed(module: str) -> bool:
 
 
 def measure(label: str, rate: float | None, latency: float, a: argparse.Namespace) -> None:
-    proc, info = start_server(rate, latency)
-    try:
+    with s3_server(rate, latency) as info:
         s3 = boto_client(info, 1)
         s3.create_bucket(Bucket=BUCKET)
         s3.put_object(Bucket=BUCKET, Key=KEY, Body=os.urandom(a.size))
@@ -189,24 +178,21 @@ def measure(label: str, rate: float | None, latency: float, a: argparse.Namespac
             t = statistics.median(times)
             ratio = f"{t / base:.2f}" if base else "-"
             print(f"| {name} | {t:.2f} | {a.size / t / 1e6:.0f} | {requests / t:.1f} | {ratio} |")
-    finally:
-        proc.kill()
-        proc.wait()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str], trees: list[Tree]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks s3_clients", description=__doc__.split("\n")[0])
     ap.add_argument("--size", type=float, default=64e6)
     ap.add_argument("--part", type=float, default=8e6)
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rate", type=float, default=10e6, help="paced link: bytes/s per request")
     ap.add_argument("--latency", type=float, default=0.03, help="paced link: seconds before each answer")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     a.size, a.part = int(a.size), int(a.part)
-    measure(f"paced ({a.rate / 1e6:.0f} MB/s per request, {a.latency * 1e3:.0f} ms)", a.rate, a.latency, a)
+    if a.rate:
+        measure(
+            f"paced ({a.rate / 1e6:.0f} MB/s per request, {a.latency * 1e3:.0f} ms)", a.rate, a.latency, a
+        )
     measure("loopback, unpaced", None, 0.0, a)
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -30,6 +30,7 @@ from .errors import BadInput, HubError, OutBusy, OutError, ReshardError, StageEr
 if TYPE_CHECKING:
     from .api import RepairResult, ReshardProgress, ReshardResult, repair, reshard
     from .loader import open_stage
+    from .model.parallelism import Parallelism
     from .plan.balance import Choice, choose
     from .plan.capacity import Capacity
     from .plan.nodes import Nodes
@@ -47,6 +48,7 @@ _LAZY = {
     "RepairResult": ".api",
     "Capacity": ".plan.capacity",
     "Nodes": ".plan.nodes",
+    "Parallelism": ".model.parallelism",
     "HubSettings": ".source.hub.cache",
     "WriteOptions": ".write.options",
     "Choice": ".plan.balance",
@@ -71,6 +73,7 @@ __all__ = [
     "Nodes",
     "OutBusy",
     "OutError",
+    "Parallelism",
     "Plan",
     "RepairResult",
     "Reporter",

@@ -18,18 +18,18 @@ from pathlib import Path
 from .bulk import collector_paused
 from .errors import BadInput, param
 from .format.names import RUN_MANIFEST, stage_dir_rank
+from .model.parallelism import BALANCED, Parallelism, layout_of
 from .model.quant import unchecked_message
-from .model.runtimes import parse_partition
 from .plan.balance import Choice, choose
 from .plan.capacity import Capacity
 from .plan.fetch import fetch_report, needed_by
 from .plan.nodes import Node, Nodes, pick_node
 from .plan.planner import Plan, make_plan, recorded_plan
 from .source.checkpoint import Checkpoint, read_checkpoint, source_fingerprint
-from .source.hub.cache import HubRepo, HubSettings
-from .source.hub.http import Traffic
-from .source.open import open_model, remote_fetcher
-from .source.s3.checkpoint import S3Repo
+from .source.hub.cache import HubSettings
+from .source.open import open_model
+from .source.remote.fetch import RemoteFetcher
+from .source.remote.store import Store
 from .verify.check import verify
 from .verify.report import VerifyReport
 from .write.manifest import run_manifest
@@ -57,6 +57,7 @@ __all__ = [
     "Capacity",
     "HubSettings",
     "Nodes",
+    "Parallelism",
     "RepairResult",
     "ReshardProgress",
     "ReshardResult",
@@ -171,13 +172,14 @@ class ReshardResult:
 def reshard(
     model: str | os.PathLike[str],
     out_dir: str | os.PathLike[str] | None,
+    layout: Parallelism | None = None,
     *,
-    pp: int,
-    runtime: str = "sglang",
+    pp: int | None = None,
+    runtime: str | None = None,
     partition: Sequence[int] | str | None = None,
     capacity: Capacity | None = None,
     ranks: Sequence[int] | str | None = None,
-    nodes: Nodes | None = None,
+    node: Nodes | None = None,
     hub: HubSettings | None = None,
     write: WriteOptions = DEFAULTS,
     dry_run: bool = False,
@@ -189,8 +191,10 @@ def reshard(
         model: the checkpoint: its directory, a Hugging Face cache folder (``models--org--name``)
             or a Hub repo id (``Qwen/Qwen3.5-35B-A3B``), read from its index and headers only.
         out_dir: the output directory; None only with ``dry_run`` (the plan alone).
+        layout: the layout to split for (:class:`Parallelism`: pipeline stages, runtime,
+            partition); or build it with the next three (not both).
         pp: number of pipeline stages.
-        runtime: ``"sglang"`` or ``"vllm"``, the server whose split and placement rules apply.
+        runtime: ``"sglang"`` (default) or ``"vllm"``, the server whose split and placement rules apply.
         partition: decoder layers per stage (a list, or ``"15,15,15,15"``), ``"balanced"``
             (the split whose fullest stage holds the fewest bytes), or None for the runtime's
             own split.
@@ -198,8 +202,8 @@ def reshard(
             requests the worst stage holds) on these GPUs (:class:`Capacity`).
         ranks: build only these stages (default: all); ``"auto"``: the stages of the node this
             runs on, its index and the node count read from the scheduler's variables in
-            ``nodes.env`` (Slurm, Kubernetes, torchrun: :mod:`qwen35_reshard.plan.nodes` lists them).
-        nodes: the nodes the servers run on (:class:`Nodes`): with ``nnodes`` and ``node_rank``,
+            ``node.env`` (Slurm, Kubernetes, torchrun: :mod:`qwen35_reshard.plan.nodes` lists them).
+        node: the node this run builds for (:class:`Nodes`): with ``nnodes`` and ``node_rank``,
             build the stages SGLang and vLLM run on that node; with ``ranks="auto"``, the count
             the environment must agree with, and the environment to read (default: ``os.environ``).
         hub: for a Hub repo id: revision, token, offline, ... (:class:`HubSettings`).
@@ -221,40 +225,41 @@ def reshard(
             HubError (a Hub repo id).
 
     Example:
-        >>> from qwen35_reshard import Nodes, WriteOptions, reshard
-        >>> preview = reshard(MODEL, OUT, pp=3, partition="balanced", dry_run=True)
+        >>> from qwen35_reshard import Nodes, Parallelism, WriteOptions, reshard
+        >>> preview = reshard(MODEL, OUT, Parallelism(pp=3, partition="balanced"), dry_run=True)
         >>> preview.choice.partition, preview.out_state.action, preview.written
         ((3, 3, 2), 'new', None)
         >>> result = reshard(MODEL, OUT, pp=4, write=WriteOptions(workers=4))
         >>> result.launch_env, result.written.built, result.bytes_copied > 0
         ('SGLANG_PP_LAYER_PARTITION=2,2,2,2', [0, 1, 2, 3], True)
         >>> on_node = {"LWS_WORKER_INDEX": "1", "LWS_GROUP_SIZE": "2"}  # what LeaderWorkerSet sets
-        >>> reshard(MODEL, OUT, pp=4, ranks="auto", nodes=Nodes(env=on_node), dry_run=True).node.describe()
+        >>> reshard(MODEL, OUT, pp=4, ranks="auto", node=Nodes(env=on_node), dry_run=True).node.describe()
         'rank 1 of 2 from LWS_WORKER_INDEX, LWS_GROUP_SIZE: stages 2, 3'
     """
+    layout = layout_of(layout, pp=pp, runtime=runtime, partition=partition)
     out = None if out_dir is None else Path(out_dir)
     _check_run(model, out, dry_run=dry_run, workers=write.workers)
-    if capacity is not None and partition != "balanced":
+    if capacity is not None and layout.partition != BALANCED:
         raise BadInput(
             f"{param('capacity')} sizes {param('partition', 'balanced')} for serving: add "
             f"{param('partition', 'balanced')}"
         )
     events = progress if isinstance(progress, ReshardProgress) else ReshardProgress()
-    node = pick_node(ranks, nodes, pp=pp, environ=os.environ)
-    if node is not None:
-        events.located(node)
-        ranks = node.stages
-    traffic = Traffic()
+    located = pick_node(ranks, node, pp=layout.pp, environ=os.environ)
+    if located is not None:
+        events.located(located)
+        ranks = located.stages
     with collector_paused():
-        ckpt, repo = _open(model, hub or HubSettings(), traffic, events)
-        choice, sizes = _partition(
-            ckpt, partition, pp=pp, runtime=runtime, keep_mtp=write.keep_mtp, capacity=capacity
-        )
+        ckpt, repo = _open(model, hub or HubSettings(), events)
+        choice = None
+        if layout.partition == BALANCED:
+            choice = choose(
+                ckpt, pp=layout.pp, runtime=layout.runtime, keep_mtp=write.keep_mtp, capacity=capacity
+            )
+            layout = layout.with_partition(choice.partition)
         plan = make_plan(
             ckpt,
-            pp=pp,
-            runtime=runtime,
-            partition=sizes,
+            layout,
             ranks=None if ranks is None else list(ranks),
             keep_mtp=write.keep_mtp,
             max_file_bytes=write.max_file_bytes,
@@ -262,10 +267,10 @@ def reshard(
     if plan.unchecked:
         events.warning(unchecked_message(ckpt.display, plan.unchecked))
     events.planned(plan, choice)
-    planned = ReshardResult(plan, out, choice, tuple(ckpt.unlisted), node=node)
+    planned = ReshardResult(plan, out, choice, tuple(ckpt.unlisted), node=located)
     if dry_run:
-        return _preview(planned, repo, traffic, overwrite=write.overwrite)
-    return _write(planned, repo, traffic, progress, events, write)
+        return _preview(planned, repo, overwrite=write.overwrite)
+    return _write(planned, repo, progress, events, write)
 
 
 def _check_run(model: str | os.PathLike[str], out: Path | None, *, dry_run: bool, workers: int) -> None:
@@ -279,10 +284,10 @@ def _check_run(model: str | os.PathLike[str], out: Path | None, *, dry_run: bool
 
 
 def _open(
-    model: str | os.PathLike[str], settings: HubSettings, traffic: Traffic, events: ReshardProgress
-) -> tuple[Checkpoint, HubRepo | S3Repo | None]:
+    model: str | os.PathLike[str], settings: HubSettings, events: ReshardProgress
+) -> tuple[Checkpoint, Store | None]:
     """MODEL's checkpoint (and its Hub repo, for a repo id), its unlisted shard files warned of."""
-    ckpt, repo = open_model(os.fspath(model), settings, traffic=traffic)
+    ckpt, repo = open_model(os.fspath(model), settings)
     for name in ckpt.unlisted:
         events.warning(
             f"{ckpt.display}/{name} is not listed in the checkpoint's index: ignored, as the "
@@ -291,15 +296,13 @@ def _open(
     return ckpt, repo
 
 
-def _preview(
-    planned: ReshardResult, repo: HubRepo | S3Repo | None, traffic: Traffic, *, overwrite: bool
-) -> ReshardResult:
+def _preview(planned: ReshardResult, repo: Store | None, *, overwrite: bool) -> ReshardResult:
     """A dry run's result: what a split would fetch, and what it would do in OUT (the writer's
     own decision, refusals included)."""
     plan, out = planned.plan, planned.out_dir
     fetch = None
     if repo is not None:
-        fetcher = remote_fetcher(repo, plan.checkpoint, needed_by(plan), traffic=traffic)
+        fetcher = RemoteFetcher(repo, plan.checkpoint, needed_by(plan))
         fetch = fetch_report(plan, fetcher)
         fetcher.close()
     state = assess_out(plan, out, overwrite=overwrite) if out is not None else None
@@ -308,8 +311,7 @@ def _preview(
 
 def _write(
     planned: ReshardResult,
-    repo: HubRepo | S3Repo | None,
-    traffic: Traffic,
+    repo: Store | None,
     progress: Reporter | None,
     events: ReshardProgress,
     options: WriteOptions,
@@ -319,9 +321,7 @@ def _write(
     started = time.monotonic()
     fetcher = None
     if repo is not None:
-        fetcher = remote_fetcher(
-            repo, plan.checkpoint, needed_by(plan), traffic=traffic, on_fetched=events.fetched
-        )
+        fetcher = RemoteFetcher(repo, plan.checkpoint, needed_by(plan), on_fetched=events.fetched)
         events.expect_downloads(fetcher.download_bytes)
         fetcher.prepare()
     source = (
@@ -331,24 +331,6 @@ def _write(
     seconds = time.monotonic() - started
     fetch = fetch_report(plan, fetcher) if fetcher is not None else None
     return replace(planned, written=written, seconds=seconds, fetch=fetch)
-
-
-def _partition(
-    ckpt: Checkpoint,
-    partition: Sequence[int] | str | None,
-    *,
-    pp: int,
-    runtime: str,
-    keep_mtp: bool,
-    capacity: Capacity | None,
-) -> tuple[Choice | None, list[int] | None]:
-    """The balanced choice (if asked) and the layers per stage to plan (None: the runtime's)."""
-    if partition == "balanced":
-        choice = choose(ckpt, pp=pp, runtime=runtime, keep_mtp=keep_mtp, capacity=capacity)
-        return choice, list(choice.partition)
-    if isinstance(partition, str):
-        return None, parse_partition(partition, pp=pp, num_layers=ckpt.num_layers)
-    return None, None if partition is None else list(partition)
 
 
 # --------------------------------------------------------------------------- repair
@@ -456,9 +438,7 @@ def _repair(
         )
     plan = recorded_plan(
         ckpt,
-        pp=identity.pp,
-        runtime=identity.runtime,
-        partition=identity.partition,
+        Parallelism.recorded(identity),
         mtp=identity.mtp,
         max_file_bytes=identity.max_file_bytes,
         max_header_bytes=identity.max_header_bytes,
@@ -473,7 +453,7 @@ def _repair(
         needed: dict[str, set[str]] = {}
         for t in (t for rank in files for t in plan.stages[rank].tensors):
             needed.setdefault(t.source.file, set()).add(t.name)
-        fetcher = remote_fetcher(repo, ckpt, needed)
+        fetcher = RemoteFetcher(repo, ckpt, needed)
         access = SourceAccess.fetched(fetcher.open, fetcher.remote, fetcher.close)
     done = repair_files(
         plan, out, files, rewrite_run_manifest=redo_run_manifest, side_files_of_out=out_side, workers=workers,

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from ..errors import BadInput, ReshardError
+from ..model.parallelism import Parallelism
 from ..plan.capacity import capacity_from
 from ..plan.nodes import Nodes
 from ..source.hub.cache import HubSettings
@@ -248,9 +249,7 @@ def split(
         return reshard(
             model,
             out,
-            pp=pp,
-            runtime=runtime.value,
-            partition=partition,
+            Parallelism(pp=pp, runtime=runtime.value, partition=partition),
             capacity=capacity_from(
                 partition,
                 gpu_memory=gpu_memory,
@@ -259,7 +258,7 @@ def split(
                 mem_fraction=mem_fraction,
             ),
             ranks=ranks,
-            nodes=None if nnodes is None and node_rank is None else Nodes(nnodes, node_rank),
+            node=None if nnodes is None and node_rank is None else Nodes(nnodes, node_rank),
             hub=HubSettings(
                 revision=revision, token=token, offline=offline, streams=streams, hf_cache=hf_cache
             ),

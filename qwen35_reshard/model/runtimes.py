@@ -162,21 +162,22 @@ def check_pp(num_layers: int, pp: int) -> None:
         )
 
 
-def parse_partition(text: str, *, pp: int, num_layers: int) -> list[int]:
-    """Parse ``--partition "15,15,15,15"``: ``pp`` positive ints summing to ``num_layers``."""
+def parse_partition(text: str, *, pp: int, num_layers: int | None = None) -> list[int]:
+    """Parse ``--partition "15,15,15,15"``: ``pp`` positive ints (summing to ``num_layers``, given)."""
     try:
         sizes = [int(part) for part in text.split(",")]
     except ValueError as e:
+        example = default_partition(num_layers, pp, "sglang") if num_layers else [10] * pp
         raise BadInput(
-            f"{param('partition', text)} must be comma-separated integers, e.g. "
-            f"{','.join(map(str, default_partition(num_layers, pp, 'sglang')))}"
+            f"{param('partition', text)} must be comma-separated integers, e.g. {','.join(map(str, example))}"
         ) from e
     check_partition(sizes, pp=pp, num_layers=num_layers)
     return sizes
 
 
-def check_partition(sizes: list[int], *, pp: int, num_layers: int) -> None:
-    """Refuse a partition that is not ``pp`` positive layer counts summing to ``num_layers``."""
+def check_partition(sizes: list[int], *, pp: int, num_layers: int | None = None) -> None:
+    """Refuse a partition that is not ``pp`` positive layer counts (summing to ``num_layers``,
+    where the model is known)."""
     text = ",".join(map(str, sizes))
     if len(sizes) != pp:
         raise BadInput(
@@ -185,7 +186,7 @@ def check_partition(sizes: list[int], *, pp: int, num_layers: int) -> None:
         )
     if any(s < 1 for s in sizes):
         raise BadInput(f"{param('partition', text)}: every stage needs at least one layer")
-    if sum(sizes) != num_layers:
+    if num_layers is not None and sum(sizes) != num_layers:
         raise BadInput(
             f"{param('partition', text)} sums to {sum(sizes)} but the model has {num_layers} decoder layers"
         )

@@ -3,8 +3,7 @@ it came: pure summaries."""
 
 from __future__ import annotations
 
-from ..source.hub.fetch import FETCH_CACHE, FETCH_WHOLE, HubFetcher, ShardFetch
-from ..source.s3.checkpoint import S3Fetcher
+from ..source.remote.fetch import FETCH_CACHE, FETCH_WHOLE, RemoteFetcher, ShardFetch
 from .planner import Plan
 
 
@@ -39,7 +38,7 @@ def stage_summary(plan: Plan, fetches: dict[str, ShardFetch]) -> list[dict]:
     return out
 
 
-def fetch_report(plan: Plan, fetcher: HubFetcher | S3Fetcher) -> dict:
+def fetch_report(plan: Plan, fetcher: RemoteFetcher) -> dict:
     """The ``fetch`` section of the summary: what this process fetched against the whole
     checkpoint, how each shard came, and per stage built the bytes fetched and from the cache."""
     traffic = fetcher.traffic

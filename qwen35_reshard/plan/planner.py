@@ -19,16 +19,8 @@ from ..bulk import field_getters
 from ..errors import BadInput, param
 from ..format.names import GATHERED, MTP_ABSENT, MTP_DROPPED, MTP_KEPT, stage_dirname
 from ..model import names, schema
-from ..model.runtimes import (
-    check_partition,
-    check_pp,
-    check_runtime,
-    check_servable,
-    default_partition,
-    launch_env,
-    layer_ranges,
-    placement_rules,
-)
+from ..model.parallelism import Parallelism, layout_of
+from ..model.runtimes import check_pp, check_servable, launch_env, layer_ranges, placement_rules
 from ..source.checkpoint import Checkpoint, SourceTensor
 from .layout import OutputFile, PlacedTensor, check_file_limit, layout_files
 
@@ -88,9 +80,7 @@ class Plan:
     """The whole split: every stage's layout, and what was left out on purpose."""
 
     checkpoint: Checkpoint
-    pp: int
-    runtime: str
-    partition: tuple[int, ...]
+    layout: Parallelism  # its partition the layers per stage planned (a tuple)
     mtp: str  # MTP_KEPT, MTP_DROPPED or MTP_ABSENT
     stages: tuple[StagePlan, ...]  # all pp stages, whether built in this run or not
     ranks: tuple[int, ...]  # stages to build in this run
@@ -99,6 +89,18 @@ class Plan:
     max_header_bytes: int
     # A quantization method the schema does not know: its Linear modules went unchecked.
     unchecked: str | None = None
+
+    @property
+    def pp(self) -> int:
+        return self.layout.pp
+
+    @property
+    def runtime(self) -> str:
+        return self.layout.runtime
+
+    @property
+    def partition(self) -> tuple[int, ...]:
+        return self.layout.partition  # type: ignore[return-value]
 
     @property
     def launch_env(self) -> str:
@@ -111,10 +113,11 @@ class Plan:
 
 def make_plan(
     ckpt: Checkpoint,
+    layout: Parallelism | None = None,
     *,
-    pp: int,
-    runtime: str = "sglang",
-    partition: list[int] | None = None,
+    pp: int | None = None,
+    runtime: str | None = None,
+    partition: Sequence[int] | str | None = None,
     keep_mtp: bool = True,
     ranks: list[int] | None = None,
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
@@ -124,8 +127,10 @@ def make_plan(
 
     Args:
         ckpt: the checkpoint, from :func:`read_checkpoint`.
+        layout: the :class:`~qwen35_reshard.model.parallelism.Parallelism` to split for; or
+            build it from ``pp``, ``runtime`` and ``partition`` (not both).
         pp: number of pipeline stages.
-        runtime: ``"sglang"`` or ``"vllm"``, the server whose split and placement rules apply.
+        runtime: ``"sglang"`` (default) or ``"vllm"``, the server whose split and placement rules apply.
         partition: decoder layers per stage (default: the runtime's own split).
         keep_mtp: False leaves the ``mtp.*`` tensors out (recorded in the manifests).
         ranks: the stages to write (default: all); the plan still describes every stage.
@@ -148,9 +153,9 @@ def make_plan(
         >>> plan.partition, plan.launch_env
         ((4, 4), 'VLLM_PP_LAYER_PARTITION=4,4')
     """
+    layout = layout_of(layout, pp=pp, runtime=runtime, partition=partition)
     placed = _place(
-        ckpt, pp=pp, runtime=runtime, partition=partition, keep_mtp=keep_mtp, ranks=ranks,
-        stages=range(pp), max_file_bytes=max_file_bytes,
+        ckpt, layout, keep_mtp=keep_mtp, ranks=ranks, stages=range(layout.pp), max_file_bytes=max_file_bytes,
     )  # fmt: skip
     file_order = {f: i for i, f in enumerate(ckpt.files)}
     file_tensors = Counter(map(_FILE, ckpt.tensors.values()))
@@ -170,13 +175,11 @@ def make_plan(
                 max_header_bytes=max_header_bytes,
             ),
         )
-        for r in range(pp)
+        for r in range(layout.pp)
     )
     return Plan(
         ckpt,
-        pp,
-        runtime,
-        placed.partition,
+        layout.with_partition(placed.partition),
         placed.mtp,
         stages,
         placed.ranks,
@@ -189,10 +192,8 @@ def make_plan(
 
 def stage_tensors(
     ckpt: Checkpoint,
+    layout: Parallelism,
     *,
-    pp: int,
-    runtime: str,
-    partition: list[int],
     rank: int,
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
 ) -> StageTensors:
@@ -206,9 +207,7 @@ def stage_tensors(
 
     Args:
         ckpt: the checkpoint, from :func:`read_checkpoint`.
-        pp: number of pipeline stages.
-        runtime: ``"sglang"`` or ``"vllm"``.
-        partition: decoder layers per stage.
+        layout: the layout of the split (its pipeline stages, runtime and partition).
         rank: the stage.
         max_file_bytes: checked as :func:`make_plan` checks it (a split of these settings exists).
 
@@ -221,15 +220,16 @@ def stage_tensors(
 
     Example:
         >>> from qwen35_reshard import read_checkpoint
+        >>> from qwen35_reshard.model.parallelism import Parallelism
         >>> from qwen35_reshard.plan.planner import stage_tensors
-        >>> placed = stage_tensors(read_checkpoint(MODEL), pp=2, runtime="vllm", partition=[4, 4], rank=1)
+        >>> layout = Parallelism(pp=2, runtime="vllm", partition=(4, 4))
+        >>> placed = stage_tensors(read_checkpoint(MODEL), layout, rank=1)
         >>> len(placed.tensors), placed.mtp
         (134, 'kept')
     """
     placed = _place(
-        ckpt, pp=pp, runtime=runtime, partition=partition, keep_mtp=True, ranks=[rank], stages=[rank],
-        max_file_bytes=max_file_bytes,
-    )  # fmt: skip
+        ckpt, layout, keep_mtp=True, ranks=[rank], stages=[rank], max_file_bytes=max_file_bytes
+    )
     return StageTensors(placed.tensors[rank][0], placed.mtp)
 
 
@@ -255,10 +255,8 @@ class _Placed(NamedTuple):
 
 def _place(
     ckpt: Checkpoint,
+    layout: Parallelism,
     *,
-    pp: int,
-    runtime: str,
-    partition: list[int] | None,
     keep_mtp: bool,
     ranks: list[int] | None,
     stages: Sequence[int],
@@ -266,13 +264,11 @@ def _place(
 ) -> _Placed:
     """Check the split and the checkpoint, and place every tensor: the tensors of each of
     ``stages`` in source order, each with whether it is replicated (see :func:`make_plan`)."""
+    pp, runtime = layout.pp, layout.runtime
+    if layout.expert_parallel:
+        raise BadInput(f"{param('ep', layout.ep)}: this version writes pipeline stages only; use ep=1")
     check_pp(ckpt.num_layers, pp)
-    check_runtime(runtime)
-    if partition is None:
-        sizes = default_partition(ckpt.num_layers, pp, runtime)
-    else:
-        sizes = list(partition)
-        check_partition(sizes, pp=pp, num_layers=ckpt.num_layers)
+    sizes = layout.sizes(ckpt.num_layers)
     ranges = layer_ranges(sizes)
     ranks = sorted(set(ranks)) if ranks is not None else list(range(pp))
     for r in ranks:
@@ -290,7 +286,7 @@ def _place(
     unchecked = required.unchecked
     del required  # lists as long as the checkpoint: not held while the stages are placed
     # After the checks above, so that a config that does not match the weights is told as such.
-    check_servable(runtime, schema.layer_types(ckpt.config), sizes, default=partition is None)
+    check_servable(runtime, schema.layer_types(ckpt.config), sizes, default=layout.partition is None)
     kinds = {r.kind for r in roles.values()}
     mtp = MTP_ABSENT if names.MTP not in kinds else MTP_KEPT if keep_mtp else MTP_DROPPED
     place = placement_rules(pp, runtime, ckpt.tied_embeddings, mtp == MTP_KEPT)
@@ -322,22 +318,18 @@ def _place(
 
 def recorded_plan(
     ckpt: Checkpoint,
+    layout: Parallelism,
     *,
-    pp: int,
-    runtime: str,
-    partition: Sequence[int],
     mtp: str,
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
 ) -> Plan:
-    """The plan of ``ckpt`` that a split's recorded settings (its manifests' ``pp``, ``runtime``,
-    ``partition``, ``mtp`` and file limits) give: what ``verify`` compares with, and what a repair
+    """The plan of ``ckpt`` that a split's recorded settings (its manifests' layout, ``mtp`` and
+    file limits) give: what ``verify`` compares with, and what a repair
     rewrites from. Raises ReshardError when they do not fit ``ckpt``."""
     return make_plan(
         ckpt,
-        pp=pp,
-        runtime=runtime,
-        partition=list(partition),
+        layout,
         keep_mtp=mtp != MTP_DROPPED,
         max_file_bytes=max_file_bytes,
         max_header_bytes=max_header_bytes,

@@ -33,6 +33,7 @@ from pathlib import Path
 from ..errors import StageError
 from ..format.names import STAGE_MANIFEST
 from ..loader import Stage, is_split, open_stage
+from ..model.parallelism import Parallelism
 from ..model.runtimes import runtime_of
 
 PpIndices = Callable[[int, int, int], tuple[int, int]]  # (layers, rank, pp size) -> [start, end)
@@ -99,10 +100,8 @@ def rank_stage(
 
         if commit is not None and commit != revision:
             log(f"qwen35-stages: {model}: every rank serves commit {commit} (resolved once, on rank 0)")
-        stage = for_server(
-            model, runtime=runtime, partition=partition, rank=pp_rank,
-            revision=commit or revision, token=token, log=log,
-        )
+        layout = Parallelism(pp=pp_size, runtime=runtime, partition=tuple(partition))
+        stage = for_server(model, layout, rank=pp_rank, revision=commit or revision, token=token, log=log)
     stage.check(pp_size=pp_size, start_layer=start, end_layer=end, pp_rank=pp_rank, runtime=runtime)
     return stage
 

@@ -57,7 +57,7 @@ STAGE_LOAD_FORMATS = ("auto", "safetensors")
 # stage: set to 1, the plugin loads each rank's stage of it (see ``serve``); unset, such a model
 # path is SGLang's own, as any other.
 UNSPLIT_ENV = "QWEN35_RESHARD_SGLANG_UNSPLIT"
-# config.json model_type of a Qwen3.5 MoE checkpoint (source.hub.MODEL_TYPES; not imported: it
+# config.json model_type of a Qwen3.5 MoE checkpoint (source.remote.checkpoint.MODEL_TYPES; not imported: it
 # would import the writer's side into every SGLang process)
 QWEN35_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
 

@@ -1,6 +1,7 @@
 """A pipeline rank's stage of an UNSPLIT checkpoint, for a server's loader (no split beforehand).
 
-    served = server_stage("Qwen/Qwen3.5-397B-A17B", runtime="vllm", partition=[15, 15, 15, 15], rank=2)
+    layout = Parallelism(pp=4, runtime="vllm", partition=(15, 15, 15, 15))
+    served = server_stage("Qwen/Qwen3.5-397B-A17B", layout, rank=2)
     model.load_weights(served.stage.iter_weights())
 
 What the servers' ``qwen35-stages`` loaders (:mod:`.vllm`, :mod:`.sglang`) call
@@ -49,15 +50,15 @@ from ..bulk import collector_paused, return_freed_memory
 from ..errors import ReshardError
 from ..format.names import CACHE_REPO_PREFIX, CLONE, STAGE_MANIFEST, TOOL_NAME, stage_dirname
 from ..loader import Stage, StageError, open_stage
+from ..model.parallelism import Parallelism
 from ..model.runtimes import runtime_of
 from ..plan.planner import stage_tensors
 from ..source.checkpoint import Checkpoint, downloaded_sha256, source_identity
 from ..source.header import read_header
 from ..source.hub.cache import HubSettings
-from ..source.hub.http import resolve
+from ..source.hub.store import open_hub
 from ..source.open import is_repo_id, open_model
-from ..source.s3.checkpoint import open_s3
-from ..source.s3.store import is_s3_uri
+from ..source.s3.store import is_s3_uri, open_s3
 from ..stage.manifest import FileLayout, StageManifest, StageTensor
 from ..units import format_bytes
 from ..write.claims import in_use
@@ -117,16 +118,16 @@ def copy_asked(env: Mapping[str, str] | None = None) -> bool:
     return value.strip().lower() in ("1", "true", "yes", "on")
 
 
-def cache_key(runtime: str, partition: Sequence[int]) -> str:
-    """The split's settings as a directory name: ``vllm-pp2-5-3``."""
-    return f"{runtime}-pp{len(partition)}-{'-'.join(map(str, partition))}"
+def cache_key(layout: Parallelism) -> str:
+    """The split's layout (its partition resolved) as a directory name: ``vllm-pp2-5-3``."""
+    partition = layout.partition
+    return f"{layout.runtime}-pp{layout.pp}-{'-'.join(map(str, partition))}"
 
 
 def server_stage(
     model: str | os.PathLike[str],
+    layout: Parallelism,
     *,
-    runtime: str,
-    partition: Sequence[int],
     rank: int,
     revision: str | None = None,
     token: str | None = None,
@@ -139,8 +140,8 @@ def server_stage(
     Args:
         model: a Hub repo id (``org/name``), an ``s3://bucket/prefix`` URI, a checkpoint
             directory or a Hugging Face cache folder (``models--org--name``).
-        runtime: ``"vllm"`` or ``"sglang"``: whose placement rules apply.
-        partition: decoder layers per stage, as the server computed them.
+        layout: the deployment's layout: its runtime (whose placement rules apply) and its
+            decoder layers per stage, as the server computed them.
         rank: the server's pipeline rank.
         revision, token: for a repo id (``revision`` also picks a cache folder's snapshot).
         cache: the stage cache (default :func:`stage_cache_root`).
@@ -155,13 +156,14 @@ def server_stage(
             holds, a damaged stage; nothing half-written is ever opened.
 
     Example:
+        >>> from qwen35_reshard.model.parallelism import Parallelism
         >>> from qwen35_reshard.servers.unsplit import server_stage
-        >>> served = server_stage(MODEL, runtime="vllm", partition=[4, 4], rank=1)
+        >>> served = server_stage(MODEL, Parallelism(pp=2, runtime="vllm", partition=(4, 4)), rank=1)
         >>> served.how, served.stage.start_layer, served.stage.end_layer
         ('in place', 4, 8)
     """
     started = time.monotonic()
-    partition = [int(n) for n in partition]
+    partition = _resolved(layout)
     if not 0 <= rank < len(partition):
         raise StageError(f"pipeline rank {rank} is outside the partition {partition}")
     root = Path(cache) if cache is not None else stage_cache_root()
@@ -179,23 +181,23 @@ def server_stage(
             where, commit = listed.where, listed.commit
             out = root / S3_DIRNAME / where.bucket / (where.prefix or "_") / commit
             unpinned = replace(settings, revision=None)  # the listing pins the objects: their ETags
-            key = out / cache_key(runtime, partition)
-            served = _cached_or_built(name, key, runtime, partition, rank, hub=unpinned, commit=commit)
+            key = out / cache_key(layout)
+            served = _cached_or_built(name, key, layout, rank, hub=unpinned, commit=commit)
         elif is_repo_id(name):
-            repo = resolve(name, settings)
+            repo = open_hub(name, settings)
             out = root / f"{CACHE_REPO_PREFIX}{repo.repo_id.replace('/', '--')}" / repo.commit
             pinned = replace(settings, revision=repo.commit)
-            key = out / cache_key(runtime, partition)
-            served = _cached_or_built(name, key, runtime, partition, rank, hub=pinned, commit=repo.commit)
+            key = out / cache_key(layout)
+            served = _cached_or_built(name, key, layout, rank, hub=pinned, commit=repo.commit)
         else:
-            served = _from_local(name, settings, root, runtime, partition, rank, copy=copy)
+            served = _from_local(name, settings, root, layout, rank, copy=copy)
     except StageError:
         raise
     except ReshardError as e:
         raise StageError(f"pipeline rank {rank}: {server_terms(e)}") from e
     except OSError as e:  # a cache cannot be created or written (a full disk, permissions): say which
         raise StageError(f"pipeline rank {rank}: {name}: {cache_error(e, root)}") from e
-    served.stage.check(len(partition), *_layers(partition, rank), pp_rank=rank, runtime=runtime)
+    served.stage.check(len(partition), *_layers(partition, rank), pp_rank=rank, runtime=layout.runtime)
     return_freed_memory()  # what planning held, freed by now, before the server loads the weights
     return ServedStage(
         served.stage, served.how, name, served.where, served.fetched_bytes, time.monotonic() - started
@@ -289,9 +291,16 @@ def pinned_commit(model: str, revision: str | None, token: str | None) -> str | 
         return None
     settings = HubSettings(revision=revision, token=token, user_agent=USER_AGENT.format(rank=0))
     try:
-        return resolve(model, settings).commit
+        return open_hub(model, settings).commit
     except ReshardError as e:
         raise StageError(server_terms(e)) from e
+
+
+def _resolved(layout: Parallelism) -> tuple[int, ...]:
+    """The layout's layers per stage, which the server computed (never left for a split to choose)."""
+    if not isinstance(layout.partition, tuple):
+        raise StageError(f"a server's stage needs the layers per stage it computed, not {layout.partition!r}")
+    return layout.partition
 
 
 def _layers(partition: Sequence[int], rank: int) -> tuple[int, int]:
@@ -303,8 +312,7 @@ def _from_local(
     model: str,
     settings: HubSettings,
     root: Path,
-    runtime: str,
-    partition: list[int],
+    layout: Parallelism,
     rank: int,
     *,
     copy: bool,
@@ -315,20 +323,19 @@ def _from_local(
     if not copy:
         with collector_paused():  # as reshard and open_stage read and plan: see bulk.collector_paused
             ckpt, _ = open_model(model, settings)
-            return ServedStage(in_place_stage(ckpt, runtime, partition, rank), IN_PLACE, model, None)
+            return ServedStage(in_place_stage(ckpt, layout, rank), IN_PLACE, model, None)
     ckpt, _ = open_model(model, settings)
     fingerprint = source_identity(ckpt)["fingerprint"][:FINGERPRINT_CHARS]
-    out = root / LOCAL_DIRNAME / fingerprint / cache_key(runtime, partition)
+    out = root / LOCAL_DIRNAME / fingerprint / cache_key(layout)
     source = os.fspath(ckpt.root)
     del ckpt  # the split reads the checkpoint again: not held twice
-    return _built_from_local(source, out, runtime, partition, rank)
+    return _built_from_local(source, out, layout, rank)
 
 
 def _cached_or_built(
     model: str,
     out: Path,
-    runtime: str,
-    partition: list[int],
+    layout: Parallelism,
     rank: int,
     *,
     hub: HubSettings,
@@ -346,9 +353,7 @@ def _cached_or_built(
         except StageError:
             how = REPAIRED
     if stage is None:
-        result = reshard(
-            model, out, pp=len(partition), runtime=runtime, partition=partition, ranks=[rank], hub=hub
-        )
+        result = reshard(model, out, layout, ranks=[rank], hub=hub)
         fetched = (result.fetch or {}).get("fetched_bytes", 0)
         stage = _open_in_use(out, rank)
     recorded = stage.manifest.source.get("commit")
@@ -360,7 +365,7 @@ def _cached_or_built(
     return ServedStage(stage, how, model, out, fetched)
 
 
-def _built_from_local(model: str, out: Path, runtime: str, partition: list[int], rank: int) -> ServedStage:
+def _built_from_local(model: str, out: Path, layout: Parallelism, rank: int) -> ServedStage:
     """The stage of the local checkpoint ``model`` in the cache's run directory ``out``, always
     through the split (``reshard(..., ranks=[rank])``), never opened on sight: the key (the
     source's fingerprint: layout and headers, no tensor bytes) is shared by every checkpoint of
@@ -368,10 +373,7 @@ def _built_from_local(model: str, out: Path, runtime: str, partition: list[int],
     source is unchanged (its files' stamps, else their bytes hashed) and replaces one built
     from other bytes (``overwrite``: the cache is ours, a server user cannot pass it); several
     ranks share one build by the concurrent-build rules."""
-    result = reshard(
-        model, out, pp=len(partition), runtime=runtime, partition=partition, ranks=[rank],
-        write=WriteOptions(overwrite=True),
-    )
+    result = reshard(model, out, layout, ranks=[rank], write=WriteOptions(overwrite=True))
     built = result.written is not None and rank in result.written.built
     stage = _served_from_cache(_open_in_use(out, rank), f"copies it again from {model}")
     return ServedStage(stage, BUILT if built else CACHED, model, out)
@@ -413,7 +415,7 @@ def _shard_sha256(ckpt: Checkpoint, file: str) -> str | None:
     return ckpt.blob_sha256.get(file) or downloaded_sha256(ckpt.root, file)
 
 
-def in_place_stage(ckpt: Checkpoint, runtime: str, partition: Sequence[int], rank: int) -> Stage:
+def in_place_stage(ckpt: Checkpoint, layout: Parallelism, rank: int) -> Stage:
     """Stage ``rank`` of the split of ``ckpt`` as a :class:`~qwen35_reshard.loader.Stage` whose tensors are
     read from the source shards themselves: the plan's tensors for the rank, at their offsets
     in the shards whose headers are read again here (what ``iter_weights`` checks each shard
@@ -422,8 +424,8 @@ def in_place_stage(ckpt: Checkpoint, runtime: str, partition: Sequence[int], ran
     Raises:
         StageError: a shard changed since the checkpoint was read.
     """
-    pp, partition = len(partition), tuple(partition)
-    planned = stage_tensors(ckpt, pp=pp, runtime=runtime, partition=list(partition), rank=rank)
+    pp, runtime, partition = layout.pp, layout.runtime, _resolved(layout)
+    planned = stage_tensors(ckpt, layout, rank=rank)
     sources = sorted(planned.tensors, key=lambda s: (s.file, s.offset))
     headers = {}
     for file in sorted({s.file for s in sources}):
@@ -485,9 +487,8 @@ def in_place_stage(ckpt: Checkpoint, runtime: str, partition: Sequence[int], ran
 
 def for_server(
     model: str,
+    layout: Parallelism,
     *,
-    runtime: str,
-    partition: Sequence[int],
     rank: int,
     revision: str | None,
     token: str | None,
@@ -501,8 +502,9 @@ def for_server(
     Raises:
         StageError: as :func:`server_stage`; its line is logged first.
     """
-    var = runtime_of(runtime).partition_env
+    var = runtime_of(layout.runtime).partition_env
     given = os.environ.get(var)
+    partition = _resolved(layout)
     start, end = _layers(partition, rank)
     root = stage_cache_root()
     log(
@@ -513,8 +515,7 @@ def for_server(
     try:
         served = server_stage(
             model,
-            runtime=runtime,
-            partition=partition,
+            layout,
             rank=rank,
             revision=revision,
             token=token,

@@ -5,18 +5,16 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import BadInput, param
 from ..format.names import CACHE_REPO_PREFIX, COMMIT, INDEX_NAME, SINGLE_FILE_NAME
-from .hub.cache import HubRepo, HubSettings, inside, read_ref
-from .hub.checkpoint import read_hub_checkpoint
-from .hub.fetch import HubFetcher
-from .hub.http import Traffic, resolve
-from .s3.checkpoint import S3Fetcher, S3Repo, open_s3, read_s3_checkpoint
-from .s3.store import is_s3_uri
+from .hub.cache import HubSettings, inside, read_ref
+from .hub.store import open_hub
+from .remote.checkpoint import read_remote_checkpoint
+from .remote.store import Store, Traffic
+from .s3.store import is_s3_uri, open_s3
 
 if TYPE_CHECKING:
     from .checkpoint import Checkpoint
@@ -56,12 +54,12 @@ def cache_repo_snapshot(path: Path, revision: str | None) -> Path | None:
 
 def open_model(
     model: str, settings: HubSettings, *, traffic: Traffic | None = None
-) -> tuple[Checkpoint, HubRepo | S3Repo | None]:
+) -> tuple[Checkpoint, Store | None]:
     """MODEL as the user wrote it: a local checkpoint directory, a cache repo folder
     (``models--org--name``, resolved through ``refs/``), the ``model.safetensors`` of a
     single-file checkpoint (read as its directory), a Hub repo id or an ``s3://bucket/prefix``
-    URI. Returns the checkpoint and, for a repo id or a URI, the pinned repo or listed
-    location (None for local sources)."""
+    URI. Returns the checkpoint and, for a repo id or a URI, its store (the pinned repo or the
+    listed location; None for local sources), its requests and bytes counted in ``traffic``."""
     from .checkpoint import read_checkpoint
 
     if is_s3_uri(model):
@@ -70,8 +68,10 @@ def open_model(
                 f"{model}: {param('revision')} applies to a Hub repo id; an object-storage URI is read as "
                 "its objects are now"
             )
-        s3 = open_s3(model, streams=settings.streams, user_agent=settings.user_agent)
-        return read_s3_checkpoint(s3), s3
+        store: Store = open_s3(
+            model, streams=settings.streams, user_agent=settings.user_agent, traffic=traffic
+        )
+        return read_remote_checkpoint(store), store
 
     path = Path(model)
     if path.is_file() and path.name.endswith(".safetensors"):
@@ -85,41 +85,12 @@ def open_model(
             )
         return read_checkpoint(snapshot or path), None
     if is_repo_id(model):
-        repo = resolve(model, settings)
-        return read_hub_checkpoint(repo, traffic=traffic), repo
+        store = open_hub(model, settings, traffic)
+        return read_remote_checkpoint(store), store
     raise BadInput(
         f"{model}: not a directory, a Hugging Face Hub repo id (org/name) or an s3://bucket/prefix URI; "
         f"pass the checkpoint's directory, its repo id or its URI as {param('model')}"
     )
-
-
-def remote_fetcher(
-    repo: HubRepo | S3Repo,
-    ckpt: Checkpoint,
-    needed: dict[str, set[str]],
-    *,
-    traffic: Traffic | None = None,
-    on_fetched: Callable[[int], None] = lambda n: None,
-) -> HubFetcher | S3Fetcher:
-    """How the shards ``needed`` (file -> tensors) of a remote source come: from a Hub repo
-    (its cache, or the fetch engine) or an object store (the fetch engine).
-
-    Args:
-        repo: the pinned repo or listed location :func:`open_model` returned.
-        ckpt: its checkpoint.
-        needed: per source shard, the tensors wanted from it.
-        traffic, on_fetched: a Hub repo's request counter and download progress.
-
-    Returns:
-        The fetcher: ``open``/``remote`` per shard, ``close`` to stop its engine.
-
-    Example:
-        >>> ckpt, repo = open_model("s3://acc-models/qwen/tiny", HubSettings())  # doctest: +SKIP
-        >>> fetcher = remote_fetcher(repo, ckpt, {ckpt.files[0]: set()})  # doctest: +SKIP
-    """
-    if isinstance(repo, S3Repo):
-        return S3Fetcher(repo, ckpt, needed)
-    return HubFetcher(repo, ckpt, needed, traffic=traffic, on_fetched=on_fetched)
 
 
 def _single_file_dir(path: Path, model: str) -> Path:

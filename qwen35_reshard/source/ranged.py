@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from urllib.parse import urljoin, urlsplit
 
 from ..errors import HubError
@@ -162,7 +162,7 @@ class HttpTransport:
                 continue
             if status in RETRY_STATUS:
                 response.close()
-                raise Transient(f"the server answered {status}", status, _retry_after(response))
+                raise Transient(f"the server answered {status}", status, retry_after(response.headers))
             if status != 206:
                 self._refuse(response, where, file, begin, end)
             self._check_range(response, where, file, begin, end)
@@ -219,9 +219,14 @@ def _transient(e: Exception) -> bool:
     return "TransportError" in names and "ProxyError" not in names
 
 
-def _retry_after(response: object) -> float | None:
-    """The seconds a ``Retry-After`` header asks to wait (its HTTP-date form is not used)."""
-    raw = response.headers.get("Retry-After", "").strip()
+def retry_after(headers: Mapping[str, str]) -> float | None:
+    """The seconds a ``Retry-After`` header asks to wait (its HTTP-date form is not used).
+
+    Example:
+        >>> retry_after({"retry-after": "2"}), retry_after({})
+        (2.0, None)
+    """
+    raw = str(headers.get("Retry-After", headers.get("retry-after", ""))).strip()
     return float(raw) if raw.isdigit() else None
 
 

@@ -38,6 +38,7 @@ from ..format.names import (
     STAGE_MANIFEST,
 )
 from ..format.paths import checked_file, is_plain_name, is_plain_safetensors_name
+from ..model.parallelism import Parallelism
 from ..model.runtimes import RUNTIMES, layer_ranges
 
 
@@ -103,6 +104,11 @@ class StageManifest:
     file_tensors: dict[str, int]  # data file -> how many of ``tensors`` it holds
     layouts: dict[str, FileLayout]  # by data file
     tensors: dict[str, StageTensor]  # in load order (file, then offset) once read by read_stage
+
+    @property
+    def layout(self) -> Parallelism:
+        """The layout the stage was split for."""
+        return Parallelism(pp=self.pp, runtime=self.runtime, partition=self.partition)
 
 
 def parse_stage_manifest(m: dict) -> StageManifest | str:

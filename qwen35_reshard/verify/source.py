@@ -9,11 +9,9 @@ from ..errors import ReshardError
 from ..format.names import CLONE, LOCAL_SOURCE
 from ..plan.planner import Plan, recorded_plan
 from ..source.checkpoint import Checkpoint, source_fingerprint, source_name
-from ..source.hub.cache import HubRepo
-from ..source.hub.fetch import HubFetcher
-from ..source.hub.headers import header_bytes
-from ..source.open import remote_fetcher
-from ..source.s3.checkpoint import S3Repo, s3_header
+from ..source.remote.checkpoint import remote_header
+from ..source.remote.fetch import RemoteFetcher
+from ..source.remote.store import Store
 from ..stage.findings import DIFFERENT, EXTRA, MISSING
 from ..stage.manifest import StageManifest
 from ..transfer.copier import Segment, copy_segments
@@ -26,22 +24,22 @@ def check_against_source(
     stages: list[CheckedStage],
     report: VerifyReport,
     chunk_bytes: int,
-    repo: HubRepo | S3Repo | None,
+    repo: Store | None,
 ) -> None:
     """Placement and bytes of every tensor of ``stages`` (those with a valid manifest) against the source.
 
     The plan is rebuilt from each stage manifest's settings (pp, runtime, partition, mtp);
     each needed source tensor is hashed once, even when it is replicated on several stages.
     """
-    if isinstance(repo, HubRepo):  # an object store's side files came with the checkpoint
-        _prepare_hub(repo, ckpt, stages)
+    if repo is not None:
+        _prepare_remote(repo, ckpt, stages)
     fingerprint = source_fingerprint(ckpt)
     plans: dict[tuple, Plan | None] = {}
     to_compare: list[tuple[CheckedStage, str]] = []
     for stage in stages:
         add = adder(report, stage)
         m = stage.manifest
-        # After the Hub's files are fetched (_prepare_hub); each damaged one reported once.
+        # After a remote source's files are fetched (_prepare_remote); each damaged one reported once.
         reported = {f.file for f in report.findings_for(stage.summary.stage)}
         for name in ckpt.extra_files:
             if name not in reported:
@@ -98,12 +96,10 @@ def _plan_for(ckpt: Checkpoint, m: StageManifest, plans: dict, add: Add, display
     layout can be compared); older manifests get the defaults, which decide stages alike.
     """
     limits = _recorded_limits(m) or {}
-    key = (m.pp, m.runtime, m.partition, m.mtp, tuple(sorted(limits.items())))
+    key = (m.layout, m.mtp, tuple(sorted(limits.items())))
     if key not in plans:
         try:
-            plans[key] = recorded_plan(
-                ckpt, pp=m.pp, runtime=m.runtime, partition=m.partition, mtp=m.mtp, **limits
-            )
+            plans[key] = recorded_plan(ckpt, m.layout, mtp=m.mtp, **limits)
         except ReshardError as e:
             plans[key] = None
             add(
@@ -122,7 +118,7 @@ def _recorded_limits(m: StageManifest) -> dict[str, int] | None:
     return {"max_file_bytes": identity.max_file_bytes, "max_header_bytes": identity.max_header_bytes}
 
 
-def _compare_layout(plan: Plan, stage: CheckedStage, add: Add, repo: HubRepo | S3Repo | None) -> None:
+def _compare_layout(plan: Plan, stage: CheckedStage, add: Add, repo: Store | None) -> None:
     """Each data file is the plan's: same name, and header bytes equal to the plan's header.
 
     With every tensor's bytes checked elsewhere, this makes every byte of every file the one
@@ -191,31 +187,32 @@ def _compare_placement(
     return pairs
 
 
-def _prepare_hub(repo: HubRepo, ckpt: Checkpoint, stages: list[CheckedStage]) -> None:
-    """The repo's side files into the cache; offline, one line naming every file the cache
-    lacks that comparing ``stages`` (each with a manifest) needs: their shards, the side files."""
+def _prepare_remote(repo: Store, ckpt: Checkpoint, stages: list[CheckedStage]) -> None:
+    """The store's side files into its folder; offline, one line naming every file neither
+    local nor kept that comparing ``stages`` (each with a manifest) needs: their shards, the
+    side files."""
     needed: dict[str, set[str]] = {}
     for stage in stages:
         for name in stage.manifest.tensors:
             if name in ckpt.tensors:
                 needed.setdefault(ckpt.tensors[name].file, set()).add(name)
-    HubFetcher(repo, ckpt, needed).prepare()
+    fetcher = RemoteFetcher(repo, ckpt, needed)
+    try:
+        fetcher.prepare()
+    finally:
+        fetcher.close()
 
 
-def _source_head(ckpt: Checkpoint, file: str, nbytes: int, repo: HubRepo | S3Repo | None) -> bytes:
-    """The first ``nbytes`` (at most its header's) of source shard ``file``; from a Hub repo
-    without the shard in the cache, the header planning kept or two ranged reads."""
-    if isinstance(repo, S3Repo):
-        return s3_header(repo, file)[:nbytes]
+def _source_head(ckpt: Checkpoint, file: str, nbytes: int, repo: Store | None) -> bytes:
+    """The first ``nbytes`` (at most its header's) of source shard ``file``; from a remote
+    source, the header planning kept (or a local copy's, or ranged reads)."""
     if repo is not None:
-        return header_bytes(repo, file)[:nbytes]
+        return remote_header(repo, file)[:nbytes]
     with open(ckpt.path(file), "rb") as fh:
         return fh.read(nbytes)
 
 
-def _hash_source(
-    ckpt: Checkpoint, names: list[str], chunk_bytes: int, repo: HubRepo | S3Repo | None
-) -> dict[str, str]:
+def _hash_source(ckpt: Checkpoint, names: list[str], chunk_bytes: int, repo: Store | None) -> dict[str, str]:
     """sha256 of each source tensor in ``names``, each shard read once in bounded chunks (from
     a Hub repo or an object store: only the shards and byte ranges of these tensors are fetched)."""
     by_file: dict[str, list[Segment]] = {}
@@ -223,7 +220,7 @@ def _hash_source(
         t = ckpt.tensors[name]
         by_file.setdefault(t.file, []).append(Segment(name, t.offset, t.nbytes))
     fetcher = (
-        remote_fetcher(repo, ckpt, {f: {s.name for s in segs} for f, segs in by_file.items()})
+        RemoteFetcher(repo, ckpt, {f: {s.name for s in segs} for f, segs in by_file.items()})
         if repo is not None
         else None
     )

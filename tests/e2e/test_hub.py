@@ -562,6 +562,19 @@ def test_5xx_and_429_on_every_request_are_retried_and_logged(hub, hf_home, model
     assert [e.status for e in gets if e.file == w500][:2] == [500, 206]
 
 
+def test_a_reset_while_the_index_downloads_is_retried(hub, hf_home, tmp_path, local_split):
+    """A TCP reset on the index's requests is retried like every other download's (issue 44);
+    the run succeeds. Before: the start ended, "unreachable (ReadError)"."""
+    index = r"/resolve/[0-9a-f]{40}/model\.safetensors\.index\.json$"
+    hub.add_fault(Fault(path=index, reset=True, times=2))
+    out = tmp_path / "out"
+    proc = run(["--pp", PP, "--rank", 1, REPO, out], hub=hub, hf_home=hf_home)
+    same_as_local(out / "pp1", local_split / "pp1")
+    assert not any(f.times for f in hub.state.faults)  # both resets were met
+    retries = [r for r in proc.stderr.splitlines() if "retrying in" in r and "safetensors.index.json" in r]
+    assert len(retries) == 2 and "the connection failed" in retries[0], proc.stderr
+
+
 def test_a_hub_that_keeps_failing_is_one_line_without_the_signed_address(hub, hf_home, model, ref, tmp_path):
     """Retries are bounded (5, then one error line), and no message names the presigned CDN
     address: before, the error line quoted it, signature and all."""
@@ -628,8 +641,8 @@ def test_verify_source_repo_on_a_node_without_the_shards(hub, hf_home, model, re
 def test_offline_one_missing_file_is_named_in_the_singular(hub, hf_home, tmp_path):
     """ "lacks 1 file", not "lacks 1 files"."""
     run(["--pp", PP, "--hf-cache", REPO, tmp_path / "all"], hub=hub, hf_home=hf_home)
-    snapshot = next((hf_home / "hub" / "models--Qwen--Tiny" / "snapshots").iterdir())
-    (snapshot / "tokenizer.json").unlink()
+    for copy in hf_home.rglob("tokenizer.json"):  # the cache's, and the copy kept for planning
+        copy.unlink()
     proc = run(
         ["--pp", PP, "--rank", 1, "--offline", REPO, tmp_path / "out"], hub=None, hf_home=hf_home, check=False
     )

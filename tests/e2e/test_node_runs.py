@@ -172,7 +172,7 @@ def test_library_reads_the_env_it_is_given(model, tmp_path):
     before the checkpoint is read, and builds that node's stages."""
     events = Located()
     env = {"SLURM_ARRAY_TASK_ID": "1", "SLURM_ARRAY_TASK_COUNT": "2", "SLURM_NODEID": "0"}
-    result = reshard(model, tmp_path / "out", pp=4, ranks="auto", nodes=Nodes(env=env), progress=events)
+    result = reshard(model, tmp_path / "out", pp=4, ranks="auto", node=Nodes(env=env), progress=events)
     assert events.events == [
         ("located", "rank 1 of 2 from SLURM_ARRAY_TASK_ID, SLURM_ARRAY_TASK_COUNT: stages 2, 3"),
         ("planned", (2, 3)),
@@ -181,22 +181,22 @@ def test_library_reads_the_env_it_is_given(model, tmp_path):
     assert result.to_dict()["node"] == {
         "rank": 1, "nnodes": 2, "stages": [2, 3], "source": "SLURM_ARRAY_TASK_ID, SLURM_ARRAY_TASK_COUNT",
     }  # fmt: skip
-    given = reshard(model, None, pp=4, nodes=Nodes(nnodes=4, node_rank=3), dry_run=True)
+    given = reshard(model, None, pp=4, node=Nodes(nnodes=4, node_rank=3), dry_run=True)
     assert list(given.plan.ranks) == [3] and given.node.to_dict()["source"] == "nnodes, node_rank"
 
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"ranks": "auto", "nodes": Nodes(env={})}, "ranks='auto' found no node index in the environment"),
-        ({"ranks": "auto", "nodes": Nodes(node_rank=1, env={"NODE_RANK": "1"})}, "drop node_rank"),
-        ({"ranks": "some", "nodes": Nodes(env={})}, "ranks='some' must be stage numbers or 'auto'"),
+        ({"ranks": "auto", "node": Nodes(env={})}, "ranks='auto' found no node index in the environment"),
+        ({"ranks": "auto", "node": Nodes(node_rank=1, env={"NODE_RANK": "1"})}, "drop node_rank"),
+        ({"ranks": "some", "node": Nodes(env={})}, "ranks='some' must be stage numbers or 'auto'"),
         (
-            {"ranks": [1], "nodes": Nodes(nnodes=2, node_rank=1)},
+            {"ranks": [1], "node": Nodes(nnodes=2, node_rank=1)},
             "ranks picks the stages itself: drop nnodes and node_rank",
         ),
-        ({"nodes": Nodes(node_rank=1)}, "nnodes and node_rank go together"),
-        ({"nodes": Nodes(nnodes=3, node_rank=0)}, "nnodes=3 and pp=4 do not divide"),
+        ({"node": Nodes(node_rank=1)}, "nnodes and node_rank go together"),
+        ({"node": Nodes(nnodes=3, node_rank=0)}, "nnodes=3 and pp=4 do not divide"),
     ],
 )
 def test_library_errors_name_its_parameters(model, kwargs, message):

@@ -37,6 +37,8 @@ import hashlib
 import json
 import re
 import shutil
+import socket
+import struct
 import tempfile
 import threading
 import time
@@ -89,7 +91,8 @@ class Fault:
 
     With ``path`` instead of ``file``: answer ``status`` to the next ``times`` requests (any
     method, either origin) whose path ``path`` matches (a regex searched in it), e.g.
-    ``/revision/main`` for resolving the revision."""
+    ``/revision/main`` for resolving the revision; with ``reset`` as well, reset their
+    connection instead of answering."""
 
     file: str = ""
     after: int = 0
@@ -100,6 +103,7 @@ class Fault:
     path: str | None = None
     stall: float = 0.0
     retry_after: int | None = None  # with ``status``: the Retry-After header (seconds)
+    reset: bool = False  # with ``path``: no answer, the connection reset (a TCP RST)
 
 
 @dataclass
@@ -314,7 +318,12 @@ class _Handler(BaseHTTPRequestHandler):
             time.sleep(self.owner.state.latency)
         try:
             fault = self._path_fault(unquote(urlsplit(self.path).path))
-            if fault is not None:
+            if fault is not None and fault.reset:
+                # SO_LINGER 0: close() sends RST, the peer's read fails (ECONNRESET).
+                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                self.close_connection = True
+                self.connection.close()
+            elif fault is not None:
                 self._error(fault.status, None, "injected fault")
             elif self.command in ("POST", "PUT"):
                 self._upload(unquote(urlsplit(self.path).path))

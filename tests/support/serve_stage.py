@@ -20,6 +20,7 @@ import time
 import torch
 
 from qwen35_reshard.loader import StageError
+from qwen35_reshard.model.parallelism import Parallelism
 from qwen35_reshard.servers import unsplit
 from qwen35_reshard.servers.unsplit import server_stage
 
@@ -37,7 +38,9 @@ def main() -> int:
         unsplit.open_stage = open_then_stop
     try:
         served = server_stage(
-            spec["model"], runtime=spec["runtime"], partition=spec["partition"], rank=spec["rank"],
+            spec["model"],
+            Parallelism(len(spec["partition"]), spec["runtime"], tuple(spec["partition"])),
+            rank=spec["rank"],
             revision=spec.get("revision"), token=spec.get("token"), copy=spec.get("copy", False),
             user_agent=spec.get("user_agent"),
         )

@@ -1,21 +1,15 @@
-"""Where a Hub repo lives on this machine: its settings, the commit it is pinned to, its paths
-in huggingface_hub's cache and cached-assets folder, and the files this tool keeps there."""
+"""How to reach the Hub (:class:`HubSettings`), and the Hugging Face cache's refs and links as
+this tool reads them: never followed out of the cache's repo folder."""
 
 from __future__ import annotations
 
 import os
 import re
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...errors import BadInput, param
-from ...format.names import TOOL_NAME, partial_name, process_token
 from ...format.paths import is_plain_name
-
-LISTING_NAME = "files.json"  # kept beside the headers: the repo's files and sizes at the commit
-LFS_NAME = "lfs-sha256.json"  # kept with it: each LFS file's sha256, as the Hub names its blob
-HEADER_SUFFIX = ".header"
 
 
 @dataclass(frozen=True)
@@ -37,97 +31,6 @@ class HubSettings:
     # Shards a stage needs whole go through huggingface_hub into its cache (reused by other
     # tools, at twice the disk), instead of straight into the stage.
     hf_cache: bool = False
-
-
-@dataclass(frozen=True)
-class HubRepo:
-    """A repo pinned to one commit."""
-
-    repo_id: str
-    revision: str
-    commit: str
-    settings: HubSettings = field(repr=False)
-
-    @property
-    def offline(self) -> bool:
-        from huggingface_hub import constants as hf
-
-        return self.settings.offline or hf.is_offline_mode()
-
-    @property
-    def endpoint(self) -> str:
-        from huggingface_hub import constants as hf
-
-        return (self.settings.endpoint or hf.ENDPOINT).rstrip("/")
-
-    @property
-    def storage(self) -> Path:
-        from huggingface_hub import constants as hf
-        from huggingface_hub.file_download import repo_folder_name
-
-        cache = Path(self.settings.cache_dir or hf.HF_HUB_CACHE).expanduser()
-        return cache / repo_folder_name(repo_id=self.repo_id, repo_type="model")
-
-    @property
-    def snapshot(self) -> Path:
-        return self.storage / "snapshots" / self.commit
-
-    def cached(self, name: str) -> Path | None:
-        """The file ``name`` of the cached snapshot, or None when the cache lacks it.
-
-        huggingface_hub links each snapshot file to ``blobs/``: one that resolves out of the
-        repo's cache folder (planted, or a damaged cache) is never read.
-
-        Raises:
-            ReshardError: ``name`` (or the snapshot) is a symlink out of the cache folder.
-        """
-        path = self.snapshot / name
-        try:
-            if not path.is_file():
-                return None
-        except (OSError, ValueError):  # a name no filesystem holds (too long, a NUL): not cached
-            return None
-        if not inside(path, self.storage):
-            raise BadInput(
-                f"{path}: a symlink out of the cache repo folder {self.storage}; refusing to follow it"
-            )
-        return path
-
-    @property
-    def assets(self) -> Path:
-        from huggingface_hub.file_download import repo_folder_name
-        from huggingface_hub.utils import cached_assets_path
-
-        return cached_assets_path(
-            TOOL_NAME,
-            namespace=repo_folder_name(repo_id=self.repo_id, repo_type="model"),
-            subfolder=self.commit,
-            assets_dir=self.settings.assets_dir,
-        )
-
-    def describe(self) -> str:
-        return f"{self.repo_id}@{self.commit[:12]}"
-
-    def identity(self) -> dict:
-        """What the manifests record about the source: never the token or the endpoint's secrets."""
-        return {"repo_id": self.repo_id, "revision": self.revision, "commit": self.commit}
-
-
-_kept_lock = threading.Lock()  # this process's threads share its temporary names
-
-
-def write_kept(path: Path, data: bytes) -> None:
-    """Keep a header or file list: written under a temporary name of this process's (a Hub
-    cache may be shared by several processes and hosts) and renamed, so a killed run never
-    leaves a torn one that a later offline plan would trust."""
-    tmp = path.with_name(partial_name(path.name, process_token()))
-    with _kept_lock:
-        try:
-            tmp.write_bytes(data)
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)  # a full disk, Ctrl-C: no temporary left in the cache
-            raise
 
 
 def read_ref(repo_folder: Path, revision: str) -> str | None:

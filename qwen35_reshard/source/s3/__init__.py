@@ -12,7 +12,7 @@ Endpoint and credentials as every S3 tool takes them (boto3's own chain): ``AWS_
 shared config and credentials files. A custom endpoint (an S3-compatible server) is addressed
 path-style. No message, log line or file names a secret; the endpoint is redacted like a URL.
 
-Modules, each importing only those before it: ``store`` (the URI, the client, errors, the
-transport the fetch engine reads through) and ``checkpoint`` (listing, small files, headers,
-the checkpoint as plain data, the fetcher of a run).
+One module, ``store``: the URI, the clients, errors, the transport the fetch engine reads
+through, and the listing that pins the store. Small files, headers, the checkpoint and the
+fetch of a run are the remote checkpoint reader's (:mod:`..remote`), as for every store.
 """

@@ -1,19 +1,25 @@
-"""An object store reached as every S3 tool reaches it: the URI, boto3's clients (credentials
-and endpoint from the standard AWS variables, profile and files), one line for every failure,
-and the transport the fetch engine reads objects through (ranged GETs with ``If-Match``)."""
+"""An S3 prefix as a store (:mod:`..remote.store`), reached as every S3 tool reaches it: the URI,
+boto3's clients (credentials and endpoint from the standard AWS variables, profile and files),
+the listing that pins it (each object's ETag; the sha256 of them all is its ``commit``), one
+line for every failure, and the transport the fetch engine reads objects through (ranged GETs
+with ``If-Match``)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import re
-import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import urlsplit
 
 from ...errors import BadInput, ObjectStoreError, ReshardError, param
 from ...format.names import TOOL_NAME
-from ..ranged import describe, redact
-from ..remote.engine import RemoteFile, Transient
+from ..ranged import describe, redact, retry_after
+from ..remote.engine import RemoteFile, Transient, read_timeout_setting, streams_setting
+from ..remote.store import RemoteObject, Store, Traffic
 
 SCHEME = "s3://"
 # S3's bucket naming rules (docs.aws.amazon.com/AmazonS3/latest/userguide/bucketnamingrules.html):
@@ -38,7 +44,8 @@ CHUNK_BYTES = 1 << 20  # a ranged read's body is handed on in chunks of this siz
 # Listing and metadata requests: botocore's own retries (standard mode). Ranged reads: none in
 # botocore, the fetch engine's (one policy and one log line for every remote read).
 LIST_ATTEMPTS = 6
-CONNECT_TIMEOUT, READ_TIMEOUT = 10, 60
+CONNECT_TIMEOUT = 10
+CACHE_ENV = "QWEN35_RESHARD_S3_CACHE"  # where small files and headers are kept (default below)
 
 
 def is_s3_uri(model: str) -> bool:
@@ -113,24 +120,6 @@ class S3Location:
 
 
 @dataclass
-class S3Traffic:
-    """What this process read from the store: body bytes as they arrive and requests sent
-    (listing pages, ranged GETs). Thread-safe."""
-
-    bytes: int = 0
-    requests: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def add(self, nbytes: int) -> None:
-        with self.lock:
-            self.bytes += nbytes
-
-    def request(self) -> None:
-        with self.lock:
-            self.requests += 1
-
-
-@dataclass
 class Clients:
     """boto3's S3 clients for one location: ``listing`` retries by itself, ``reads`` never
     (the fetch engine does). Thread-safe, as botocore's clients are."""
@@ -163,7 +152,7 @@ def make_clients(where: S3Location, *, streams: int, user_agent: str | None = No
                 retries={"mode": "standard", "total_max_attempts": attempts},
                 max_pool_connections=max(10, streams + 2),
                 connect_timeout=CONNECT_TIMEOUT,
-                read_timeout=READ_TIMEOUT,
+                read_timeout=read_timeout_setting(),
                 s3={"addressing_style": addressing},
                 user_agent_extra=" ".join(filter(None, (TOOL_NAME, user_agent))),
             )
@@ -227,7 +216,7 @@ class S3Transport:
     checked (206, the ``Content-Range`` asked for, the planned size) before a byte is used.
     ``traffic`` counts the requests and body bytes."""
 
-    def __init__(self, where: S3Location, clients: Clients, traffic: S3Traffic) -> None:
+    def __init__(self, where: S3Location, clients: Clients, traffic: Traffic) -> None:
         self.where = where
         self.clients = clients
         self.display = where.uri
@@ -252,7 +241,8 @@ class S3Transport:
         except bx.ClientError as e:
             status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
             if status in RETRY_STATUS:
-                raise Transient(f"the store answered {status}", status=status) from e
+                headers = e.response.get("ResponseMetadata", {}).get("HTTPHeaders", {})
+                raise Transient(f"the store answered {status}", status, retry_after(headers)) from e
             if status == 412:
                 raise ObjectStoreError(
                     f"{self.display}: {file.name} was replaced while this run read it (its ETag is no "
@@ -284,3 +274,101 @@ class S3Transport:
                 f"store answered {status} {got or '(no Content-Range)'}; it does not serve ranged reads "
                 "as S3 does, or the object changed"
             )
+
+
+class S3Store(Store):
+    """A listed location: its objects (top level of the prefix), pinned by their ETags.
+
+    ``commit`` (the sha256 of every object's name, size and ETag) plays the part of a Hub
+    commit: it names the bytes a split was made from, in the split's identity."""
+
+    kind = "prefix"
+    revision = ""
+
+    def __init__(
+        self,
+        where: S3Location,
+        objects: dict[str, RemoteObject],
+        clients: Clients,
+        streams: int,
+        traffic: Traffic,
+    ) -> None:
+        self.where, self.clients, self.streams, self.traffic = where, clients, streams, traffic
+        self._objects = objects
+        self.repo_id = where.uri
+        listed = sorted((n, o.size, o.identity) for n, o in objects.items())
+        self.commit = hashlib.sha256(json.dumps(listed).encode()).hexdigest()
+
+    def __repr__(self) -> str:
+        return f"S3Store({self.describe()})"
+
+    @property
+    def objects(self) -> dict[str, RemoteObject]:
+        return self._objects
+
+    @property
+    def folder(self) -> Path:
+        """Where this listing's small files and headers are kept."""
+        base = (
+            os.environ.get(CACHE_ENV)
+            or Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache") / TOOL_NAME / "s3"
+        )
+        path = Path(base).expanduser() / self.where.bucket / (self.where.prefix or "_") / self.commit
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def transport(self) -> S3Transport:
+        return S3Transport(self.where, self.clients, self.traffic)
+
+    def error(self, e: BaseException, what: str) -> ReshardError:
+        return store_error(e, self.where, self.clients.endpoint, what=what)
+
+
+def open_s3(
+    uri: str, *, streams: int | None = None, user_agent: str | None = None, traffic: Traffic | None = None
+) -> S3Store:
+    """List ``s3://bucket/prefix`` (its top level): the objects and their ETags. ``user_agent``
+    is appended to every request's User-Agent (a server's rank, in the store's logs).
+
+    Args:
+        uri: ``s3://bucket/prefix``.
+        streams: ranged reads in flight (None: ``QWEN35_RESHARD_STREAMS``, else the default).
+        user_agent: appended to the User-Agent.
+        traffic: what counts the run's requests and bytes.
+
+    Returns:
+        The listed location, pinned by its objects' ETags.
+
+    Example:
+        >>> store = open_s3("s3://acc-models/qwen/tiny")  # doctest: +SKIP
+        >>> store.describe()  # doctest: +SKIP
+        's3://acc-models/qwen/tiny@3f1c0a9e7b2d'
+
+    Raises:
+        ReshardError: boto3 missing, the bucket or prefix missing, access denied, the
+            credentials refused, the endpoint not answering: one line naming the URI.
+    """
+    where = S3Location.parse(uri)
+    n = streams_setting(streams)
+    clients = make_clients(where, streams=n, user_agent=user_agent)
+    objects: dict[str, RemoteObject] = {}
+    start = where.key("")
+    traffic = traffic if traffic is not None else Traffic()
+    try:
+        pages = clients.listing.get_paginator("list_objects_v2").paginate(
+            Bucket=where.bucket, Prefix=start, Delimiter="/"
+        )
+        for page in pages:
+            traffic.request()
+            for o in page.get("Contents", []):
+                name = o["Key"][len(start) :]
+                if name:
+                    objects[name] = RemoteObject(int(o["Size"]), o["ETag"])
+    except Exception as e:
+        raise store_error(e, where, clients.endpoint, what="the object list") from e
+    if not objects:
+        raise ObjectStoreError(
+            f"{where.uri}: no objects under this prefix in bucket {where.bucket!r}; check the prefix "
+            "(the folder holding config.json and the shards)"
+        )
+    return S3Store(where, objects, clients, n, traffic)

@@ -15,6 +15,7 @@ import pytest
 
 from qwen35_reshard import ReshardError, make_plan, read_checkpoint
 from qwen35_reshard.format.names import MTP_ABSENT, MTP_DROPPED, MTP_KEPT
+from qwen35_reshard.model.parallelism import Parallelism
 from qwen35_reshard.model.runtimes import servable
 from qwen35_reshard.plan.planner import stage_tensors
 from qwen35_reshard.source.checkpoint import SourceTensor
@@ -106,11 +107,12 @@ def test_one_stage_placed_alone_is_the_plans_stage(ref, checkpoints, dense, kind
     plan = make_plan(ckpt, pp=pp, runtime=runtime, partition=partition)
     order = {name: i for i, name in enumerate(ckpt.tensors)}
     for stage in plan.stages:
-        placed = stage_tensors(ckpt, pp=pp, runtime=runtime, partition=partition, rank=stage.rank)
+        placed = stage_tensors(ckpt, plan.layout, rank=stage.rank)
         assert placed.mtp == plan.mtp
         assert placed.tensors == sorted((t.source for t in stage.tensors), key=lambda s: order[s.name])
-    with pytest.raises(ReshardError, match="partition"):
-        stage_tensors(ckpt, pp=pp, runtime=runtime, partition=[*partition, 1], rank=0)
+    one_more = Parallelism(pp=pp, runtime=runtime, partition=(*partition[:-1], partition[-1] + 1))
+    with pytest.raises(ReshardError, match="sums to 9"):
+        stage_tensors(ckpt, one_more, rank=0)
 
 
 def test_fp8_experts_and_scales_travel_with_their_layer(ref, checkpoints):

@@ -12,12 +12,14 @@ from pathlib import Path
 import pytest
 
 from qwen35_reshard.errors import OutError, StageError, param
+from qwen35_reshard.model.parallelism import Parallelism
 from qwen35_reshard.servers.unsplit import STAGE_CACHE_ENV, cache_error, server_stage, server_terms
 
 
 def test_a_shard_read_in_place_that_changes_while_loading_is_not_to_be_deleted(make_checkpoint, tmp_path):
     model = shutil.copytree(make_checkpoint(), tmp_path / "model")
-    served = server_stage(model, runtime="vllm", partition=[4, 4], rank=1, cache=tmp_path / "stages")
+    layout = Parallelism(pp=2, runtime="vllm", partition=(4, 4))
+    served = server_stage(model, layout, rank=1, cache=tmp_path / "stages")
     assert served.how == "in place"
     shard = Path(model) / served.stage.files[0]
     with open(shard, "ab") as f:  # the checkpoint rewritten while the server starts

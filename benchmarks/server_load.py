@@ -3,9 +3,12 @@ through the server's stock loader, against its own stage of a qwen35-reshard spl
 
 Run by hand, as root (the page cache is dropped before every start), not as a test:
 
-    python benchmarks/bench_server_load.py --quick     # 0.25 GB, pp=2, 1 round: a check (5-10 min)
-    python benchmarks/bench_server_load.py             # 2.2 GB, pp=2 and pp=4, 3 rounds: the numbers
-    python benchmarks/bench_server_load.py --report saved.json   # the tables of a --save file
+    python -m benchmarks server_load --quick     # 0.25 GB, pp=2, 1 round: a check (5-10 min)
+    python -m benchmarks server_load             # 2.2 GB, pp=2 and pp=4, 3 rounds: the numbers
+    python -m benchmarks server_load --report saved.json   # the tables of a --save file
+
+This tree only: the servers' environments hold their own install of the package. The servers'
+worker processes run this file as a script (stdlib only at its top).
 
 It builds a synthetic Qwen3.5 MoE checkpoint with the real tensor names (examples/tiny_checkpoint.py:
 many layers, small dimensions, per-expert BF16 experts, MTP and a vision tower; linear-attention
@@ -558,8 +561,13 @@ def default_python(env: str, venv: str) -> str:
     return ""
 
 
-def main() -> int:
+QUICK = ["--quick"]
+BEFORE = False
+
+
+def main(argv: list[str] | None = None, trees: object = None) -> int:
     ap = argparse.ArgumentParser(
+        prog="python -m benchmarks server_load",
         description=__doc__.split("\n\n")[0],
         epilog=__doc__.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -607,7 +615,7 @@ def main() -> int:
     )
     ap.add_argument("--vllm-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--sglang-child", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.vllm_child:
         vllm_child(json.loads(os.environ[PROBE_ENV]))
         return 0

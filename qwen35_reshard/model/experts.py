@@ -1,0 +1,302 @@
+"""Which routed experts each expert-parallel (EP) rank, and so each node, starts with under each
+server's rules: the servers' expert placement as data (model/runtimes.py holds the PP rules).
+
+Both servers number *physical* expert slots ``0 .. E+R-1`` (``E`` routed experts, ``R``
+redundant ones for load balancing) and give EP rank ``j`` a contiguous block of them; each
+slot holds one *logical* expert (the checkpoint's ``experts.{e}``). A node needs exactly the
+logical experts of its ranks' slots. Read from vLLM 0.32.0 and SGLang 0.5.23, and checked against
+their own functions over a grid of sizes (tests/engine/test_expert_placement_servers.py):
+
+- vLLM (``determine_expert_map``, linear: Qwen3.5 builds its MoE without expert groups, so a
+  requested ``round_robin`` falls back to linear): ``E+R`` slots, ``(E+R) // ep`` per rank, the
+  remainder one each to the first ranks. Slot ``p`` holds logical ``p % E``
+  (``EplbState.build_initial_global_physical_to_logical_map``: ``[0..E) + [i % E for i < R]``).
+  Redundant experts need EPLB, which refuses ``(E+R) % ep != 0`` and an EP group of one.
+  Where EPLB later moves experts it sends them between GPUs, never from disk.
+- SGLang (``ExpertLocationMetadata.init_trivial``, ``FusedMoE._map_global_expert_id_to_local_expert_id``):
+  ``(E+R) / ep`` slots per rank, ``(E+R) % ep == 0`` asserted; slot ``p`` holds logical
+  ``p % E``, or what ``--init-expert-location`` says per layer (``physical_to_logical_map``
+  ``[num_hidden_layers][E+R]``), so layers may differ. The MTP draft's MoE uses no expert
+  location (``FusedMoE.uses_expert_location`` is off for a draft): its slot ``p`` holds
+  logical ``p`` for ``p < E``, nothing beyond.
+- Nodes: node ``k`` of ``N`` runs EP ranks ``[k*ep/N, (k+1)*ep/N)`` (vLLM's data-parallel ranks
+  and SGLang's ranks are numbered node by node); ``ep % N == 0``, or nodes would run
+  different GPU counts of one EP group, which neither server's launch supports.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+from ..errors import JSON_ERRORS, BadInput, param
+from .runtimes import check_runtime
+
+# SGLang's --init-expert-location default: slot p holds logical p % E.
+TRIVIAL = "trivial"
+
+
+class MoeLayer(NamedTuple):
+    """A MoE layer: decoder layer ``index``, or MTP layer ``index`` (``mtp.layers.{index}``)."""
+
+    index: int
+    mtp: bool = False
+
+
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """The logical experts each EP rank starts with, by one server's rules. Build it with
+    :func:`expert_placement`, which refuses what the server refuses.
+
+    Attributes:
+        runtime: ``vllm`` or ``sglang``.
+        num_experts: routed experts per layer (``num_experts`` of the text config), ``E``.
+        ep: EP ranks in the group (one pipeline stage's; PP is not part of EP), ``ep``.
+        redundant: redundant expert slots (vLLM ``num_redundant_experts`` of
+            ``--eplb-config``, SGLang ``--ep-num-redundant-experts``), ``R``.
+        location: SGLang's ``physical_to_logical_map`` from ``--init-expert-location``, one
+            row of ``E+R`` logical ids per decoder layer; None: the initial/trivial map.
+
+    Example:
+        >>> p = expert_placement("vllm", num_experts=10, ep=4)
+        >>> [p.experts(0, rank) for rank in range(4)]
+        [(0, 1, 2), (3, 4, 5), (6, 7), (8, 9)]
+        >>> sorted(p.node_experts(0, node=1, nodes=2))
+        [6, 7, 8, 9]
+    """
+
+    runtime: str
+    num_experts: int
+    ep: int
+    redundant: int = 0
+    location: tuple[tuple[int, ...], ...] | None = field(default=None, repr=False)
+
+    @property
+    def physical(self) -> int:
+        """Physical expert slots in the EP group, ``E + R``."""
+        return self.num_experts + self.redundant
+
+    def slots(self, ep_rank: int) -> range:
+        """The physical slots of EP rank ``ep_rank``: contiguous; vLLM gives the remainder
+        one each to the first ranks (SGLang has none)."""
+        if not 0 <= ep_rank < self.ep:
+            raise BadInput(f"EP rank {ep_rank} is not in 0..{self.ep - 1} ({param('ep', self.ep)})")
+        base, rem = divmod(self.physical, self.ep)
+        start = ep_rank * base + min(ep_rank, rem)
+        return range(start, start + base + (ep_rank < rem))
+
+    def experts(self, layer: int | MoeLayer, ep_rank: int) -> tuple[int, ...]:
+        """Logical expert ids of EP rank ``ep_rank``'s physical slots, in slot order, in MoE
+        ``layer`` (an int: decoder layer; a :class:`MoeLayer` for MTP). A logical id may repeat
+        (redundant slots); a slot a server leaves empty (SGLang's MTP past ``E``) is left out."""
+        layer = layer if isinstance(layer, MoeLayer) else MoeLayer(layer)
+        slots = self.slots(ep_rank)
+        if layer.mtp and self.runtime == "sglang":
+            return tuple(p for p in slots if p < self.num_experts)
+        if self.location is not None and not layer.mtp:
+            if not 0 <= layer.index < len(self.location):
+                raise BadInput(
+                    f"layer {layer.index} is not in the {len(self.location)} layers of "
+                    f"{param('init_expert_location')}"
+                )
+            row = self.location[layer.index]
+            return tuple(row[p] for p in slots)
+        return tuple(p % self.num_experts for p in slots)
+
+    def rank_experts(self, layer: int | MoeLayer, ep_rank: int) -> frozenset[int]:
+        """The logical experts EP rank ``ep_rank`` must load in ``layer`` (a set)."""
+        return frozenset(self.experts(layer, ep_rank))
+
+    def node_experts(self, layer: int | MoeLayer, node: int, nodes: int) -> frozenset[int]:
+        """The logical experts node ``node`` of ``nodes`` must hold in ``layer``: the union of its
+        EP ranks' (:func:`node_ranks`)."""
+        return frozenset().union(*(self.experts(layer, r) for r in node_ranks(self.ep, nodes, node)))
+
+    def describe(self) -> dict:
+        """Plain JSON-ready data for a manifest: runtime, experts, ep, redundant, and the
+        location rows (None for the initial map)."""
+        rows = None if self.location is None else [list(r) for r in self.location]
+        return {
+            "runtime": self.runtime,
+            "num_experts": self.num_experts,
+            "ep": self.ep,
+            "redundant_experts": self.redundant,
+            "location": rows,
+        }
+
+
+def expert_placement(
+    runtime: str,
+    *,
+    num_experts: int,
+    ep: int,
+    redundant: int = 0,
+    location: Sequence[Sequence[int]] | None = None,
+    num_layers: int | None = None,
+) -> ExpertPlacement:
+    """The placement of ``runtime`` for this EP group; refuses a layout the server refuses.
+
+    Args:
+        runtime: ``vllm`` or ``sglang``.
+        num_experts: routed experts per layer, ``E``.
+        ep: EP ranks in the group.
+        redundant: redundant expert slots ``R`` (vLLM: EPLB's ``num_redundant_experts``; SGLang:
+            ``--ep-num-redundant-experts``).
+        location: SGLang only: the ``physical_to_logical_map`` rows of ``--init-expert-location``
+            (see :func:`read_expert_location`); None: the trivial map.
+        num_layers: the model's decoder layers; required with ``location`` (one row each).
+
+    Returns:
+        The :class:`ExpertPlacement`.
+
+    Raises:
+        BadInput: one line naming ``ep``, ``redundant_experts`` or ``init_expert_location``.
+
+    Example:
+        >>> p = expert_placement("sglang", num_experts=8, ep=4, redundant=4)
+        >>> [p.experts(0, rank) for rank in range(4)]
+        [(0, 1, 2), (3, 4, 5), (6, 7, 0), (1, 2, 3)]
+    """
+    check_runtime(runtime)
+    if num_experts < 1:
+        raise BadInput(f"the model has {num_experts} routed experts; expert parallelism needs at least one")
+    if ep < 1:
+        raise BadInput(f"{param('ep', ep)} must be at least 1")
+    if redundant < 0:
+        raise BadInput(f"{param('redundant_experts', redundant)} must be 0 or more")
+    physical = num_experts + redundant
+    if runtime == "vllm" and redundant:
+        # vllm/config/parallel.py: redundant experts need EPLB, which needs an EP group of more
+        # than one rank; fused_moe/layer.py: "EPLB currently only supports even distribution".
+        if ep == 1:
+            raise BadInput(
+                f"{param('redundant_experts', redundant)} needs vLLM's EPLB, which needs an EP group of "
+                f"more than one rank; raise {param('ep')} or drop {param('redundant_experts')}"
+            )
+        if physical % ep:
+            raise _uneven("vLLM's EPLB", num_experts, redundant, ep)
+    if runtime == "sglang" and physical % ep:
+        # sglang/srt/eplb/expert_location.py: assert num_physical_experts % ep_size == 0.
+        raise _uneven("SGLang", num_experts, redundant, ep)
+    rows = None
+    if location is not None:
+        if runtime != "sglang":
+            raise BadInput(f"{param('init_expert_location')} is SGLang's; vLLM has no such setting")
+        rows = _checked_location(location, num_experts=num_experts, physical=physical, num_layers=num_layers)
+    return ExpertPlacement(runtime, num_experts, ep, redundant, rows)
+
+
+def _uneven(server: str, num_experts: int, redundant: int, ep: int) -> BadInput:
+    physical, need = num_experts + redundant, -num_experts % ep
+    return BadInput(
+        f"{server} needs the {num_experts} experts plus {param('redundant_experts', redundant)} to divide "
+        f"evenly over {param('ep', ep)} ({physical} do not); use {param('redundant_experts', need)} (or "
+        f"that plus a multiple of {ep}), or another {param('ep')}"
+    )
+
+
+def check_nodes(ep: int, nodes: int) -> None:
+    """Refuse a node count that does not split the EP group evenly (each node runs ``ep/nodes``
+    ranks: vLLM's ``--data-parallel-size-local``, SGLang's GPUs per node)."""
+    if nodes < 1:
+        raise BadInput(f"{param('nodes', nodes)} must be at least 1")
+    if ep % nodes:
+        raise BadInput(
+            f"{param('ep', ep)} does not divide evenly over {param('nodes', nodes)}: every node runs "
+            f"the same number of EP ranks; use a node count dividing {ep}"
+        )
+
+
+def node_ranks(ep: int, nodes: int, node: int) -> range:
+    """The EP ranks node ``node`` of ``nodes`` runs: ``[node*ep/nodes, (node+1)*ep/nodes)``.
+
+    Example:
+        >>> node_ranks(32, 4, 1)
+        range(8, 16)
+    """
+    check_nodes(ep, nodes)
+    if not 0 <= node < nodes:
+        raise BadInput(f"{param('node', node)} is not in 0..{nodes - 1} ({param('nodes', nodes)})")
+    per = ep // nodes
+    return range(node * per, (node + 1) * per)
+
+
+def read_expert_location(value: str) -> list[list[int]] | None:
+    """SGLang's ``--init-expert-location`` value as it reads it: ``trivial`` (None), a ``.json``
+    file, or inline JSON; the ``physical_to_logical_map`` rows it holds, unchecked (see
+    :func:`expert_placement`).
+
+    Refused: a ``.pt`` file (never unpickled: convert it to JSON), and ``logical_count``, from
+    which SGLang computes a placement with its EPLB algorithm at start (not reproduced here).
+
+    Example:
+        >>> read_expert_location('{"physical_to_logical_map": [[1, 0], [0, 1]]}')
+        [[1, 0], [0, 1]]
+    """
+    flag = param("init_expert_location", value)
+    if value == TRIVIAL:
+        return None
+    if value.endswith(".pt"):
+        raise BadInput(
+            f"{flag}: a .pt file is a pickle, which this tool never loads; save its "
+            'physical_to_logical_map as JSON ({"physical_to_logical_map": [[...], ...]}) and pass that '
+            "file, which SGLang reads the same"
+        )
+    if value.endswith(".json"):
+        try:
+            text = Path(value).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise BadInput(f"{flag}: cannot read the file ({e.__class__.__name__}: {e})") from e
+    else:
+        text = value
+    try:
+        data = json.loads(text)
+    except JSON_ERRORS as e:
+        raise BadInput(f"{flag}: not JSON ({e}); give a .json file or inline JSON, as SGLang takes") from e
+    if not isinstance(data, dict):
+        raise BadInput(f"{flag}: expected a JSON object with physical_to_logical_map")
+    if "logical_count" in data and "physical_to_logical_map" not in data:
+        raise BadInput(
+            f"{flag} gives logical_count, from which SGLang computes the placement with its EPLB "
+            "algorithm at start, which this tool does not reproduce; give the physical_to_logical_map "
+            "SGLang computed (its expert-location dump) instead"
+        )
+    if set(data) != {"physical_to_logical_map"}:
+        raise BadInput(
+            f"{flag}: expected exactly the key physical_to_logical_map, found "
+            f"{', '.join(sorted(map(str, data)))}"
+        )
+    return data["physical_to_logical_map"]
+
+
+def _checked_location(
+    location: Sequence[Sequence[int]], *, num_experts: int, physical: int, num_layers: int | None
+) -> tuple[tuple[int, ...], ...]:
+    """The rows as tuples; refuses a map SGLang would misread or fail on."""
+    flag = param("init_expert_location")
+    if num_layers is None:
+        raise BadInput(f"{flag} needs the model's layer count to check its rows")
+    if not isinstance(location, Sequence) or len(location) != num_layers:
+        got = len(location) if isinstance(location, Sequence) else type(location).__name__
+        raise BadInput(
+            f"{flag}: physical_to_logical_map must have one row per decoder layer ({num_layers}), got {got}"
+        )
+    rows = []
+    for layer, row in enumerate(location):
+        if not isinstance(row, Sequence) or len(row) != physical:
+            got = len(row) if isinstance(row, Sequence) else type(row).__name__
+            raise BadInput(
+                f"{flag}: row {layer} must list {physical} physical experts ({num_experts} plus the "
+                f"redundant ones, {param('redundant_experts')}), got {got}"
+            )
+        if not all(type(x) is int and 0 <= x < num_experts for x in row):
+            raise BadInput(f"{flag}: row {layer} holds a value that is no expert id in 0..{num_experts - 1}")
+        missing = set(range(num_experts)).difference(row)
+        if missing:
+            # SGLang cannot route to a logical expert without a slot (its dispatch map fails).
+            raise BadInput(f"{flag}: row {layer} gives logical expert {min(missing)} no physical slot")
+        rows.append(tuple(row))
+    return tuple(rows)

@@ -1,0 +1,258 @@
+"""A node's routed-expert tensors under expert parallelism: fused 3-D experts exploded into
+per-expert tensors named by global id, each a byte range of the source tensor, and per-expert
+tensors kept or dropped by the node's experts. Pure: source tensors in, source tensors out.
+
+Why per-expert, never a cut fused tensor: both servers read position ``i`` of a fused
+``experts.gate_up_proj`` / ``experts.down_proj`` as global expert ``i``, and load per-expert
+``experts.{e}.{gate,up,down}_proj.*`` by global id, skipping the experts that are not local
+(../shared/docs/expert-parallel-facts.md, 0.1). A fused tensor is row-major, so expert ``e`` is one
+contiguous run: ``gate_up_proj[e]`` ``[2I, H]`` holds gate (its first ``I`` rows, what both
+loaders' ``chunk(2, dim=-2)`` takes first) then up; ``down_proj[e]`` is ``[H, I]``. The exploded
+tensors are sub-ranges of the source's bytes, so the writer copies them unchanged.
+
+What a node keeps of a MoE layer's experts: the weight-carrying tensor (``weight``,
+``weight_packed``, ``qweight``: the packed weight, first of every set in model/quant/schemes.py)
+of its own experts only; every other tensor (scales, zero points, ``g_idx``, global and input
+scales) of every expert, because some servers reduce over all experts' scales (NVFP4's global
+max over input scales, vLLM #37322) and they are small. vLLM's own EP weight filter keeps the
+same ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Set as AbstractSet
+from typing import NamedTuple
+
+from ..errors import BadInput
+from ..model import names
+from ..model.experts import MoeLayer
+from ..model.modules import EXPERT, FUSED_EXPERTS
+from ..model.schema import SCALE_SUFFIX
+from ..source.checkpoint import SourceTensor
+
+EXPERTS = "mlp.experts."  # a MoE block's routed experts, relative to its decoder layer
+MTP_LAYERS = "mtp.layers."
+# The packed weight of each quantization set (the first part of every scheme), and BF16's.
+WEIGHT_SUFFIXES = frozenset({"weight", "weight_packed", "qweight"})
+_GATE_UP, _DOWN = tuple(FUSED_EXPERTS)  # "gate_up_proj", "down_proj"
+_GATE, _UP, _DOWN_PROJ = tuple(EXPERT)  # "gate_proj", "up_proj", "down_proj"
+_FUSED = frozenset({*FUSED_EXPERTS, *(f + SCALE_SUFFIX for f in FUSED_EXPERTS)})
+
+
+class ExpertTensor(NamedTuple):
+    """What a routed-expert tensor's name says.
+
+    Attributes:
+        layer: its MoE layer.
+        expert: the global (logical) expert id; None for a fused tensor of every expert.
+        part: the name after ``mlp.experts.`` (fused: ``gate_up_proj``, ``down_proj``, with
+            ``_scale_inv`` for block FP8) or after ``mlp.experts.{e}.`` (``gate_proj.weight``,
+            ``down_proj.weight_scale_inv``, ...).
+    """
+
+    layer: MoeLayer
+    expert: int | None
+    part: str
+
+    @property
+    def heavy(self) -> bool:
+        """A per-expert packed weight: what a node holds for its own experts only."""
+        return self.expert is not None and self.part.rpartition(".")[2] in WEIGHT_SUFFIXES
+
+
+def expert_tensor(name: str) -> ExpertTensor | None:
+    """The MoE layer, expert and part of a routed-expert tensor; None for any other tensor.
+
+    Decoder layers are parsed by model/names.py (``model.language_model.layers.N.`` or
+    ``model.layers.N.``), MTP's as ``mtp.layers.K.``.
+
+    Raises:
+        BadInput: a name under ``mlp.experts.`` that is neither form (the servers load neither).
+
+    Example:
+        >>> expert_tensor("model.language_model.layers.3.mlp.experts.17.up_proj.weight")
+        ExpertTensor(layer=MoeLayer(index=3, mtp=False), expert=17, part='up_proj.weight')
+        >>> expert_tensor("mtp.layers.0.mlp.experts.gate_up_proj")
+        ExpertTensor(layer=MoeLayer(index=0, mtp=True), expert=None, part='gate_up_proj')
+    """
+    role = names.classify(name)
+    if role is None:
+        return None
+    if role.kind == names.LAYER:
+        layer, rest = MoeLayer(role.layer), name.partition(f"layers.{role.layer}.")[2]
+    elif role.kind == names.MTP and name.startswith(MTP_LAYERS):
+        index, _, rest = name[len(MTP_LAYERS) :].partition(".")
+        k = _index(index)
+        if k is None:
+            return None
+        layer = MoeLayer(k, mtp=True)
+    else:
+        return None
+    if not rest.startswith(EXPERTS):
+        return None
+    rest = rest[len(EXPERTS) :]
+    if rest in _FUSED:
+        return ExpertTensor(layer, None, rest)
+    head, _, part = rest.partition(".")
+    expert = _index(head)
+    if expert is None or part.partition(".")[0] not in EXPERT or not part.partition(".")[2]:
+        raise BadInput(
+            f"tensor {name!r}: not a routed-expert tensor the servers load (mlp.experts.{{e}}."
+            "{gate,up,down}_proj.<suffix>, or fused gate_up_proj/down_proj)"
+        )
+    return ExpertTensor(layer, expert, part)
+
+
+def node_expert_tensors(
+    tensors: Iterable[SourceTensor],
+    experts_of: Callable[[MoeLayer], AbstractSet[int]],
+    *,
+    scale_block: int | None = None,
+) -> list[SourceTensor]:
+    """The tensors a node writes for these (a stage's), in their order: fused experts exploded
+    into per-expert tensors by global id; packed weights of experts not in ``experts_of(layer)``
+    dropped; every other tensor as it is.
+
+    Args:
+        tensors: source tensors (a stage's, or the whole checkpoint's).
+        experts_of: the node's logical experts of a MoE layer, e.g.
+            ``lambda layer: placement.node_experts(layer, node, nodes)``.
+        scale_block: rows of one block FP8 scale block (``weight_block_size[0]`` of the
+            quantization config); needed only for fused ``_scale_inv`` tensors.
+
+    Returns:
+        The node's tensors; an exploded one has the source's file and dtype, and ``offset`` /
+        ``nbytes`` within the source tensor's bytes.
+
+    Raises:
+        BadInput: a fused tensor whose shape or bytes cannot be cut per expert.
+
+    Example:
+        >>> from qwen35_reshard.source.checkpoint import SourceTensor
+        >>> fused = SourceTensor("model.layers.0.mlp.experts.down_proj", "a.safetensors", "BF16",
+        ...                      (4, 8, 2), 1000, 4 * 8 * 2 * 2)
+        >>> [(t.name, t.shape, t.offset) for t in node_expert_tensors([fused], lambda layer: {1, 3})]
+        [('model.layers.0.mlp.experts.1.down_proj.weight', (8, 2), 1032), \
+('model.layers.0.mlp.experts.3.down_proj.weight', (8, 2), 1096)]
+    """
+    tensors = list(tensors)
+    by_name = {t.name: t for t in tensors}
+    cache: dict[MoeLayer, AbstractSet[int]] = {}
+    out: list[SourceTensor] = []
+    for t in tensors:
+        what = expert_tensor(t.name)
+        if what is None:
+            out.append(t)
+            continue
+        if what.layer not in cache:
+            cache[what.layer] = experts_of(what.layer)
+        local = cache[what.layer]
+        if what.expert is not None:
+            if not what.heavy or what.expert in local:
+                out.append(t)
+            continue
+        if what.part.endswith(SCALE_SUFFIX):
+            weight = by_name.get(t.name.removesuffix(SCALE_SUFFIX))
+            out += explode(t, range(t.shape[0]) if t.shape else (), scale_block=scale_block, weight=weight)
+        else:
+            out += explode(t, sorted(local))
+    return out
+
+
+def explode(
+    tensor: SourceTensor,
+    experts: Iterable[int],
+    *,
+    scale_block: int | None = None,
+    weight: SourceTensor | None = None,
+) -> list[SourceTensor]:
+    """Per-expert tensors of ``experts`` cut from fused ``tensor``, each a byte range of it.
+
+    ``gate_up_proj`` ``[E, 2I, H]`` gives ``experts.{e}.gate_proj.weight`` ``[I, H]`` (rows
+    ``:I`` of expert ``e``) and ``up_proj.weight`` (rows ``I:``); ``down_proj`` ``[E, H, I]``
+    gives ``experts.{e}.down_proj.weight``. A block FP8 ``_scale_inv`` ``[E, S, T]`` gives
+    ``weight_scale_inv`` tensors the same way, which needs its ``weight`` (the fused tensor it
+    scales) and ``scale_block`` (rows per block) to dividing ``I``: a block straddling gate and
+    up cannot be cut.
+
+    Example:
+        >>> from qwen35_reshard.source.checkpoint import SourceTensor
+        >>> t = SourceTensor("model.layers.0.mlp.experts.gate_up_proj", "a.safetensors", "BF16",
+        ...                  (2, 4, 3), 0, 2 * 4 * 3 * 2)
+        >>> [(x.name.split("experts.")[1], x.shape, x.offset, x.nbytes) for x in explode(t, [1])]
+        [('1.gate_proj.weight', (2, 3), 24, 12), ('1.up_proj.weight', (2, 3), 36, 12)]
+    """
+    prefix, _, part = tensor.name.rpartition(EXPERTS)
+    base = part.removesuffix(SCALE_SUFFIX)
+    suffix = "weight_scale_inv" if part != base else "weight"
+    if len(tensor.shape) != 3 or tensor.shape[0] < 1 or tensor.nbytes % tensor.shape[0]:
+        raise BadInput(
+            f"tensor {tensor.name!r}: shape {list(tensor.shape)} with {tensor.nbytes} bytes is not "
+            "[experts, rows, columns]; cannot cut it per expert"
+        )
+    num, rows = tensor.shape[0], tensor.shape[1]
+    per = tensor.nbytes // num
+    if base == _DOWN:
+        pieces = [(_DOWN_PROJ, 0, rows)]
+    else:
+        half = rows // 2
+        problem = "an odd number of rows" if rows % 2 else None
+        if problem is None and part != base:
+            problem = _scale_problem(tensor, weight, scale_block)
+        if problem:
+            raise BadInput(
+                f"tensor {tensor.name!r}: {problem}, so its gate and up halves cannot be cut apart per expert"
+            )
+        pieces = [(_GATE, 0, half), (_UP, half, half)]
+    row_bytes = per // rows if rows else 0
+    out = []
+    for e in experts:
+        if not 0 <= e < num:
+            raise BadInput(f"tensor {tensor.name!r}: expert {e} is not in its {num} experts")
+        start = tensor.offset + e * per
+        for proj, first, count in pieces:
+            out.append(
+                SourceTensor(
+                    f"{prefix}{EXPERTS}{e}.{proj}.{suffix}",
+                    tensor.file,
+                    tensor.dtype,
+                    (count, *tensor.shape[2:]),
+                    start + first * row_bytes,
+                    count * row_bytes,
+                )
+            )
+    return out
+
+
+def _scale_problem(scale: SourceTensor, weight: SourceTensor | None, block: int | None) -> str | None:
+    """Why fused gate_up scale rows do not split into gate's and up's, or None: every block
+    must lie in one half."""
+    if weight is None or len(weight.shape) != 3 or weight.shape[1] % 2:
+        return "the fused weight it scales is missing or not [experts, 2 x intermediate, hidden]"
+    if block is None or block < 1:
+        return "no scale_block (the quantization config's weight_block_size) was given"
+    intermediate = weight.shape[1] // 2
+    if intermediate % block:
+        return f"a {block}-row scale block straddles gate and up (intermediate size {intermediate})"
+    if scale.shape[1] != 2 * intermediate // block:
+        return f"it has {scale.shape[1]} scale rows per expert, not {2 * intermediate // block}"
+    return None
+
+
+def _index(text: str) -> int | None:
+    """A layer or expert id as the servers' names spell it: decimal digits, no leading zero."""
+    if not (text.isascii() and text.isdigit()) or (text[0] == "0" and len(text) > 1):
+        return None
+    return int(text)
+
+
+def experts_by_layer(tensors: Mapping[str, object]) -> dict[MoeLayer, set[int]]:
+    """The per-expert ids found under each MoE layer of ``tensors`` (names), for a check that
+    a node holds every expert it must (the servers notice no missing local expert)."""
+    found: dict[MoeLayer, set[int]] = {}
+    for name in tensors:
+        what = expert_tensor(name)
+        if what is not None and what.expert is not None and what.heavy:
+            found.setdefault(what.layer, set()).add(what.expert)
+    return found
