@@ -24,6 +24,8 @@ import torch
 from test_vllm_engine import LAYERS, run_engine, tail, tiny_config, vllm_python
 from transformers import Qwen3_5MoeForConditionalGeneration
 
+from qwen35_reshard.servers.vllm import LOAD_FORMAT
+
 # The real vLLM engine in its environment, about a minute a start.
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -107,3 +109,29 @@ def test_per_expert_checkpoint_loads_each_ranks_experts_by_global_id(world, refe
     assert got["tokens"] == reference["tokens"]
     print(f"per-expert checkpoint, stock loader, TP=2 EP: {params} parameters and {experts} "
           f"(layer, expert) pairs over {EP} ranks equal to the fused checkpoint's")
+
+
+def test_unsplit_directory_each_rank_reads_only_its_nodes_experts(world, reference):
+    """The unsplit fused checkpoint through the load format, the EP group spread over two nodes
+    (``QWEN35_RESHARD_EP_NODES=2``: one host here): each rank reads in place only its node's
+    stage, its experts as per-expert tensors by global id, and loads what the stock loader
+    loads from the whole checkpoint, rank by rank; the tokens are the same."""
+    from qwen35_reshard import read_checkpoint
+    from qwen35_reshard.model.parallelism import Parallelism
+    from qwen35_reshard.servers.eprank import EP_NODES_ENV
+    from qwen35_reshard.servers.inplace import in_place_stage
+
+    source = world["sources"]["fused"]
+    got = ep_run(world, source, LOAD_FORMAT, env={EP_NODES_ENV: "2"})
+    params, experts = compare(got, reference)
+    assert got["tokens"] == reference["tokens"]
+    layout = Parallelism(pp=1, runtime="vllm", partition=(LAYERS,), ep=EP, nodes=2)
+    ckpt = read_checkpoint(source)
+    for node in range(2):
+        stage = in_place_stage(ckpt, layout, 0, node)
+        held = {n.split(".experts.")[1].split(".")[0] for n in stage.names if ".mlp.experts." in n}
+        assert held == {str(e) for e in range(node * 4, node * 4 + 4)}  # its 4 experts, per expert
+        assert f"this is node {node}, EP ranks [{node}, {node + 1})" in got["log"], tail(got)
+        assert f"loads {stage.display} ({len(stage.names)} tensors)" in got["log"], tail(got)
+    print(f"unsplit fused directory through {LOAD_FORMAT}, TP=2 EP over 2 nodes: {params} parameters and "
+          f"{experts} (layer, expert) pairs over {EP} ranks equal to the stock whole-checkpoint load")
