@@ -134,15 +134,19 @@ def run_job(job: dict) -> None:
     def loaded(case: dict, *, draft: bool) -> dict:
         """The model from the split (or, ``unsplit``, the unsplit checkpoint through the plugin,
         opted in) and its twin from the whole checkpoint by SGLang's own loader, compared."""
-        got = load(case["split"], draft=draft)
-        key = (case["source"], draft)
-        if key not in references:
-            os.environ.pop(plugin.UNSPLIT_ENV, None)  # the twin is SGLang's own, whatever the job's opt-in
+        def own(path: str, track: bool = True) -> dict:
+            """``path`` loaded by SGLang's own loader, whatever the job's opt-in."""
+            os.environ.pop(plugin.UNSPLIT_ENV, None)
             try:
-                references[key] = load(case["source"], draft=draft, track=False)
+                return load(path, draft=draft, track=track)
             finally:
                 if opt_in is not None:
                     os.environ[plugin.UNSPLIT_ENV] = opt_in
+
+        got = own(case["split"]) if case.get("stock") else load(case["split"], draft=draft)
+        key = (case["source"], draft)
+        if key not in references:
+            references[key] = own(case["source"], track=False)  # the twin is SGLang's own
         ref = references[key]
         model, twin = got.pop("model"), ref["model"]
         if job.get("ep", 1) > 1:  # which experts each slot of the rank holds, by their bytes
