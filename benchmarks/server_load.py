@@ -7,8 +7,7 @@ Run by hand, as root (the page cache is dropped before every start), not as a te
     python -m benchmarks server_load             # 2.2 GB, pp=2 and pp=4, 3 rounds: the numbers
     python -m benchmarks server_load --report saved.json   # the tables of a --save file
 
-This tree only: the servers' environments hold their own install of the package. The servers'
-worker processes run this file as a script (stdlib only at its top).
+This tree only (the servers' environments hold their own install); their workers run this file.
 
 It builds a synthetic Qwen3.5 MoE checkpoint with the real tensor names (examples/tiny_checkpoint.py:
 many layers, small dimensions, per-expert BF16 experts, MTP and a vision tower; linear-attention
@@ -47,16 +46,12 @@ split per server and pp (about 5x ``--size``), under ``--workdir``, deleted unle
 from __future__ import annotations
 
 import argparse
-import ctypes
 import datetime
 import fcntl
 import json
-import mmap
 import os
 import platform
 import shutil
-import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -64,84 +59,19 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+# The servers' interpreters run this file as a script: benchmarks.lib's helpers (stdlib only) from here.
+sys.path.insert(0, str(REPO))
+from benchmarks.lib.pages import evict, resident_bytes  # noqa: E402
+from benchmarks.lib.procs import io_read_bytes as read_bytes  # noqa: E402
+from benchmarks.lib.procs import stop_session as stop  # noqa: E402
+from benchmarks.lib.procs import vm_hwm as peak_rss  # noqa: E402
+
 BUILDER = REPO / "examples" / "tiny_checkpoint.py"
 PROBE_ENV = "QWEN35_BENCH_SERVER_PROBE"
 # hidden 512 gives linear-attention head dims of 128 (examples/tiny_checkpoint.py's rules), the
 # only size vLLM's CPU Gated DeltaNet kernel takes (docs: vllm-cpu-notes); experts grow to --size.
 DIMS = {"hidden": 512, "moe_intermediate": 128, "vocab": 8192, "layout": "per_expert"}
 ENGINE_TIMEOUT = 1200  # s, one engine start on a loaded 2-core machine
-
-
-# --------------------------------------------------------------------------- measuring helpers
-# (stdlib only: they run in the driver and in the servers' interpreters)
-
-
-def read_bytes() -> int:
-    """Bytes this process has caused to be read from storage (``/proc/self/io``)."""
-    for line in Path("/proc/self/io").read_text().splitlines():
-        if line.startswith("read_bytes:"):
-            return int(line.split()[1])
-    raise RuntimeError("/proc/self/io has no read_bytes")
-
-
-def peak_rss() -> int:
-    """This process's peak resident set (``VmHWM``), in bytes; mapped file pages included."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/self/status has no VmHWM")
-
-
-def resident_bytes(paths: list[str]) -> int:
-    """Bytes of these files in the page cache (``mincore`` on a fresh read-only mapping)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = (
-        ctypes.c_void_p,
-        ctypes.c_size_t,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_long,
-    )
-    libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
-    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
-    page = os.sysconf("SC_PAGE_SIZE")
-    total = 0
-    for path in paths:
-        size = os.path.getsize(path)
-        if not size:
-            continue
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-            if addr is None or addr == ctypes.c_void_p(-1).value:
-                raise OSError(ctypes.get_errno(), f"mmap of {path} failed")
-            try:
-                vec = ctypes.create_string_buffer(-(-size // page))
-                if libc.mincore(addr, size, vec) != 0:
-                    raise OSError(ctypes.get_errno(), f"mincore of {path} failed")
-                pages = len(vec.raw) - vec.raw.count(0)  # only the low bit is defined; others are 0
-                total += min(pages * page, size)
-            finally:
-                libc.munmap(addr, size)
-        finally:
-            os.close(fd)
-    return total
-
-
-def evict(paths: list[str]) -> None:
-    """Drop these files' pages from the page cache, and check that none is left."""
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fdatasync(fd)  # dirty pages (a file just written) are not dropped
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    left = resident_bytes(paths)
-    if left:
-        raise RuntimeError(f"{left} bytes of the checkpoint stayed in the page cache after DONTNEED")
 
 
 # --------------------------------------------------------------------------- vLLM side
@@ -256,36 +186,6 @@ def drop_caches(files: list[str], how: str) -> None:
         os.sync()
         Path("/proc/sys/vm/drop_caches").write_text("3\n")
     evict(files)  # after a drop too: it checks that nothing of the checkpoint is left
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """Stop an engine this script started, and every process of its session."""
-    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(wait)
-            # the session's other processes (engine core, workers) may outlive the leader
-            deadline = time.monotonic() + wait
-            while time.monotonic() < deadline and session_alive(proc.pid):
-                time.sleep(0.2)
-            if not session_alive(proc.pid):
-                return
-        except subprocess.TimeoutExpired:
-            pass
-
-
-def session_alive(sid: int) -> bool:
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if os.getsid(int(entry.name)) == sid:
-                    return True
-            except OSError:
-                pass
-    return False
 
 
 def run_vllm(
@@ -416,140 +316,6 @@ def split(model: Path, out: Path, pp: int, runtime: str) -> None:
     )
 
 
-def gb(n: float) -> str:
-    return f"{n / 1e9:.3f}"
-
-
-def med(values: list[float]) -> float:
-    return statistics.median(values)
-
-
-def span(values: list[float], fmt: str = "{:.1f}") -> str:
-    return fmt.format(med(values)) + (
-        f" ({fmt.format(min(values))}–{fmt.format(max(values))})" if len(values) > 1 else ""
-    )
-
-
-def report_vllm(pp: int, results: dict) -> None:
-    runs, ckpt_bytes = results["vllm"], results["meta"]["checkpoint_bytes"]
-    print(f"\n### vLLM, pp={pp}\n")
-    n_run, n_alone = len(runs[f"{pp}/stock/run"]), len(runs[f"{pp}/stock/alone"])
-    print(f"Medians of {n_run} starts as run; bytes read alone from {n_alone} start(s), loads serialised.\n")
-    print(
-        "| loader | worker | checkpoint bytes read, worker alone (GB, % of checkpoint) "
-        "| read_bytes alone (GB) "
-        "| read_bytes as run (GB) | engine start → weights loaded (s) | load_model (s) "
-        "| load_model alone (s) "
-        "| peak RSS, VmHWM (GB) |"
-    )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
-    stats = {}
-    for method in ("stock", "split"):
-        shared, alone = runs[f"{pp}/{method}/run"], runs[f"{pp}/{method}/alone"]
-        for rank in range(pp):
-
-            def col(rs, key, rank=rank):
-                return [r["workers"][rank][key] for r in rs]
-
-            s = {
-                "resident": col(alone, "resident"),
-                "alone_read_bytes": col(alone, "read_bytes"),
-                "alone_load_s": col(alone, "load_s"),
-                "read_bytes": col(shared, "read_bytes"),
-                "since_start": col(shared, "since_start"),
-                "load_s": col(shared, "load_s"),
-                "peak_rss": col(shared, "peak_rss"),
-            }
-            stats[(method, rank)] = s
-            name = "stock (whole checkpoint)" if method == "stock" else "qwen35-stages (split)"
-            res = med(s["resident"])
-            print(
-                f"| {name} | PP{rank} | {gb(res)} ({100 * res / ckpt_bytes:.1f}%) "
-                f"| {gb(med(s['alone_read_bytes']))} "
-                f"| {gb(med(s['read_bytes']))} | {span(s['since_start'])} | {span(s['load_s'], '{:.2f}')} "
-                f"| {span(s['alone_load_s'], '{:.2f}')} | {gb(med(s['peak_rss']))} |"
-            )
-    for method in ("stock", "split"):
-        rs = runs[f"{pp}/{method}/run"]
-        union = med([r["union"] for r in rs])
-        total_rb = med([sum(w["read_bytes"] for w in r["workers"]) for r in rs])
-        print(
-            f"\n{method}, as run: its files (whole checkpoint / every stage) in the page cache after "
-            f"the load {gb(union)} GB "
-            f"({100 * union / ckpt_bytes:.1f}%), read_bytes summed over the workers {gb(total_rb)} GB."
-        )
-    stage_bytes = results["meta"]["stage_bytes"][f"vllm/{pp}"]
-    stages = ", ".join(gb(b) for b in stage_bytes)
-    print(f"\nCheckpoint files {gb(ckpt_bytes)} GB; the stages' files {stages} GB.\n")
-    print(
-        "| worker | bytes read, split / stock | start → loaded, split / stock | load_model, split / stock "
-        "| load_model alone, split / stock | peak RSS, split / stock |"
-    )
-    print("|---|---:|---:|---:|---:|---:|")
-    for rank in range(pp):
-        a, b = stats[("stock", rank)], stats[("split", rank)]
-        print(
-            f"| PP{rank} | {med(b['resident']) / med(a['resident']):.3f} | "
-            f"{med(b['since_start']) / med(a['since_start']):.2f} | "
-            f"{med(b['load_s']) / med(a['load_s']):.2f} | "
-            f"{med(b['alone_load_s']) / med(a['alone_load_s']):.2f} | "
-            f"{med(b['peak_rss']) / med(a['peak_rss']):.2f} |"
-        )
-
-
-def report_sglang(pp: int, results: dict) -> None:
-    runs, ckpt_bytes = results["sglang"], results["meta"]["checkpoint_bytes"]
-    n = len(runs[f"{pp}/stock/0"])
-    print(
-        f"\n### SGLang, pp={pp} (DefaultModelLoader.load_model, one rank per process, alone; {n} round(s))\n"
-    )
-    print(
-        "| model path | rank | layers | checkpoint bytes read (GB, % of checkpoint) | read_bytes (GB) "
-        "| process start → loaded (s) | load_model (s) | peak RSS, VmHWM (GB) |"
-    )
-    print("|---|---|---|---:|---:|---:|---:|---:|")
-    for method in ("stock", "split"):
-        for rank in range(pp):
-            rs = runs[f"{pp}/{method}/{rank}"]
-            res = med([r["resident"] for r in rs])
-            where = "MODEL (whole)" if method == "stock" else f"OUT/pp{rank}"
-            print(
-                f"| {where} | {rank} | {rs[0]['layers'][0]}–{rs[0]['layers'][1] - 1} | {gb(res)} "
-                f"({100 * res / ckpt_bytes:.1f}%) | {gb(med([r['read_bytes'] for r in rs]))} "
-                f"| {span([r['since_start'] for r in rs])} | {span([r['load_s'] for r in rs], '{:.2f}')} "
-                f"| {gb(med([r['peak_rss'] for r in rs]))} |"
-            )
-    print("\n| rank | bytes read, stage / whole | load_model, stage / whole | peak RSS, stage / whole |")
-    print("|---|---:|---:|---:|")
-    for rank in range(pp):
-        a, b = runs[f"{pp}/stock/{rank}"], runs[f"{pp}/split/{rank}"]
-
-        def ratio(key, a=a, b=b):
-            return med([r[key] for r in b]) / med([r[key] for r in a])
-
-        print(f"| {rank} | {ratio('resident'):.3f} | {ratio('load_s'):.2f} | {ratio('peak_rss'):.2f} |")
-
-
-def report(results: dict) -> None:
-    meta = results["meta"]
-    print(f"## Loading in the servers, {meta['stamp']}, {meta['host']}\n")
-    print(
-        f"Checkpoint: {gb(meta['checkpoint_bytes'])} GB in {meta['files']} files, {meta['kwargs']}; "
-        f"{meta['rounds']} interleaved rounds asked for; page cache before every start: {meta['cache']}."
-    )
-    for server, rep, keys in (
-        ("vllm", report_vllm, ("stock/run", "stock/alone", "split/run", "split/alone")),
-        ("sglang", report_sglang, ("stock/0", "split/0")),
-    ):
-        for pp in meta["pp"] if server in meta["servers"] else ():
-            if all(f"{pp}/{k}" in results[server] for k in keys):
-                rep(pp, results)
-            else:
-                print(f"\n### {server}, pp={pp}: not measured (the run stopped before it)")
-    if "seconds" in meta:
-        print(f"\nWhole run: {meta['seconds']:.0f} s.")
-
-
 def default_python(env: str, venv: str) -> str:
     for candidate in (
         os.environ.get(env),
@@ -622,6 +388,8 @@ def main(argv: list[str] | None = None, trees: object = None) -> int:
     if args.sglang_child:
         sglang_child(json.loads(args.sglang_child))
         return 0
+    from benchmarks.lib.server_tables import gb, report
+
     if args.report:
         report(json.loads(args.report.read_text()))
         return 0

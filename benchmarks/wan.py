@@ -121,7 +121,7 @@ def fetch(argv: list[str], *, tree: Tree, hub: HubServer, node: Path, ends: dict
 
 def main(argv: list[str], trees: list[Tree]) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks wan", description=__doc__.split("\n\n")[0])
-    p.add_argument("--sizes", default="4.63e8,1.81e9", help="checkpoint bytes, comma-separated")
+    p.add_argument("--sizes", default="4.63e8,1.811e9", help="checkpoint bytes, comma-separated")
     p.add_argument("--shards", type=int, default=35, help="shards per checkpoint, about (default 35)")
     p.add_argument("--layers", type=int, default=16, help="decoder layers (default 16)")
     p.add_argument(
@@ -144,6 +144,7 @@ def main(argv: list[str], trees: list[Tree]) -> int:
                     work / f"model-{size:g}", size, layers=args.layers, shards=args.shards
                 )
                 ends = header_ends(model)
+                repo = f"{checkpoints.size(model) / 1e6:,.0f} MB, {len(ends)} shards"
                 hub.add_repo(REPO, model)
                 from qwen35_reshard import read_checkpoint
                 from qwen35_reshard.model.runtimes import default_partition
@@ -172,11 +173,10 @@ def main(argv: list[str], trees: list[Tree]) -> int:
                             got = fetch(cmd, tree=tree, hub=hub, node=node, ends=ends)
                             runs.setdefault((what, tree.label), []).append(got)
                             shutil.rmtree(node)
-                    print(f"  {size / 1e6:,.0f} MB: round {r + 1} done", flush=True)
+                    print(f"  {repo}: round {r + 1} done", flush=True)
                 shutil.rmtree(model)
                 base = runs[("snapshot_download", "stock")]
                 b_s, b_b = median([f.seconds for f in base]), median([f.sent for f in base])
-                shards = len(ends)
                 for (what, label), fs in runs.items():
                     s, b = median([f.seconds for f in fs]), median([f.sent for f in fs])
                     first, data = median([f.first_data for f in fs]), median([f.data for f in fs])
@@ -184,7 +184,7 @@ def main(argv: list[str], trees: list[Tree]) -> int:
                     fits.setdefault((what, label), []).append((b, s))
                     rows.append(
                         [
-                            f"{size / 1e6:,.0f} MB, {shards} shards",
+                            repo,
                             what,
                             label,
                             f"{b / 1e6:,.0f} MB",

@@ -48,13 +48,37 @@ def build(path: Path, **kwargs: Any) -> Path:
 
 
 def scaled(path: Path, size: float, *, layers: int = 40, shards: int | None = None) -> Path:
-    """The Qwen3.5-35B-A3B structure (fused experts, MTP, vision) at about ``size`` bytes, with
-    ``layers`` decoder layers and, given ``shards``, about that many shards."""
-    kwargs = tiny.preset("qwen3.5-35b-a3b-scaled", target_bytes=int(size * 40 / layers))
-    kwargs["layers"] = layers
+    """The Qwen3.5-35B-A3B structure (fused experts, MTP, vision) with ``layers`` decoder layers,
+    its tensors within a few percent of ``size`` bytes and, given ``shards``, in that many shards."""
+    target = size * 40 / layers  # the preset sizes 40 layers
+    for _ in range(3):  # its dimensions come in steps: aim again from what it gave
+        kwargs = {**tiny.preset("qwen3.5-35b-a3b-scaled", target_bytes=int(target)), "layers": layers}
+        total = _tensor_bytes(kwargs)
+        if abs(total - size) < 0.01 * size:
+            break
+        target *= size / total
     if shards:
-        kwargs["shard_bytes"] = int(size) // shards
+        kwargs["shard_bytes"] = _shard_bytes(kwargs, shards)
     return build(path, **kwargs)
+
+
+def _specs(kwargs: dict[str, Any]) -> list:
+    return tiny.describe_model(**{k: v for k, v in kwargs.items() if k not in ("sparse", "shard_bytes")})[1]
+
+
+def _tensor_bytes(kwargs: dict[str, Any]) -> int:
+    return sum(map(tiny.nbytes, _specs(kwargs)))
+
+
+def _shard_bytes(kwargs: dict[str, Any], shards: int) -> int:
+    """The smallest shard size that cuts the model into at most ``shards`` shards (as the
+    builder cuts: tensors in order, a new shard when the next one would not fit)."""
+    specs = _specs(kwargs)
+    lo, hi = 1, sum(map(tiny.nbytes, specs))
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if len(tiny._split_shards(specs, mid)) <= shards else (mid + 1, hi)
+    return lo
 
 
 def headers(path: Path, shape: str) -> Path:

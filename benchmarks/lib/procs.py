@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -123,3 +124,40 @@ def vm_hwm() -> int:
     """This process's own peak RSS in bytes (``VmHWM``: of its current memory image only)."""
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) * 1024
+
+
+def io_read_bytes() -> int:
+    """Bytes this process has caused to be read from storage (``read_bytes`` of /proc/self/io)."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
+
+
+def stop_session(proc: subprocess.Popen) -> None:
+    """Stop a process started in a session of its own (``start_new_session``), and every process of
+    its session (a server's engine core and workers may outlive the leader)."""
+    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait)
+            # the session's other processes (engine core, workers) may outlive the leader
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline and _session_alive(proc.pid):
+                time.sleep(0.2)
+            if not _session_alive(proc.pid):
+                return
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _session_alive(sid: int) -> bool:
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if os.getsid(int(entry.name)) == sid:
+                    return True
+            except OSError:
+                pass
+    return False

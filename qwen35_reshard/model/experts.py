@@ -12,13 +12,17 @@ their own functions over a grid of sizes (tests/engine/test_expert_placement_ser
   remainder one each to the first ranks. Slot ``p`` holds logical ``p % E``
   (``EplbState.build_initial_global_physical_to_logical_map``: ``[0..E) + [i % E for i < R]``).
   Redundant experts need EPLB, which refuses ``(E+R) % ep != 0`` and an EP group of one.
-  Where EPLB later moves experts it sends them between GPUs, never from disk.
+  Where EPLB later moves experts it sends them between GPUs, never from disk. The MTP drafter is
+  built from the target's config (``_create_draft_vllm_config``), so its MoE layer places experts
+  as the decoder layers do (read, not run: vLLM's EPLB needs CUDA).
 - SGLang (``ExpertLocationMetadata.init_trivial``, ``FusedMoE._map_global_expert_id_to_local_expert_id``):
   ``(E+R) / ep`` slots per rank, ``(E+R) % ep == 0`` asserted; slot ``p`` holds logical
   ``p % E``, or what ``--init-expert-location`` says per layer (``physical_to_logical_map``
   ``[num_hidden_layers][E+R]``), so layers may differ. The MTP draft's MoE uses no expert
   location (``FusedMoE.uses_expert_location`` is off for a draft): its slot ``p`` holds
-  logical ``p`` for ``p < E``, nothing beyond.
+  logical ``p`` for ``p < E``, nothing beyond. With an all-to-all backend (DeepEP) the loader
+  fills only the nearest slot of a logical expert held twice on one rank
+  (``_compute_logical_to_all_physical_map``): the rank's set of logical experts is the same.
 - Nodes: node ``k`` of ``N`` runs EP ranks ``[k*ep/N, (k+1)*ep/N)`` (vLLM's data-parallel ranks
   and SGLang's ranks are numbered node by node); ``ep % N == 0``, or nodes would run
   different GPU counts of one EP group, which neither server's launch supports.
@@ -105,10 +109,6 @@ class ExpertPlacement:
             row = self.location[layer.index]
             return tuple(row[p] for p in slots)
         return tuple(p % self.num_experts for p in slots)
-
-    def rank_experts(self, layer: int | MoeLayer, ep_rank: int) -> frozenset[int]:
-        """The logical experts EP rank ``ep_rank`` must load in ``layer`` (a set)."""
-        return frozenset(self.experts(layer, ep_rank))
 
     def node_experts(self, layer: int | MoeLayer, node: int, nodes: int) -> frozenset[int]:
         """The logical experts node ``node`` of ``nodes`` must hold in ``layer``: the union of its

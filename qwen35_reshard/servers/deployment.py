@@ -37,6 +37,7 @@ from ..loader import Stage, is_split, open_stage
 from ..model.parallelism import Parallelism
 from ..model.runtimes import runtime_of
 from .eprank import RankExperts, ep_nodes, rank_view
+from .terms import for_operator, operator_terms
 
 PpIndices = Callable[[int, int, int], tuple[int, int]]  # (layers, rank, pp size) -> [start, end)
 
@@ -101,7 +102,8 @@ def rank_stage(
     if split:
         # A stage directory is opened as itself, so that a wrong rank is told which directory is its own.
         given = None if (Path(model) / STAGE_MANIFEST).is_file() else pp_rank
-        stage = open_stage(model, pp_rank=given)
+        with operator_terms(split=True):
+            stage = open_stage(model, pp_rank=given)
     else:
         from .unsplit import for_server  # the writer's side, only where a stage is built
 
@@ -116,7 +118,7 @@ def rank_stage(
                     expert_location=_location(experts.location),
                 )
             except ReshardError as e:  # the server's own expert-parallel settings, which it accepted
-                raise StageError(f"pipeline rank {pp_rank}: {e}") from e
+                raise StageError(f"pipeline rank {pp_rank}: {for_operator(e)}") from e
             node = experts.ep_rank // layout.ranks_per_node
         stage = for_server(
             model, layout, rank=pp_rank, node=node, revision=commit or revision, token=token, log=log

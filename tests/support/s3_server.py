@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -47,6 +48,8 @@ class S3Log:
     sent: int = 0  # body bytes written
     agent: str = ""
     session_token: bool = False
+    started: float = 0.0  # when the request came in
+    ended: float = 0.0  # when its answer's last byte went out: [started, ended) is in flight
 
     @property
     def key(self) -> str:
@@ -72,13 +75,30 @@ class Keys:
 
 @dataclass
 class S3Fault:
-    """Answer ``status`` to the next ``times`` GETs of keys ending in ``suffix`` (ranged only
-    when ``ranged``)."""
+    """Spoil the next ``times`` GETs of keys ending in ``suffix`` (ranged only when ``ranged``),
+    as a failing store or a broken proxy in front of it would: answer ``status`` (with a
+    ``Retry-After`` of ``retry_after`` s); or with ``after``, send that many body bytes, go
+    silent ``stall`` s (or until the server stops) and drop the connection; or with ``shift``,
+    say in Content-Range that the bytes are those one further on; or with ``ignore_range``,
+    answer 200 without a Content-Range, as a proxy that drops ``Range`` does (the request is
+    signed, Range included: a lie can only be told in the answer)."""
 
     suffix: str
-    status: int = 503
+    status: int | None = 503
     times: int = 1
     ranged: bool = True
+    retry_after: int | None = None
+    after: int | None = None
+    stall: float = 0.0
+    shift: bool = False
+    ignore_range: bool = False
+
+
+def _shifted(content_range: str) -> str:
+    """``bytes a-b/n`` one byte further on."""
+    span, size = content_range.split()[1].split("/")
+    a, b = (int(x) for x in span.split("-"))
+    return f"bytes {a + 1}-{b + 1}/{size}"
 
 
 class _Paced:
@@ -97,42 +117,72 @@ class _Paced:
             if_match=environ.get("HTTP_IF_MATCH"),
             agent=environ.get("HTTP_USER_AGENT", ""),
             session_token="HTTP_X_AMZ_SECURITY_TOKEN" in environ,
+            started=time.monotonic(),
         )
         if not entry.path.startswith("/moto-api"):
-            with o.lock:
+            with o.settled:
                 o.entries.append(entry)
+                o.in_flight += 1
+                o.peak_in_flight = max(o.peak_in_flight, o.in_flight)
         if entry.method == "GET" and entry.range and o.on_get is not None:
             o.on_get(entry)
         if o.latency:
             time.sleep(o.latency)
         fault = o.take_fault(entry)
-        if fault is not None:
+        if fault is not None and fault.status is not None:
             entry.status = fault.status
-            start_response(f"{fault.status} Fault", [("Content-Length", "0"), ("Connection", "close")])
-            return [b""]
+            headers = [("Content-Length", "0"), ("Connection", "close")]
+            if fault.retry_after is not None:
+                headers.append(("Retry-After", str(fault.retry_after)))
+            start_response(f"{fault.status} Fault", headers)
+            return self._paced([b""], entry, None, None)  # ended once the answer is out
+        # A lie is told in the answer: the request is signed, Range included (SigV4).
+        lie = fault if fault is not None and (fault.shift or fault.ignore_range) else None
 
         def recording(status: str, headers: list, exc_info: object = None) -> Callable:
+            if lie is not None and lie.shift:
+                headers = [(k, _shifted(v) if k.lower() == "content-range" else v) for k, v in headers]
+            elif lie is not None:
+                status, headers = "200 OK", [(k, v) for k, v in headers if k.lower() != "content-range"]
             entry.status = int(status.split()[0])
             return start_response(status, headers, exc_info)
 
-        return self._paced(self.app(environ, recording), entry)
+        cut = fault if fault is not None and fault.after is not None else None
+        return self._paced(self.app(environ, recording), entry, cut, environ.get("werkzeug.socket"))
 
-    def _paced(self, body: Iterable[bytes], entry: S3Log) -> Iterable[bytes]:
+    def _done(self, entry: S3Log) -> None:
+        with self.owner.settled:
+            entry.ended = time.monotonic()
+            if not entry.path.startswith("/moto-api"):
+                self.owner.in_flight -= 1
+            self.owner.settled.notify_all()
+
+    def _paced(
+        self, body: Iterable[bytes], entry: S3Log, cut: S3Fault | None, sock: object
+    ) -> Iterable[bytes]:
         rate, started = self.owner.rate, time.monotonic()
         try:
             for chunk in body:
                 for i in range(0, len(chunk), _PACE_CHUNK if rate else max(len(chunk), 1)):
                     piece = chunk[i : i + _PACE_CHUNK] if rate else chunk
-                    yield piece
-                    entry.sent += len(piece)
-                    if rate:
+                    if cut is not None and entry.sent + len(piece) > cut.after:
+                        yield piece[: cut.after - entry.sent]
+                        entry.sent = cut.after
+                        if cut.stall:
+                            self.owner.stopped.wait(cut.stall)
+                        sock.shutdown(socket.SHUT_RDWR)  # the client sees the body end early
+                        return
+                    if rate:  # the bytes sent so far may not have gone out faster than the rate
                         ahead = entry.sent / rate - (time.monotonic() - started)
                         if ahead > 0:
                             time.sleep(ahead)
+                    yield piece
+                    entry.sent += len(piece)
         finally:
             close = getattr(body, "close", None)
             if close is not None:
                 close()
+            self._done(entry)
 
 
 class S3Server:
@@ -151,6 +201,9 @@ class S3Server:
         self.lock = threading.Lock()
         self.entries: list[S3Log] = []
         self.faults: list[S3Fault] = []
+        self.settled = threading.Condition(self.lock)  # in_flight changes
+        self.in_flight = self.peak_in_flight = 0
+        self.stopped = threading.Event()  # ends stalls
         self.on_get: Callable[[S3Log], None] | None = None
         app = _Paced(DomainDispatcherApplication(create_backend_app), self)
         self._server = make_server("127.0.0.1", 0, app, threaded=True, request_handler=MotoRequestHandler)
@@ -221,8 +274,10 @@ class S3Server:
         return f"s3://{bucket}/{prefix}"
 
     def gets(self, suffix: str = "") -> list[S3Log]:
-        """The logged GETs of objects whose key ends in ``suffix``."""
-        with self.lock:
+        """The logged GETs of objects whose key ends in ``suffix``, in the order they came in,
+        once none is still being answered."""
+        with self.settled:
+            self.settled.wait_for(lambda: self.in_flight == 0, timeout=10)
             return [e for e in self.entries if e.method == "GET" and e.key and e.key.endswith(suffix)]
 
     def sent(self, suffix: str = ".safetensors") -> int:
@@ -251,6 +306,7 @@ class S3Server:
         return None
 
     def stop(self) -> None:
+        self.stopped.set()
         self._server.shutdown()
         self._thread.join()
 

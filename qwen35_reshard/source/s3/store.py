@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from ...errors import BadInput, ObjectStoreError, ReshardError, param
+from ...errors import AGAIN, BadInput, ObjectStoreError, ReshardError, param
 from ...format.names import TOOL_NAME
 from ..ranged import describe, redact, retry_after
 from ..remote.engine import RemoteFile, Transient, read_timeout_setting, streams_setting
@@ -40,7 +40,9 @@ BAD_CREDENTIALS = (
     "TokenRefreshRequired",
     "InvalidClientTokenId",
 )
-CHUNK_BYTES = 1 << 20  # a ranged read's body is handed on in chunks of this size as they arrive
+# A ranged read's body is handed on in chunks of this size (botocore's read waits for a whole
+# one): a dropped or stalled read loses at most this much, asked again from its first byte.
+CHUNK_BYTES = 64 << 10
 # Listing and metadata requests: botocore's own retries (standard mode). Ranged reads: none in
 # botocore, the fetch engine's (one policy and one log line for every remote read).
 LIST_ATTEMPTS = 6
@@ -246,7 +248,7 @@ class S3Transport:
             if status == 412:
                 raise ObjectStoreError(
                     f"{self.display}: {file.name} was replaced while this run read it (its ETag is no "
-                    f"longer {file.identity}); nothing was finished from it: run the same command again "
+                    f"longer {file.identity}); nothing was finished from it: {AGAIN} "
                     "once the upload is complete"
                 ) from e
             raise store_error(e, self.where, self.clients.endpoint, what=f"{file.name} ({asked})") from e
@@ -259,7 +261,14 @@ class S3Transport:
                 for chunk in body.iter_chunks(CHUNK_BYTES):
                     self._traffic.add(len(chunk))
                     yield chunk
-            except (bx.ResponseStreamingError, bx.ConnectionError, bx.HTTPClientError) as e:
+            # A body cut short (IncompleteReadError: the connection closed early) is a transient
+            # failure like a reset: the engine asks again from the first byte not yet received.
+            except (
+                bx.ResponseStreamingError,
+                bx.IncompleteReadError,
+                bx.ConnectionError,
+                bx.HTTPClientError,
+            ) as e:
                 raise Transient(f"the connection failed ({type(e).__name__})") from e
         finally:
             body.close()

@@ -17,15 +17,18 @@ from qwen35_reshard.plan import experts as experts_module
 from qwen35_reshard.plan.experts import (
     ExpertTensor,
     expert_tensor,
+    expert_tensors,
     experts_by_layer,
     explode,
     node_expert_tensors,
+    nodes_expert_tensors,
 )
 from qwen35_reshard.source.checkpoint import SourceTensor
 from qwen35_reshard.source.header import read_header
 
 E, INTER, H, BLOCK = 6, 8, 12, 4
 LM = "model.language_model.layers.2.mlp.experts."
+OTHER = "model.language_model.layers.5.mlp.experts."  # a per-expert layer
 
 
 def test_module_examples_run():
@@ -173,3 +176,29 @@ def test_names(name, expected):
 def test_names_under_experts_the_servers_would_not_load_are_refused(rest):
     with pytest.raises(BadInput, match="not a routed-expert tensor"):
         expert_tensor(LM + rest)
+
+
+def test_a_bad_expert_id_is_refused_after_a_good_one_of_the_same_part():
+    with pytest.raises(BadInput, match="'07'"):
+        expert_tensors([LM + "1.up_proj.weight", LM + "07.up_proj.weight"])
+
+
+def test_names_parsed_at_once_are_parsed_as_one_by_one(fused):
+    _, src = fused
+    extra = [LM + "3.gate_proj.weight_packed", "mtp.layers.1.mlp.experts.0.down_proj.weight", "mtp.fc.weight"]
+    names = [*src, *extra]
+    assert expert_tensors(names) == [expert_tensor(n) for n in names]
+
+
+def test_several_nodes_at_once_get_what_each_gets_alone(fused):
+    _, src = fused
+    tensors = list(src.values()) + per_expert(
+        (f"{LM}{e}.{p}.{s}", "F8_E4M3")
+        for e in range(E)
+        for p in ("gate_proj", "down_proj")
+        for s in ("weight", "x")
+    )
+    nodes = [lambda layer: {0, 1}, lambda layer: {2, 3} if layer.mtp else {4, 5}, lambda layer: set()]
+    together = nodes_expert_tensors(tensors, nodes, scale_block=BLOCK)
+    assert together == [node_expert_tensors(tensors, f, scale_block=BLOCK) for f in nodes]
+    assert [len(n) for n in together] == [len(together[0])] * 2 + [len(together[0]) - 14]
