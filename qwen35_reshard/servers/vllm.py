@@ -92,8 +92,8 @@ def own_stage(model_config: object, log: Callable[[str], None], parallel_config:
     """This rank's stage of ``model_config.model``, once every rank of the deployment (vLLM's
     world group) agreed on the partition and the commit, checked against the rank's view of the
     split (:func:`~qwen35_reshard.servers.deployment.rank_stage`); under expert parallelism
-    (``parallel_config``, default vLLM's current one) of an unsplit model, only the experts of
-    the rank's node. Called before the model is built.
+    (``parallel_config``, default vLLM's current one, if any) of an unsplit model, only the
+    experts of the rank's node. Called before the model is built.
 
     Raises:
         StageError: on every rank for a disagreement; else this rank's stage cannot be loaded.
@@ -102,9 +102,9 @@ def own_stage(model_config: object, log: Callable[[str], None], parallel_config:
     from vllm.distributed.utils import get_pp_indices
 
     if parallel_config is None:
-        from vllm.config import get_current_vllm_config
+        from vllm.config import get_current_vllm_config_or_none
 
-        parallel_config = get_current_vllm_config().parallel_config
+        parallel_config = getattr(get_current_vllm_config_or_none(), "parallel_config", None)
     pp = get_pp_group()
     token = getattr(model_config, "hf_token", None)
     # For an s3:// model vLLM fetches the config and tokenizer into a local folder
