@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from qwen35_reshard.source.remote.checkpoint import HEADER_GUESS
+from qwen35_reshard.source.remote.checkpoint import header_read
 from qwen35_reshard.source.remote.parts import GAP_BYTES
 
 from support.helpers import ROOT, one_error_line
@@ -230,7 +230,7 @@ def test_plan_reads_only_headers_and_keeps_them(hub, hf_home, model):
     for file, size in sizes.items():
         (n,) = struct.unpack("<Q", (model / file).read_bytes()[:8])
         # the header in its first read (and the rest of a longer one): no more than that
-        assert covered(ranges[file]) == [(0, max(8 + n, min(size, HEADER_GUESS)))]
+        assert covered(ranges[file]) == [(0, max(8 + n, header_read(size)))]
     # Planned again with the server gone: the kept headers are enough.
     hub.stop()
     again = run(["plan", "--pp", PP, REPO], hub=None, hf_home=hf_home, env={"HF_HUB_OFFLINE": "1"})

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from qwen35_reshard.source.remote.checkpoint import HEADER_GUESS
+from qwen35_reshard.source.remote.checkpoint import header_read
 from qwen35_reshard.source.remote.parts import GAP_BYTES
 
 from support.helpers import ROOT, digests, one_error_line
@@ -81,9 +81,8 @@ def header_bytes(model: Path) -> dict[str, int]:
 
 
 def header_reads(model: Path) -> dict[str, int]:
-    """What reading each shard's header costs: its first HEADER_GUESS bytes, or more for a longer
-    header (the tool's documented first read)."""
-    return {f: max(n, min((model / f).stat().st_size, HEADER_GUESS)) for f, n in header_bytes(model).items()}
+    """What reading each shard's header costs: the tool's first read, or more for a longer header."""
+    return {f: max(n, header_read((model / f).stat().st_size)) for f, n in header_bytes(model).items()}
 
 
 def data_bytes(stage: Path) -> int:

@@ -35,7 +35,19 @@ MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
 # A header's first read: its length prefix and the header itself where it is no longer (one
 # request; a second, for the rest, only for a longer one). 64 KiB holds the header of a shard of
 # ~500 tensors, and costs 6.5 ms at 10 MB/s: less than the round trip a second request waits.
+# Never more than 1/HEADER_SHARE of the shard (small shards: the header read is not the data).
 HEADER_GUESS = 64 << 10
+HEADER_SHARE = 16
+
+
+def header_read(size: int) -> int:
+    """Bytes of a ``size``-byte shard read first for its header (see :data:`HEADER_GUESS`).
+
+    Example:
+        >>> header_read(5 << 30), header_read(160_000), header_read(4)
+        (65536, 10000, 4)
+    """
+    return min(size, max(8, min(HEADER_GUESS, size // HEADER_SHARE)))
 # Headers read at once while planning: each costs round trips, not bandwidth (a few KB), so every
 # shard's at once (more than the data streams), up to this many (a 397B checkpoint has 94 shards).
 HEADER_READS = 64
@@ -204,7 +216,7 @@ def _check_offline(store: Store, files: list[str]) -> None:
 
 def header_bytes(store: Store, name: str, engine: FetchEngine) -> bytes:
     """Shard ``name``'s length prefix and header (its first 8 + n bytes): kept, read from a
-    local copy, or fetched: the first :data:`HEADER_GUESS` bytes, and the rest of a longer header.
+    local copy, or fetched: its first :func:`header_read` bytes, and the rest of a longer header.
 
     Raises:
         ReshardError: the shard is not in the store, or its header could not be read.
@@ -221,7 +233,7 @@ def header_bytes(store: Store, name: str, engine: FetchEngine) -> bytes:
             (n,) = struct.unpack("<Q", fh.read(8).ljust(8, b"\0"))
             _check_header_length(store, name, n, size)
             return struct.pack("<Q", n) + fh.read(n)
-    raw = _read(store, name, 0, min(size, HEADER_GUESS), engine)
+    raw = _read(store, name, 0, header_read(size), engine)
     if len(raw) < 8:
         raise RemoteError(f"{store.describe()}: {name}: not a safetensors file (shorter than 8 bytes)")
     (n,) = struct.unpack("<Q", raw[:8])
