@@ -17,28 +17,64 @@ the file, tensor or parameter at fault and what to do; the command line prints i
   object was replaced while a run read it.
 - :class:`StageError`: a stage directory that must not be loaded (the loader shim);
   :class:`DamagedStage` when its bytes are not the ones its manifest records.
-A parameter is named through :func:`param`, so each caller sees its own spelling: ``str(e)``
-says ``pp`` or ``overwrite=True`` (the library's parameters), the CLI renders the same error
-with its flags (``--pp``, ``--overwrite``) through :meth:`ReshardError.render`.
+A parameter is named through :func:`param`, and what to do through :func:`advice`, so each
+reader sees its own terms (an :class:`Audience`): ``str(e)`` says ``pp`` or ``overwrite=True``
+(the library's parameters) and "run the same qwen35-reshard command again"; the CLI renders the
+same error with its flags (``--pp``, ``--overwrite``) through :meth:`ReshardError.render`; a
+server's log in its operator's terms (the stage cache, its variable, the server's next start:
+:mod:`qwen35_reshard.servers.terms`).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 # What json.loads raises for bytes it cannot load: JSONDecodeError and UnicodeDecodeError (both
 # ValueErrors), ValueError for an integer past Python's 4300-digit limit, RecursionError for
 # nesting past the recursion limit. Crafted or damaged files hold any of them.
 JSON_ERRORS = (ValueError, RecursionError)
 
-_MARK, _SEP = "\x1f", "\x1e"
+_MARK, _SEP, _ADVICE = "\x1f", "\x1e", "\x1d"
 _PARAM = re.compile(f"{_MARK}([^{_MARK}{_SEP}]+)(?:{_SEP}([^{_MARK}]*))?{_MARK}")
+_ADVISED = re.compile(f"{_ADVICE}([^{_ADVICE}{_SEP}]+){_SEP}([^{_ADVICE}]*){_ADVICE}")
 
 
 def param(name: str, value: object = None) -> str:
     """Name parameter ``name`` (set to ``value``, if given) inside an error message."""
     return f"{_MARK}{name}{'' if value is None else _SEP + repr(value)}{_MARK}"
+
+
+def advice(key: str, text: str) -> str:
+    """Advice ``text`` inside a message, of the kind ``key`` (``"rerun"``, ``"rebuild"``, ...):
+    said as ``text`` unless the reader's :class:`Audience` words that kind its own way.
+
+    Example:
+        >>> e = OutError(f"/out: disk full; free space and {advice('rerun', 'run it again')}")
+        >>> str(e)
+        '/out: disk full; free space and run it again'
+        >>> e.render(Audience(advice={"rerun": "start the server again"}))
+        '/out: disk full; free space and start the server again'
+    """
+    return f"{_ADVICE}{key}{_SEP}{text}{_ADVICE}"
+
+
+# Advice several messages give: the same run again (a server's next start) resumes where this
+# one stopped; write elsewhere (a server writes where its variable points).
+AGAIN = advice("rerun", "run the same command again")
+ELSEWHERE = advice("elsewhere", "choose another directory")
+
+
+@dataclass(frozen=True)
+class Audience:
+    """Who reads a message, in their terms: ``flags`` spells each :func:`param` (a CLI's
+    flags, a server's settings), ``advice`` words each kind of :func:`advice` (what a server
+    operator does is not what a command-line user does). Anything not mapped is said as the
+    library says it."""
+
+    flags: Mapping[str, str] = field(default_factory=dict)
+    advice: Mapping[str, str] = field(default_factory=dict)
 
 
 class ReshardError(ValueError):
@@ -49,19 +85,34 @@ class ReshardError(ValueError):
 
     exit_code = 2
     retryable = False  # whether the same call may succeed later, unchanged
+    # Whom ``str()`` words the message for (None: the library's caller); a server sets its
+    # operator's on what escapes into its log (servers.terms.operator_terms).
+    audience: Audience | None = None
 
     def __str__(self) -> str:
-        return self.render({})
+        return self.render(self.audience or Audience())
 
-    def render(self, flags: Mapping[str, str]) -> str:
-        """The message with each parameter spelt as ``flags`` maps it (a CLI's flag); others as
-        the library spells them (``name`` or ``name=value``)."""
-        return spell(super().__str__(), flags)
+    @property
+    def text(self) -> str:
+        """The message with its parameters and advice still marked: to build another message
+        from, which its reader renders."""
+        return super().__str__()
+
+    def render(self, flags: Mapping[str, str] | Audience) -> str:
+        """The message with each parameter spelt as ``flags`` maps it (a CLI's flag), or in an
+        :class:`Audience`'s terms; others as the library spells them (``name`` or
+        ``name=value``)."""
+        if isinstance(flags, Audience):
+            return spell(self.text, flags.flags, flags.advice)
+        return spell(self.text, flags)
 
 
-def spell(text: str, flags: Mapping[str, str]) -> str:
+def spell(text: str, flags: Mapping[str, str], advised: Mapping[str, str] | None = None) -> str:
     """``text`` with each :func:`param` in it spelt as ``flags`` maps it, others as the library
-    spells them: for messages that are no error (e.g. where a setting came from)."""
+    spells them, and each :func:`advice` worded as ``advised`` maps its kind, else as given:
+    for messages that are no error (e.g. where a setting came from, a finding)."""
+    advised = advised or {}
+    text = _ADVISED.sub(lambda m: advised.get(m.group(1), m.group(2)), text)
 
     def one(m: re.Match) -> str:
         name, value = m.group(1), m.group(2)

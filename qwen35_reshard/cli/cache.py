@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from ..errors import BadInput
+from ..units import format_bytes, plural
 from .flags import PROG, Debug, Json
 from .process import Output, run_guarded
 
@@ -86,22 +87,28 @@ def verify(
     cache_dir: CacheDir = None, model: Models = None, json_: Json = False, debug: Debug = False
 ) -> None:
     """Check the entries as `verify` checks a stage: its files, and every tensor's bytes against
-    the sha256 its manifest records. Exit 0 when all are intact, 1 otherwise."""
+    the digest its manifest records. Exit 0 when all are intact, 1 otherwise."""
 
     def run() -> int:
         from ..servers.stagecache import verify_cache
+        from ..servers.terms import CACHE
 
         checked = verify_cache(cache_dir, models=model or ())
         out = sys.stderr if json_ else sys.stdout
         for entry, report in checked:
-            state = "ok" if report.ok else f"{len(report.findings)} problems"
+            state = "ok" if report.ok else plural(len(report.findings), "problem")
             print(f"{_name(entry)}: {state}", file=out)
-            for f in report.findings:
-                print(f"  {f.message}", file=out)
+            for f in report.findings:  # what to do, in the terms of a stage the servers build
+                print(f"  {f.render(CACHE)}", file=out)
+            if not report.ok:
+                print(f"  {_mend(entry)}", file=out)
         bad = sum(not r.ok for _, r in checked)
-        print(f"{len(checked)} entries checked, {bad} with problems", file=out)
+        print(f"{plural(len(checked), 'entry', 'entries')} checked, {bad} with problems", file=out)
         if json_:
-            doc = [{**e.to_dict(), "report": r.to_dict()} for e, r in checked]
+            doc = [
+                {**e.to_dict(), "report": r.to_dict(CACHE), **({} if r.ok else {"mend": _mend(e)})}
+                for e, r in checked
+            ]
             print(json.dumps({"status": "failed" if bad else "ok", "entries": doc}, indent=2))
         return 1 if bad else 0
 
@@ -136,7 +143,6 @@ def rm(
 
     def run() -> int:
         from ..servers.stagecache import remove_entries
-        from ..units import format_bytes
 
         age = _seconds(older_than) if older_than is not None else None
         done = remove_entries(
@@ -150,7 +156,7 @@ def rm(
         for e in done.refused:
             held = ", ".join(u.describe() if u is not None else "unknown" for u in e.users)
             print(f"refused: {_name(e)} is held by a running server or start ({held})", file=out)
-        print(f"{verb} {len(done.removed)} entries, {format_bytes(done.freed)}", file=out)
+        print(f"{verb} {plural(len(done.removed), 'entry', 'entries')}, {format_bytes(done.freed)}", file=out)
         if json_:
             print(json.dumps(done.to_dict(), indent=2))
         return 1 if done.refused else 0
@@ -173,6 +179,14 @@ def _seconds(age: str) -> float:
     raise BadInput(f"--older-than {age!r} is not an age like 30d, 12h, 90m, 45s or 2w")
 
 
+def _mend(e: CacheEntry) -> str:
+    """What mends a damaged entry: removing it, so that a server's next start builds it anew."""
+    return (
+        f"remove it ({PROG} cache rm --model {e.model} removes every entry of {e.model}; or delete "
+        f"{e.path}): the next start of a server on it builds it anew"
+    )
+
+
 def _name(e: CacheEntry) -> str:
     return f"{e.model}@{e.revision[:12]} {e.key} pp{e.stage}"
 
@@ -181,8 +195,6 @@ HEADINGS = ("MODEL", "REVISION", "RUNTIME", "PARTITION", "STAGE", "SIZE", "LAST 
 
 
 def _table(entries: list[CacheEntry], out: object) -> None:
-    from ..units import format_bytes
-
     rows = [HEADINGS]
     for e in entries:
         held = ", ".join(u.describe() if u is not None else "unknown" for u in e.users) or "-"
@@ -194,7 +206,7 @@ def _table(entries: list[CacheEntry], out: object) -> None:
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip(), file=out)
     total = sum(e.size for e in entries)
-    print(f"\n{len(entries)} entries, {format_bytes(total)}", file=out)
+    print(f"\n{plural(len(entries), 'entry', 'entries')}, {format_bytes(total)}", file=out)
 
 
 def _ago(t: float) -> str:

@@ -35,6 +35,7 @@ from ..format.names import STAGE_MANIFEST
 from ..loader import Stage, is_split, open_stage
 from ..model.parallelism import Parallelism
 from ..model.runtimes import runtime_of
+from .terms import operator_terms
 
 PpIndices = Callable[[int, int, int], tuple[int, int]]  # (layers, rank, pp size) -> [start, end)
 
@@ -94,7 +95,8 @@ def rank_stage(
     if split:
         # A stage directory is opened as itself, so that a wrong rank is told which directory is its own.
         given = None if (Path(model) / STAGE_MANIFEST).is_file() else pp_rank
-        stage = open_stage(model, pp_rank=given)
+        with operator_terms(split=True):
+            stage = open_stage(model, pp_rank=given)
     else:
         from .unsplit import for_server  # the writer's side, only where a stage is built
 

@@ -42,6 +42,7 @@ from collections.abc import Callable, Iterator
 
 from ..loader import Stage, StageError, is_split, stage_dirname
 from .deployment import rank_stage
+from .terms import operator_weights
 
 RUNTIME = "sglang"
 # What the plugin wraps (sglang 0.5.23, srt/model_loader/loader.py): every model load of a
@@ -240,7 +241,7 @@ def loader_class() -> type:
                 "qwen35-stages: pipeline rank %d loads %d tensors of %s into %s",
                 stage.rank, len(names), stage.display, type(model).__name__,
             )
-            for name, tensor in stage.iter_weights():
+            for name, tensor in operator_weights(stage):
                 if self._takes(name):
                     yield name, tensor
 

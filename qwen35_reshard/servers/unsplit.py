@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -48,7 +47,7 @@ from pathlib import Path
 from ..api import reshard
 from ..bulk import collector_paused, return_freed_memory
 from ..errors import ReshardError
-from ..format.names import CACHE_REPO_PREFIX, CLONE, STAGE_MANIFEST, TOOL_NAME, stage_dirname
+from ..format.names import CACHE_REPO_PREFIX, CLONE, STAGE_MANIFEST, stage_dirname
 from ..loader import Stage, StageError, open_stage
 from ..model.parallelism import Parallelism
 from ..model.runtimes import runtime_of
@@ -60,12 +59,11 @@ from ..source.hub.store import open_hub
 from ..source.open import is_repo_id, open_model
 from ..source.s3.store import is_s3_uri, open_s3
 from ..stage.manifest import FileLayout, StageManifest, StageTensor
-from ..units import format_bytes
 from ..write.claims import in_use
 from ..write.journal import set_aside
 from ..write.options import WriteOptions
+from .terms import STAGE_CACHE_ENV, cache_error, for_operator
 
-STAGE_CACHE_ENV = "QWEN35_RESHARD_STAGE_CACHE"
 STAGE_COPY_ENV = "QWEN35_RESHARD_STAGE_COPY"
 CACHE_DIRNAME = "qwen35-stages"  # under HF_HOME, beside huggingface_hub's own hub/ and assets/
 LOCAL_DIRNAME = "local"  # stages built from local directories, keyed by the source's fingerprint
@@ -191,10 +189,9 @@ def server_stage(
             served = _cached_or_built(name, key, layout, rank, hub=pinned, commit=repo.commit)
         else:
             served = _from_local(name, settings, root, layout, rank, copy=copy)
-    except StageError:
-        raise
-    except ReshardError as e:
-        raise StageError(f"pipeline rank {rank}: {server_terms(e)}") from e
+    except ReshardError as e:  # in the operator's terms; a StageError of this rank says so already
+        said = for_operator(e)
+        raise StageError(said if isinstance(e, StageError) else f"pipeline rank {rank}: {said}") from e
     except OSError as e:  # a cache cannot be created or written (a full disk, permissions): say which
         raise StageError(f"pipeline rank {rank}: {name}: {cache_error(e, root)}") from e
     served.stage.check(len(partition), *_layers(partition, rank), pp_rank=rank, runtime=layout.runtime)
@@ -202,71 +199,6 @@ def server_stage(
     return ServedStage(
         served.stage, served.how, name, served.where, served.fetched_bytes, time.monotonic() - started
     )
-
-
-# The library's errors in a server operator's terms: its parameters are the stage cache the
-# server chose (the variable sets it) and the model the server was given; its advice to run the
-# command again or choose another OUT is the server's next start, or another stage cache.
-SERVER_PARAMS = {"out_dir": f"the stage cache ({STAGE_CACHE_ENV})", "model_dir": "the model"}
-SERVER_ADVICE = {
-    f"run the same {TOOL_NAME} command again": "start the server again",
-    "run the same command again": "start the server again",
-    "choose another directory": f"point {STAGE_CACHE_ENV} at another disk",
-}
-
-
-def server_terms(error: ReshardError) -> str:
-    """``error``'s line as a server's log says it (``SERVER_PARAMS``, ``SERVER_ADVICE``).
-
-    Example:
-        >>> from qwen35_reshard.errors import OutError, param
-        >>> from qwen35_reshard.servers.unsplit import server_terms
-        >>> print(server_terms(OutError(f"{param('out_dir')} /c full; choose another directory")))
-        the stage cache (QWEN35_RESHARD_STAGE_CACHE) /c full; point QWEN35_RESHARD_STAGE_CACHE at another disk
-    """
-    text = error.render(SERVER_PARAMS)
-    for library, server in SERVER_ADVICE.items():
-        text = text.replace(library, server)
-    return text
-
-
-def cache_error(error: OSError, root: Path) -> str:
-    """What an OSError while a rank built its stage says, naming the directory at fault: the
-    file the error names, else (a write names none, e.g. a full disk) the fuller of the two
-    caches a rank writes, the stage cache ``root`` and the Hugging Face cache (shards a stage
-    needs whole, downloaded by huggingface_hub), each with the variable that moves it.
-
-    Example:
-        >>> import errno
-        >>> cache_error(OSError(errno.EACCES, "Permission denied", "/c/x"), Path("/c"))
-        'cannot write /c/x: Permission denied (the stage cache /c is set by QWEN35_RESHARD_STAGE_CACHE)'
-    """
-    from huggingface_hub import constants as hf
-
-    what = error.strerror or str(error)
-    if error.filename is not None:
-        return f"cannot write {error.filename}: {what} (the stage cache {root} is set by {STAGE_CACHE_ENV})"
-    caches = {
-        root: ("the stage cache", STAGE_CACHE_ENV),
-        Path(hf.HF_HUB_CACHE): ("the Hugging Face cache", "HF_HOME"),
-    }
-    free = {path: _free_bytes(path) for path in caches}
-    path = min(caches, key=free.__getitem__)
-    label, var = caches[path]
-    return (
-        f"{label} {path} (set by {var}): {what}, {format_bytes(free[path])} free there: free space on "
-        f"that disk or point {var} at another"
-    )
-
-
-def _free_bytes(path: Path) -> int:
-    """Free bytes on the disk of ``path`` (its nearest existing ancestor)."""
-    for at in (path, *path.parents):
-        try:
-            return shutil.disk_usage(at).free
-        except OSError:
-            continue
-    return 0
 
 
 def pinned_commit(model: str, revision: str | None, token: str | None) -> str | None:
@@ -286,14 +218,14 @@ def pinned_commit(model: str, revision: str | None, token: str | None) -> str | 
         try:
             return open_s3(model, user_agent=USER_AGENT.format(rank=0)).commit
         except ReshardError as e:
-            raise StageError(str(e)) from e
+            raise StageError(for_operator(e)) from e
     if not is_repo_id(model):
         return None
     settings = HubSettings(revision=revision, token=token, user_agent=USER_AGENT.format(rank=0))
     try:
         return open_hub(model, settings).commit
     except ReshardError as e:
-        raise StageError(server_terms(e)) from e
+        raise StageError(for_operator(e)) from e
 
 
 def _resolved(layout: Parallelism) -> tuple[int, ...]:

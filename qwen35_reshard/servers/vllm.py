@@ -36,6 +36,7 @@ from collections.abc import Callable
 
 from ..loader import Stage
 from .deployment import rank_stage
+from .terms import operator_weights
 
 LOAD_FORMAT = "qwen35-stages"
 RUNTIME = "vllm"
@@ -169,7 +170,7 @@ def _loader_class() -> type:
                     "qwen35-stages: %d tensors of %s not loaded: the server was started without them",
                     len(unbuilt), ", ".join(parts),
                 )
-            loaded = model.load_weights((n, t) for n, t in stage.iter_weights() if n in take)
+            loaded = model.load_weights((n, t) for n, t in operator_weights(stage) if n in take)
             if loaded is None:
                 raise loader.StageError(
                     f"{type(model).__name__}.load_weights does not say which parameters it loaded, "

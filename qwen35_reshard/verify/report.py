@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..errors import Audience
 from ..format.identity import RunIdentity
 from ..format.names import RUN_MANIFEST, RUN_MARKER, STAGE_MANIFEST, stage_dir_rank
 from ..stage.findings import CORRUPT, DIFFERENT, EXTRA, KINDS, MISSING, REPAIR, Finding
@@ -53,7 +54,8 @@ class VerifyReport:
     # Findings that the stages hold intact bytes that are not the source's (another checkpoint of the
     # same layout, or one changed since): no repair mends that.
     not_from_source: list[Finding] = field(default_factory=list)
-    source_digests: dict[str, str] = field(default_factory=dict, repr=False)  # source tensor -> sha256
+    # digest (format.digest) -> source tensor -> its digest, for the digest each stage records
+    source_digests: dict[str, dict[str, str]] = field(default_factory=dict, repr=False)
     source_bytes_hashed: int = 0
     recorded_source: str | None = None  # the source the stage manifests record (see stagedir.recorded_source)
     recorded_revision: str | None = None  # with a Hub repo id there: the commit the split was made from
@@ -91,7 +93,9 @@ class VerifyReport:
     def counts(self) -> dict[str, int]:
         return {k: sum(1 for f in self.findings if f.kind == k) for k in KINDS}
 
-    def to_dict(self) -> dict:
+    def to_dict(self, audience: Audience | None = None) -> dict:
+        """The report as JSON-ready data, its findings' messages in ``audience``'s terms (else the
+        library's)."""
         return {
             "status": "ok" if self.ok else "failed",
             "target": self.target,
@@ -105,7 +109,7 @@ class VerifyReport:
             "recorded_source": self.recorded_source,
             "recorded_revision": self.recorded_revision,
             "unchecked_quantization": self.unchecked,
-            "findings": [asdict(f) for f in self.findings],
+            "findings": [f.to_dict(audience) for f in self.findings],
         }
 
 
@@ -118,7 +122,7 @@ class CheckedStage:
     summary: StageSummary
     run: RunRecord | None  # what the run directory records, if anything
     manifest: StageManifest | None = None
-    digests: dict[str, str] = field(default_factory=dict)  # sha256 computed from the files
+    digests: dict[str, str] = field(default_factory=dict)  # digests computed from the files (manifest's)
 
 
 def adder(report: VerifyReport, stage: CheckedStage) -> Add:

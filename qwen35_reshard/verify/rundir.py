@@ -187,7 +187,7 @@ def parent_record(root: Path, report: VerifyReport) -> RunRecord | None:
         return None
     record = read_run_record(root.parent, str(root.parent))
     if isinstance(record, Finding):
-        report.findings.append(Finding(record.kind, record.message, file=record.file))
+        report.findings.append(Finding(record.kind, record.text, file=record.file))
         return None
     return record
 

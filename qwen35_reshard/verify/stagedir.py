@@ -55,7 +55,7 @@ def check_stage(stage: CheckedStage, report: VerifyReport, ckpt: Checkpoint | No
             )
     found = read_stage(stage.path, stage.display, stage.run)
     for p in found.problems:
-        add(p.kind, p.message, file=p.file, tensor=p.tensor)
+        add(p.kind, p.text, file=p.file, tensor=p.tensor)
     if found.unchecked:
         report.unchecked.append(unchecked_message(stage.display, found.unchecked))
     m = stage.manifest = found.manifest
@@ -128,20 +128,20 @@ def _check_data_file(
         return
     if layout.sha256 is not None:
         _check_file_digest(path, layout.sha256, where, add, file)
-    recorded = {n: t.sha256 for n, t in m.tensors.items() if t.file == file}
+    recorded = {n: t.digest for n, t in m.tensors.items() if t.file == file}
     segments = []
     for t in header.tensors:
         if for_source or recorded.get(t.name) is not None:
             segments.append(Segment(t.name, header.data_start + t.begin, t.nbytes))
         elif t.name in recorded and layout.sha256 is None:
             stage.summary.bytes_unrecorded += t.nbytes
-    digests = copy_segments(str(path), segments, chunk_bytes=chunk_bytes)
+    digests = copy_segments(str(path), segments, chunk_bytes=chunk_bytes, digest=m.digest)
     stage.summary.bytes_hashed += sum(s.nbytes for s in segments)
     for name, digest in digests.items():
         stage.digests[name] = digest
         if recorded.get(name) is not None and recorded[name] != digest:
-            found = tensor_digest_finding(where, file, name)
-            add(found.kind, found.message, file=found.file, tensor=found.tensor)
+            found = tensor_digest_finding(where, file, name, m.digest)
+            add(found.kind, found.text, file=found.file, tensor=found.tensor)
 
 
 def _check_file_digest(path: Path, recorded: str, where: str, add: Add, file: str) -> None:

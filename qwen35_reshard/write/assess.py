@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import JSON_ERRORS, BadInput, param
+from ..errors import ELSEWHERE, JSON_ERRORS, BadInput, advice, param
 from ..format.identity import RunIdentity, describe_differences
 from ..format.names import GONE_SUFFIX, LOCK, RUN_MANIFEST, RUN_MARKER, STAGE_DIR, partial_base
 from ..plan.planner import Plan, StagePlan
@@ -27,6 +27,9 @@ from .durability import write_error
 from .journal import Digests, keepable
 from .provenance import changed_files, source_difference
 from .sources import check_unchanged
+
+# What replaces a split OUT holds; a server operator's terms say it otherwise (servers.terms).
+_REPLACE = advice("replace", f"pass {param('overwrite', True)} to replace that split")
 
 
 @dataclass(frozen=True)
@@ -109,7 +112,7 @@ def _assess_out(plan: Plan, out: Path, overwrite: bool) -> OutState:
     identity = run_identity(plan)
     record = read_run_record(out, str(out))
     if isinstance(record, Finding):
-        raise BadInput(record.message)
+        raise BadInput(record.text)
     recorded = record.identity if record is not None else _stages_identity(out)
     if recorded != identity:
         return _other_split(plan, out, entries, recorded, identity, overwrite)
@@ -221,7 +224,7 @@ def _other_split(
     if not overwrite:
         raise BadInput(
             f"{param('out_dir')} {out} holds a split made with other settings ({differences}); "
-            f"choose another directory, or pass {param('overwrite', True)} to replace that split"
+            f"{ELSEWHERE}, or {_REPLACE}"
         )
     return OutState("replace", differences=differences)
 
@@ -234,8 +237,8 @@ def _source_changed(plan: Plan, out: Path, tensor: str, overwrite: bool) -> OutS
         raise BadInput(
             f"{param('out_dir')} {out} holds a split of other bytes than {plan.checkpoint.display}: "
             f"tensor {tensor!r} of {file} differs from the one it holds (another checkpoint of the "
-            f"same layout, or a file rewritten since); pass {param('overwrite', True)} to replace "
-            "that split, or choose another directory"
+            f"same layout, or a file rewritten since); {_REPLACE}, "
+            f"or {ELSEWHERE}"
         )
     return OutState("replace", differences=f"tensor {tensor!r} of {file} differs from the one OUT holds")
 

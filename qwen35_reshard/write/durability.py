@@ -14,7 +14,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ..errors import OutError, ReshardError, param
+from ..errors import AGAIN, ELSEWHERE, OutError, ReshardError, param
 from ..format.names import partial_base
 from ..plan.planner import StagePlan
 from ..units import format_bytes
@@ -166,9 +166,9 @@ def write_error(e: OSError, out: Path, needed: int) -> ReshardError:
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         return OutError(
             f"{param('out_dir')} {out}: no space left on device ({e.strerror}); this run writes "
-            f"{format_bytes(needed)}: free space and run the same command again to resume"
+            f"{format_bytes(needed)}: free space and {AGAIN} to resume"
         )
     return OutError(
-        f"{e.filename or out}: {e.strerror or e}; cannot write the split there: choose another directory "
+        f"{e.filename or out}: {e.strerror or e}; cannot write the split there: {ELSEWHERE} "
         "or fix its permissions"
     )

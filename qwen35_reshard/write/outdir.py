@@ -8,7 +8,7 @@ import shutil
 import stat
 from pathlib import Path
 
-from ..errors import BadInput, OutError, param
+from ..errors import ELSEWHERE, BadInput, OutError, param
 from ..format.jsonio import dumps
 from ..format.names import (
     ALIGNED,
@@ -114,7 +114,7 @@ def check_free_space(out: Path, needed: int, *, freed: int = 0) -> None:
     if needed > free:
         raise OutError(
             f"{param('out_dir')} {out} has {format_bytes(free)} free but this run writes "
-            f"{format_bytes(needed)}; free {format_bytes(needed - free)} or choose another directory"
+            f"{format_bytes(needed)}; free {format_bytes(needed - free)} or {ELSEWHERE}"
         )
 
 

@@ -22,7 +22,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..errors import BadInput, RemoteError, param
+from ..errors import AGAIN, BadInput, RemoteError, advice, param
 from ..plan.planner import Plan
 from ..source.checkpoint import Checkpoint
 from ..source.header import file_stamp
@@ -100,9 +100,10 @@ def check_unchanged(plan: Plan, files: list[str] | tuple[str, ...]) -> None:
                 continue
             what = ", ".join(f for f, a, b in zip(_STAMP_FIELDS, planned, now, strict=True) if a != b)
             what = f"its {what} changed: it was replaced or rewritten"
+        again = advice("replace", f"run the same command again with {param('overwrite', True)}")
         raise BadInput(
             f"{path}: the source changed during the run ({what}); no stage was finished from it: once "
-            f"{param('model_dir')} is stable, run the same command again with {param('overwrite', True)}"
+            f"{param('model_dir')} is stable, {again}"
         )
 
 
@@ -130,11 +131,11 @@ class BlobCheck:
         if isinstance(src, RemoteSource):
             head = bytearray(data_start)
             src.readinto(memoryview(head), 0)  # the header planning kept
-            return cls(src.display, "", want, bytes(head), "run the same command again")
+            return cls(src.display, "", want, bytes(head), AGAIN)
         with open(src, "rb") as f:
             head = f.read(data_start)
         # A Hub source fetches the file again; a cache folder given as MODEL is only read.
-        fix = "run the same command again" if ckpt.hub else "download the file again"
+        fix = AGAIN if ckpt.hub else "download the file again"
         return cls(f"{ckpt.display}: {file}", os.path.realpath(src), want, bytes(head), fix)
 
     def check(self) -> None:

@@ -39,7 +39,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import BadInput, OutBusy, ReshardError, param
+from ..errors import ELSEWHERE, BadInput, OutBusy, ReshardError, param
 from ..format.identity import describe_differences
 from ..format.jsonio import dumps
 from ..format.names import CLAIM, RUN_MANIFEST, RUN_MARKER
@@ -311,7 +311,7 @@ class _Run:
                 )
                 raise OutBusy(
                     f"{param('out_dir')} {out} is being written by another qwen35-reshard run "
-                    f"({holder.describe()}) {why}; wait for it to finish, or choose another directory"
+                    f"({holder.describe()}) {why}; wait for it to finish, or {ELSEWHERE}"
                 )
         return state or assess_out(plan, out, overwrite=overwrite)
 

@@ -95,7 +95,7 @@ def test_page_renders_without_leaked_markdown(site, page):
     assert unknown == set(), f"{page}: angle brackets taken for HTML tags: {sorted(unknown)}"
 
 
-def test_the_checks_find_what_they_look_for(tmp_path):
+def test_the_checks_find_what_they_look_for(docs_extra):
     """Each check fires on the bug it is for, as Python-Markdown renders it."""
     import markdown
 

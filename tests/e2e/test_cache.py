@@ -91,10 +91,34 @@ def test_verify_names_a_damaged_tensor(built, capsys):
     victim = flip_a_byte(next(stage.glob("*.safetensors")))
     code, out, _ = cli(capsys, "verify", "--cache-dir", str(cache), "--model", REPO)
     assert code == 1
-    assert f"the bytes of tensor {victim!r} do not match its sha256" in out
+    assert f"the bytes of tensor {victim!r} do not match its xxh128" in out
     assert "3 entries checked, 1 with problems" in out  # the local one was not asked for
     code, out, err = cli(capsys, "verify", "--cache-dir", str(cache), "--model", "Qwen/Other")
     assert code == 2 and err.startswith("error: --model: the stage cache holds no entry of Qwen/Other")
+
+
+def test_verify_of_a_damaged_entry_says_what_mends_it_and_that_does(built, capsys, tmp_path):
+    """Issue 44: not "1 problems" and "run the same qwen35-reshard command again (or copy the
+    stage again)", which no stage of the cache was made with: remove it (cache rm, or the
+    directory), and the next start of a server builds it anew; done, the entry is intact."""
+    cache, first, _, hub = built
+    stage = cache / f"models--{REPO.replace('/', '--')}" / first / "sglang-pp4-2-2-2-2" / "pp1"
+    data = json.loads((stage / "reshard-stage.json").read_text())["files"]
+    flip_a_byte(stage / next(f for f, info in data.items() if info["layout"] == "gathered"))  # one finding
+    code, out, _ = cli(capsys, "verify", "--cache-dir", str(cache), "--model", REPO)
+    assert code == 1 and "run the same" not in out and "1 problems" not in out, out
+    entry = next(line for line in out.splitlines() if line.endswith("pp1: 1 problem"))
+    assert entry.startswith(f"{REPO}@{first[:12]} sglang-pp4-2-2-2-2 pp1"), out
+    assert f"  remove it (qwen35-reshard cache rm --model {REPO} removes every entry of {REPO}; or delete " \
+        f"{stage}): the next start of a server on it builds it anew" in out.splitlines(), out
+    local = next(e.model for e in cache_entries(cache) if e.model.startswith("local/"))
+    code, out, _ = cli(capsys, "verify", "--cache-dir", str(cache), "--model", local)
+    assert code == 0 and out.splitlines()[-1] == "1 entry checked, 0 with problems"
+
+    shutil.rmtree(stage)  # as the line says; then a start
+    assert serve(tmp_path, {"model": REPO, "rank": 1, "revision": first}, hub=hub)["how"] == "fetched"
+    code, out, _ = cli(capsys, "verify", "--cache-dir", str(cache), "--model", REPO)
+    assert code == 0 and out.splitlines()[-1] == "3 entries checked, 0 with problems", out
 
 
 def test_rm_by_revision_age_and_model_never_what_a_server_holds(built, capsys, tmp_path):

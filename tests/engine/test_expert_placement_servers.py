@@ -6,13 +6,14 @@ One process per server runs the whole grid (tests/support/expert_placement_worke
 ``determine_expert_map`` and the checkpoint expert its expert-params mapping loads into each
 physical slot (over ``EplbState.build_initial_global_physical_to_logical_map``); SGLang's
 ``compute_initial_expert_location_metadata`` with a real ``FusedMoE`` per rank fed every logical
-expert through its ``weight_loader``. Where SGLang's own assertion refuses a layout, the tool must
-refuse it too, and the other way round. vLLM's EPLB refusal (``(E+R) % ep``, in the MoE factory)
-needs a whole engine and is left to the unit tests.
+expert through its ``weight_loader`` (also under DeepEP over two nodes). Where SGLang's own
+assertion refuses a layout, the tool must refuse it too, and the other way round. vLLM's EPLB
+refusal (``(E+R) % ep``, in the MoE factory) needs a whole engine and is left to the unit tests.
 
-The environments come from ``QWEN35_RESHARD_VLLM_PYTHON`` and ``QWEN35_RESHARD_SGLANG_PYTHON``
-(``.ci/run`` builds and exports both). Without one the test fails under CI and is skipped
-elsewhere. About two minutes, both servers side by side (most of it their imports).
+The environments are found as tests/engine/test_vllm_engine.py and test_sglang_loading.py find
+them (``QWEN35_RESHARD_VLLM_PYTHON``; ``QWEN35_RESHARD_SGLANG_PYTHON`` or ``.venv-sglang``, which
+``.ci/run`` builds). Without one the test fails under CI and is skipped elsewhere. About two
+minutes, both servers side by side (most of it their imports).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import time
 from pathlib import Path
 
 import pytest
+from test_sglang_loading import require_sglang_python
+from test_vllm_engine import vllm_python
 
 from qwen35_reshard.errors import BadInput
 from qwen35_reshard.model.experts import MoeLayer, expert_placement, read_expert_location
@@ -36,7 +39,7 @@ from support.tiny_model import LAYERS, tiny_config
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 WORKER = SUPPORT / "expert_placement_worker.py"
-ENVS = {"vllm": "QWEN35_RESHARD_VLLM_PYTHON", "sglang": "QWEN35_RESHARD_SGLANG_PYTHON"}
+SERVERS = ("vllm", "sglang")
 PINNED = {"vllm": "0.32.0", "sglang": "0.5.23"}
 # (E, ep, R): Qwen3.5's 512 and 256 experts at the EP sizes of the deployments in the facts doc
 # (16, 32, 48, 64; 32 redundant as vLLM's docs recommend), small ones with remainders, ep > E,
@@ -49,18 +52,6 @@ GRID = [
     (512, 16, 0), (512, 32, 32), (512, 48, 16), (512, 64, 0),
 ]  # fmt: skip
 NODES = (1, 2, 4, 8)
-
-
-def server_python(server: str) -> str:
-    path = os.environ.get(ENVS[server])
-    if path and Path(path).is_file():
-        return path
-    why = f"{ENVS[server]} is not set" if not path else f"{ENVS[server]}={path} does not exist"
-    if os.environ.get("CI") == "true":
-        pytest.fail(
-            f"{why}: .ci/run builds the {server} virtualenv and exports it; this proof must run in CI"
-        )
-    pytest.skip(f"{why}: build the {server} virtualenv as the README says to run the engine tests")
 
 
 def location_rows(experts: int, physical: int, seed: int) -> list[list[int]]:
@@ -90,6 +81,10 @@ def case_list(tmp: Path) -> list[dict]:
     # SGLang's location file, read from disk and inline, and its MTP draft.
     file = tmp / "location.json"
     file.write_text(json.dumps({"physical_to_logical_map": location_rows(12, 16, 1)}))
+    # Logical experts 0 and 1 twice on ranks 1 and 2: DeepEP's loader fills one slot of each.
+    twice = tmp / "twice.json"
+    row = [0, 1, 2, 3, 0, 0, 4, 5, 6, 7, 1, 1, 8, 9, 10, 11]
+    twice.write_text(json.dumps({"physical_to_logical_map": [row] * LAYERS}))
     inline = json.dumps({"physical_to_logical_map": location_rows(60, 64, 2)})
     every_layer = list(range(LAYERS))
     cases += [
@@ -101,6 +96,8 @@ def case_list(tmp: Path) -> list[dict]:
          "location": None, "layers": [0], "draft": True},
         {"id": "draft-file-12-4-4", "experts": 12, "ep": 4, "redundant": 4, "config": configs[12],
          "location": str(file), "layers": [0], "draft": True},
+        {"id": "deepep-file-12-4-4", "experts": 12, "ep": 4, "redundant": 4, "config": configs[12],
+         "location": str(twice), "layers": [0], "draft": False, "nodes": 2},
         {"id": "draft-10-4-2", "experts": 10, "ep": 4, "redundant": 2, "config": configs[10],
          "location": None, "layers": [0], "draft": True},
     ]  # fmt: skip
@@ -110,7 +107,7 @@ def case_list(tmp: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """Both servers over the whole grid, side by side: {server: (cases, results)}."""
-    pythons = {s: server_python(s) for s in ENVS}
+    pythons = {"vllm": vllm_python(), "sglang": str(require_sglang_python())}
     tmp = tmp_path_factory.mktemp("expert-placement")
     cases = case_list(tmp)
     jobs = {
@@ -178,14 +175,21 @@ def test_sglang_places_every_expert_as_the_tool_does_and_refuses_alike(served):
         for i, layer in enumerate(case["layers"]):
             key = MoeLayer(layer, mtp=case["draft"])
             for rank, slots in enumerate(got["ranks"][i]):
-                # A slot SGLang leaves empty is one the tool does not list (the draft's past E).
-                assert tuple(s for s in slots if s is not None) == placement.experts(key, rank), (
-                    cid,
-                    layer,
-                    rank,
-                )
+                want, filled = placement.experts(key, rank), [s for s in slots if s is not None]
+                if case.get("nodes"):  # DeepEP: one slot per logical expert filled, the same set
+                    assert set(filled) == set(want), (cid, layer, rank)
+                else:  # a slot SGLang leaves empty is one the tool does not list (the draft's past E)
+                    assert tuple(filled) == want, (cid, layer, rank)
                 compared += 1
     assert refused >= 4 and compared >= 500
+
+
+def test_deepep_fills_one_slot_of_an_expert_held_twice(served):
+    """The control of the DeepEP case: the slots SGLang leaves empty there are real."""
+    _, results = served["sglang"]
+    assert results["cases"]["deepep-file-12-4-4"]["ranks"][0] == [
+        [0, 1, 2, 3], [0, None, 4, 5], [6, 7, 1, None], [8, 9, 10, 11]
+    ]  # fmt: skip
 
 
 def test_the_location_file_places_layers_differently(served):
@@ -200,12 +204,12 @@ def test_nodes_hold_the_union_of_their_ranks_experts_alike_for_both_servers(serv
     Prints the placement table (pytest -s)."""
     table = []
     for cid, case in served["sglang"][0].items():
-        if case["location"] or case["draft"]:
+        if case["location"] or case["draft"] or case.get("nodes"):
             continue
         e, ep, r = case["experts"], case["ep"], case["redundant"]
         for nodes in (n for n in NODES if ep % n == 0):
             per_node = {}
-            for server in ENVS:
+            for server in SERVERS:
                 got = served[server][1]["cases"][cid]
                 placement = ours(server, case)
                 if "refused" in got or isinstance(placement, BadInput):
@@ -222,7 +226,7 @@ def test_nodes_hold_the_union_of_their_ranks_experts_alike_for_both_servers(serv
                 table.append((e, ep, nodes, r, per_node))
     print("\nE, ep, nodes, R -> distinct experts per node (vLLM | SGLang; - refused)")
     for e, ep, nodes, r, per_node in table:
-        cells = [",".join(map(str, _runs(per_node[s]))) if s in per_node else "-" for s in ENVS]
+        cells = [",".join(map(str, _runs(per_node[s]))) if s in per_node else "-" for s in SERVERS]
         print(f"  E={e} ep={ep} nodes={nodes} R={r}: {' | '.join(cells)}")
     assert len(table) >= 60
 

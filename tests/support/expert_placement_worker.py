@@ -2,7 +2,8 @@
 slots receive, by the server's own code (tests/engine/test_expert_placement_servers.py).
 
 Usage: python expert_placement_worker.py vllm|sglang JOBS.json RESULT.json. JOBS.json holds
-``{"cases": [{"id", "experts", "ep", "redundant", "config", "location", "layers", "draft"}]}``;
+``{"cases": [{"id", "experts", "ep", "redundant", "config", "location", "layers", "draft",
+"nodes"}]}`` (``nodes``: SGLang with DeepEP over that many nodes, else absent);
 RESULT.json gets, per case id, ``{"ranks": [[logical id or null per local slot, ...] per EP
 rank] per layer asked}`` or ``{"refused": "..."}`` when the server's own check refuses the layout.
 
@@ -18,7 +19,9 @@ rank] per layer asked}`` or ``{"refused": "..."}`` when the server's own check r
   config (trivial, or the file); a real ``FusedMoE`` of the layer is built on CPU and its
   ``weight_loader`` is fed every logical expert's ``down_proj`` filled with the expert's id; the
   local slots then show which logical expert each received. ``draft``: the MoE is built in
-  ``draft_model_build_scope`` (the MTP draft, which uses no expert location).
+  ``draft_model_build_scope`` (the MTP draft, which uses no expert location). With ``nodes``,
+  the context is DeepEP's (``--moe-a2a-backend deepep --enable-dp-attention --nnodes N``), under
+  which the loader fills only the nearest slot of a logical expert a rank holds twice.
 """
 
 from __future__ import annotations
@@ -88,6 +91,17 @@ def sglang_case(case: dict) -> dict:
             ep_size=ep,
             ep_num_redundant_experts=redundant,
             init_expert_location=location,
+            # DeepEP (wide EP, with DP attention) over nodes: its loader fills the nearest slot only.
+            **(
+                {
+                    "moe_a2a_backend": "deepep",
+                    "enable_dp_attention": True,
+                    "dp_size": ep,
+                    "nnodes": case["nodes"],
+                }
+                if case.get("nodes")
+                else {}
+            ),
         )
         publish(args, role="test", ranks=SpawnRanks(world_rank=rank))
         assert get_parallel().moe_ep_rank == rank

@@ -27,7 +27,7 @@ PACKAGE = ROOT / "qwen35_reshard"
 LAYERS = [
     (0, "base", ["_version", "errors", "units", "bulk"]),
     (1, "format", ["format", "format.names", "format.dtypes", "format.jsonio", "format.paths",
-                   "format.manifest", "format.identity", "format.holder"]),
+                   "format.digest", "format.manifest", "format.identity", "format.holder"]),
     (2, "model", ["model", "model.names", "model.modules", "model.quant", "model.quant.schemes",
                   "model.quant.config", "model.completeness", "model.schema", "model.runtimes",
                   "model.experts", "model.parallelism"]),
@@ -41,10 +41,11 @@ LAYERS = [
                  "plan.nodes", "plan.experts"]),
     (5, "transfer", ["transfer", "transfer.reflink", "transfer.segments", "transfer.pages", "transfer.hasher",
                      "transfer.copier"]),
-    (6, "stage", ["stage", "stage.findings", "stage.manifest", "stage.reader", "stage.digestpool"]),
+    (6, "stage", ["stage", "stage.findings", "stage.manifest", "stage.reader", "stage.digestpool",
+                  "stage.nodechecks"]),
     (7, "verify", ["verify", "verify.report", "verify.rundir", "verify.stagedir", "verify.source",
                    "verify.selection", "verify.check"]),
-    (7, "loader", ["loader"]),
+    (7, "loader", ["loader", "loader.checks"]),
     (7, "write", ["write", "write.claims", "write.durability", "write.journal", "write.datafile",
                   "write.assemble", "write.assess", "write.sources", "write.provenance", "write.outdir",
                   "write.finish", "write.stageclaims",
@@ -54,8 +55,8 @@ LAYERS = [
     # The server integrations (issue 37): a rank building its own stage from the unsplit model
     # (issue 33) goes through the library; the load format and the plugin import it only when a
     # rank is handed no split.
-    (9, "servers", ["servers", "servers.unsplit", "servers.stagecache", "servers.deployment", "servers.vllm",
-                    "servers.sglang"]),
+    (9, "servers", ["servers", "servers.terms", "servers.unsplit", "servers.stagecache", "servers.deployment",
+                    "servers.vllm", "servers.sglang"]),
     # The CLI sits on top: it may show what the servers keep (the stage cache).
     (10, "cli", ["cli", "cli.progress", "cli.report", "cli.flags", "cli.process", "cli.cache", "cli.app",
                  "__main__"]),

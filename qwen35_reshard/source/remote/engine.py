@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from ...errors import BadInput, RemoteError, param
+from ...errors import AGAIN, BadInput, RemoteError, param
 from .parts import Part
 
 # huggingface_hub's snapshot_download fetches with 8 threads (max_workers=8): at least as
@@ -225,7 +225,7 @@ def read_range(
             if failures > policy.retries:
                 raise RemoteError(
                     f"{transport.display}: {file.name}: bytes {pos}-{end - 1}: {failures} failures in a row, "
-                    f"the last: {e}; check the network and run the same command again to resume"
+                    f"the last: {e}; check the network and {AGAIN} to resume"
                 ) from e
             on_transient(e)
             wait = backoff(policy.wait, failures, policy.max_wait)

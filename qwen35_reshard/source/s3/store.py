@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from ...errors import BadInput, ObjectStoreError, ReshardError, param
+from ...errors import AGAIN, BadInput, ObjectStoreError, ReshardError, param
 from ...format.names import TOOL_NAME
 from ..ranged import describe, redact, retry_after
 from ..remote.engine import RemoteFile, Transient, read_timeout_setting, streams_setting
@@ -248,7 +248,7 @@ class S3Transport:
             if status == 412:
                 raise ObjectStoreError(
                     f"{self.display}: {file.name} was replaced while this run read it (its ETag is no "
-                    f"longer {file.identity}); nothing was finished from it: run the same command again "
+                    f"longer {file.identity}); nothing was finished from it: {AGAIN} "
                     "once the upload is complete"
                 ) from e
             raise store_error(e, self.where, self.clients.endpoint, what=f"{file.name} ({asked})") from e
