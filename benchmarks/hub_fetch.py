@@ -28,6 +28,7 @@ from pathlib import Path
 
 from benchmarks.lib import checkpoints, procs
 from benchmarks.lib.links import HubServer, hub_env
+from benchmarks.lib.report import gb
 from benchmarks.lib.trees import Tree, order
 
 QUICK = ["--size", "2e7", "--rounds", "1", "--shape", "tiny"]
@@ -40,10 +41,6 @@ def run(args: list[str], *, tree: Tree, hub: HubServer, hf_home: Path) -> procs.
     env = hub_env(tree.env(), hub, hf_home)
     env["HF_HOME"] = str(hf_home)
     return procs.run([procs.PY, "-m", "qwen35_reshard", *args], env=env)
-
-
-def gb(n: float) -> str:
-    return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
 
 
 def per_rank(work: Path, size: float, trees: list[Tree]) -> None:

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from benchmarks.lib import checkpoints, procs
 from benchmarks.lib.links import HubServer, hub_env
+from benchmarks.lib.report import gb
 from benchmarks.lib.trees import Tree
 
 QUICK = ["--size", "2e7", "--pp", "2"]
@@ -70,10 +71,6 @@ def run(code: str, args: list[str], *, tree: Tree, hub: HubServer, node: Path) -
 
 def fetched(hub: HubServer) -> int:
     return sum(e.sent for e in hub.log if e.file.endswith(".safetensors") and e.method == "GET")
-
-
-def gb(n: float) -> str:
-    return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
 
 
 def main(argv: list[str], trees: list[Tree]) -> int:

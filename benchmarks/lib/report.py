@@ -16,16 +16,9 @@ def ratio(value: float, base: float) -> str:
     return f"{value / base:.2f}x" if base else "-"
 
 
-def mb(n: float) -> str:
-    return f"{n / 1e6:,.0f} MB"
-
-
 def gb(n: float) -> str:
-    return f"{n / 1e9:.2f} GB"
-
-
-def secs(s: float) -> str:
-    return f"{s:.2f} s"
+    """Bytes as GB, or as MB below 0.1 GB."""
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
 
 
 def table(head: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
