@@ -18,7 +18,13 @@ before the timing (as ``load_weights`` copies into parameters):
 - ``safe_open``: ``safe_open(file, framework="pt")`` per file, ``get_tensor`` per name: a
   stock loader on the stage's files, the baseline;
 - ``shim checked``: ``loader.open_stage(OUT, pp_rank=R).iter_weights()`` with its defaults
-  (every byte checked, what a server gets);
+  (every byte checked, what a server gets), as the node's first loader (an empty node record;
+  with ``--workers`` the N share one, as a node's workers do);
+- ``2nd worker checked``: the same as another worker of the node loads it (tensor parallelism:
+  every worker of a node loads the stage; the first one's check, made untimed before, is used);
+- ``checked no spare core``: the first loader with a node budget of no hashing threads
+  (``QWEN35_RESHARD_HASH_THREADS=0``): the copying thread hashes too, as where every core is
+  busy: what the check costs where it cannot hide behind the copy;
 - ``shim unchecked``: the same with ``QWEN35_RESHARD_VERIFY_LOAD=0``;
 - ``open_stage``: opening and checking the stage alone (manifest, index, config, headers).
 
@@ -29,11 +35,14 @@ time is the slowest worker's, the CPU seconds the sum over the workers.
 Prints medians, GB/s, speed against ``safe_open`` (ratio of medians, and median of the rounds'
 own ratios: steadier on a machine whose speed drifts), checked / unchecked, and each method's
 CPU seconds: where the check costs more CPU than the copy, a node with fewer free cores per
-loading worker (or a faster disk) pays it in time.
+loading worker (or a faster disk) pays it in time; then that cost on this machine and in words
+for a GPU node. ``--digests`` first measures the digests considered for the check (sha256,
+BLAKE3 on 1 and 2 threads, crc32c, xxh3-128; those installed) against a copy of one buffer.
 
     python -m benchmarks loader                        # 0.56 GB stage and 49,5xx-tensor stage, warm
     python -m benchmarks loader --before main --rounds 7
     python -m benchmarks loader --shapes many --cache warm,cold
+    python -m benchmarks loader --digests --before 020519d     # issue 43: sha256 before, xxh3-128 after
 """
 
 from __future__ import annotations
@@ -55,7 +64,10 @@ from benchmarks.lib.trees import Tree, check_imports, order
 
 QUICK = ["--shapes", "tiny", "--rounds", "1"]
 BEFORE = True
-METHODS = ("safe_open", "shim checked", "shim unchecked", "open_stage")
+METHODS = (
+    "safe_open", "shim checked", "shim unchecked", "2nd worker checked", "checked no spare core",
+    "open_stage",
+)  # fmt: skip
 
 # One round of every method in one tree: warms (or drops) the cache before each, times it.
 _CHILD = r"""
@@ -66,6 +78,7 @@ import qwen35_reshard
 from qwen35_reshard import loader
 out, rank, cache, barrier = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[5]
 order = sys.argv[4].split(",")
+node = sys.argv[6]  # where the node's records of checked files go: shared by the workers started together
 stage = loader.open_stage(out, pp_rank=rank)
 files = [os.path.join(stage.path, f) for f in stage.files]
 DT = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F8_E4M3": torch.float8_e4m3fn,
@@ -81,16 +94,25 @@ def safe():
             for name in h.keys():
                 dst[name].copy_(h.get_tensor(name)); n += 1
     return n
-def shim(checked):
+def shim(checked, record="first", threads=None):
     if checked:
         os.environ.pop("QWEN35_RESHARD_VERIFY_LOAD", None)
     else:
         os.environ["QWEN35_RESHARD_VERIFY_LOAD"] = "0"
+    # The node's record of checked files (a tree before issue 43 ignores both variables), empty
+    # but for "second", and the node's budget of hashing threads.
+    os.environ["QWEN35_RESHARD_CHECKED_DIR"] = os.path.join(node, record)
+    os.environ.pop("QWEN35_RESHARD_HASH_THREADS", None)
+    if threads is not None:
+        os.environ["QWEN35_RESHARD_HASH_THREADS"] = str(threads)
     n = 0
     for name, tensor in loader.open_stage(out, pp_rank=rank).iter_weights():
         dst[name].copy_(tensor); n += 1
     return n
+shim(True, record="second")  # the node whose first worker checked the stage, untimed
 methods = {"safe_open": safe, "shim checked": lambda: shim(True), "shim unchecked": lambda: shim(False),
+           "2nd worker checked": lambda: shim(True, record="second"),
+           "checked no spare core": lambda: shim(True, record="busy", threads=0),
            "open_stage": lambda: len(loader.open_stage(out, pp_rank=rank))}
 def prepare():
     if cache == "cold":
@@ -129,14 +151,15 @@ def build(shape: str, work: Path, size: float) -> Path:
 
 def together(child: list[str], method: str, cache: str, tree: Tree, workers: int, work: Path) -> list[dict]:
     """``method`` in ``workers`` processes started together on one stage, the cache prepared once."""
-    barrier = Path(tempfile.mkdtemp(dir=work))
+    barrier, node = Path(tempfile.mkdtemp(dir=work)), Path(tempfile.mkdtemp(dir=work))
     if cache == "cold":
         pages.drop_all()
     else:
         pages.warm(Path(child[3]).glob(f"pp{child[4]}/*.safetensors"))
     with ThreadPoolExecutor(workers) as pool:
         running = [
-            pool.submit(procs.run, [*child, method, str(barrier)], env=tree.env()) for _ in range(workers)
+            pool.submit(procs.run, [*child, method, str(barrier), str(node)], env=tree.env())
+            for _ in range(workers)
         ]
         while len(list(barrier.glob("ready.*"))) < workers and not any(f.done() for f in running):
             time.sleep(0.01)
@@ -170,7 +193,9 @@ def measure(shape: str, work: Path, args: argparse.Namespace, trees: list[Tree],
                 rotated = METHODS[k:] + METHODS[:k]  # no method always first
                 child = [procs.PY, "-c", _CHILD, str(outs[t.label]), str(args.rank), cache]
                 if args.workers == 1:
-                    results = [[json.loads(procs.run([*child, ",".join(rotated), "-"], env=t.env()).stdout)]]
+                    node = tempfile.mkdtemp(dir=work)
+                    run = procs.run([*child, ",".join(rotated), "-", node], env=t.env())
+                    results = [[json.loads(run.stdout)]]
                 else:
                     results = [together(child, name, cache, t, args.workers, work) for name in rotated]
                 for got in results:
@@ -222,6 +247,90 @@ def measure(shape: str, work: Path, args: argparse.Namespace, trees: list[Tree],
             for name in METHODS:
                 a, b = (median(times[(cache, label, name)]) for label in ("after", "before"))
                 print(f"- {cache}, {name}: after/before {a / b:.2f}x")
+    _check_cost(times, caches, trees[0].label, size, info["tensors"])
+
+
+def _check_cost(times: dict, caches: list[str], label: str, size: int, tensors: int) -> None:
+    """Where the check cannot hide behind the copy: its cost with no spare core, measured, and
+    what follows for a GPU node from this machine's digest speed."""
+    from qwen35_reshard.format.digest import TENSOR_DIGEST
+
+    rate = _digest_rate()
+    per_gb = 1e9 / rate
+    print(
+        f"\nWhere the check costs more than the copy: it needs a core at {rate / 1e9:.0f} GB/s "
+        f"({TENSOR_DIGEST}, one thread here: {per_gb * 1e3:.0f} ms of a core per GB) beside the copy, and "
+        "hides behind it while a core is free for it."
+    )
+    for cache in caches:
+        off = median(times[(cache, label, "shim unchecked")])
+        busy = median(times[(cache, label, "checked no spare core")])
+        second = median(times[(cache, label, "2nd worker checked")])
+        print(
+            f"- this machine, {cache}, {size / 1e9:.2f} GB, {tensors:,} tensors: with no spare core (the "
+            f"copying thread hashes too) the check adds {busy - off:+.3f} s ({busy / off:.2f}x unchecked); "
+            f"a 2nd worker of the node, whose bytes the 1st checked: {second / off:.2f}x unchecked."
+        )
+    print(
+        f"- a GPU node (64+ cores, 8 workers with TP=8, NVMe at ~7 GB/s, or 25+ GB/s striped): each byte "
+        f"is hashed once per node, by whichever worker reaches its file first, in at most 8 threads for "
+        f"the node (QWEN35_RESHARD_HASH_THREADS): a 100 GB stage costs ~{100 * per_gb:.0f} core-seconds "
+        f"in all, spread over those threads, while its disk needs 4-15 s to read it: hidden. It "
+        f"shows only where no core is free beside the copies (every core pinned to a worker's own "
+        f"threads): then ~{10 * per_gb:.1f} s per 10 GB on the worker's copying thread, as in the "
+        "no-spare-core row; QWEN35_RESHARD_VERIFY_LOAD=0 if the files are checked elsewhere."
+    )
+
+
+def _digest_rate() -> float:
+    """Bytes per second one thread hashes with the tensors' digest (best of 3, 256 MB)."""
+    from qwen35_reshard.format.digest import TENSOR_DIGEST, hexdigest
+
+    buf = memoryview(os.urandom(1 << 20) * 256)
+    return len(buf) / min(_timed(lambda: hexdigest(TENSOR_DIGEST, buf)) for _ in range(3))
+
+
+def _timed(fn: object) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def digest_speeds() -> None:
+    """The digests considered for the loader's check, on one 512 MB buffer, against a copy of
+    it in the same run (the server's work per byte); those not installed are said so."""
+    import hashlib
+    import importlib.util
+
+    buf = memoryview(os.urandom(1 << 20) * 512)
+    dst = bytearray(len(buf))
+
+    def copy() -> None:
+        dst[:] = buf
+
+    candidates = {"copy (memmove): the baseline": copy, "sha256": lambda: hashlib.sha256(buf).digest()}
+    found = {name: importlib.util.find_spec(name) is not None for name in ("blake3", "crc32c", "xxhash")}
+    if found["blake3"]:
+        import blake3
+
+        candidates["BLAKE3, 1 thread"] = lambda: blake3.blake3(buf).digest()
+        candidates["BLAKE3, 2 threads"] = lambda: blake3.blake3(buf, max_threads=2).digest()
+    if found["crc32c"]:
+        import crc32c
+
+        candidates["crc32c"] = lambda: crc32c.crc32c(buf)
+    if found["xxhash"]:
+        import xxhash
+
+        candidates["xxh3-128"] = lambda: xxhash.xxh3_128(buf).digest()
+    speeds = {name: len(buf) / min(_timed(fn) for _ in range(3)) for name, fn in candidates.items()}
+    base = speeds["copy (memmove): the baseline"]
+    print(f"\n### Digests on a {len(buf) >> 20} MB buffer, best of 3\n")
+    rows = [[name, f"{speed / 1e9:.1f}", f"{speed / base:.2f}x"] for name, speed in speeds.items()]
+    print(table(["digest", "GB/s", "vs the copy"], rows))
+    missing = [n for n, ok in found.items() if not ok]
+    if missing:
+        print(f"\nnot installed, not measured: {', '.join(missing)} (pip install {' '.join(missing)})")
 
 
 def main(argv: list[str], trees: list[Tree]) -> int:
@@ -238,6 +347,7 @@ def main(argv: list[str], trees: list[Tree]) -> int:
     )
     ap.add_argument("--cache", default="warm", help="warm, cold or both (cold needs root)")
     ap.add_argument("--workdir", type=Path, default=None, help="parent of the temporary work directory")
+    ap.add_argument("--digests", action="store_true", help="first measure the digests considered")
     args = ap.parse_args(argv)
     caches = args.cache.split(",")
     if "cold" in caches and os.geteuid() != 0:
@@ -248,6 +358,8 @@ def main(argv: list[str], trees: list[Tree]) -> int:
             f"## Loader, {stamp()}, {platform.node()} ({os.cpu_count()} cores), load average "
             f"{os.getloadavg()[0]:.1f}; each round one fresh interpreter per tree, methods interleaved"
         )
+        if args.digests:
+            digest_speeds()
         for shape in args.shapes.split(","):
             measure(shape, work, args, trees, caches)
     finally:

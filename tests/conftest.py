@@ -34,6 +34,13 @@ SINGLE_FILE = "model.safetensors"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 
 
+@pytest.fixture(autouse=True)
+def _own_node_record(tmp_path_factory, monkeypatch):
+    """Each test its own node record of checked files (loader: ``stage.nodechecks``), its
+    subprocesses too: a check one test's load made is not another test's to trust."""
+    monkeypatch.setenv("QWEN35_RESHARD_CHECKED_DIR", str(tmp_path_factory.mktemp("node") / "checked"))
+
+
 # --------------------------------------------------------------------------- checkpoints
 
 

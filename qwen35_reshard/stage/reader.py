@@ -23,7 +23,7 @@ from pathlib import Path
 from ..errors import JSON_ERRORS, ReshardError
 from ..format.identity import RunIdentity, describe_differences
 from ..format.jsonio import load_index
-from ..format.manifest import STAGE_FORMAT
+from ..format.manifest import STAGE_FORMAT, TENSOR_DIGESTS
 from ..format.names import (
     CONFIG_NAME,
     INDEX_NAME,
@@ -132,7 +132,7 @@ def read_manifest(root: Path, display: str) -> StageManifest | Finding:
     except OSError as e:
         return Finding(CORRUPT, f"{display}/{STAGE_MANIFEST}: cannot read ({e.strerror})", STAGE_MANIFEST)
     fast = decode_stage_manifest(raw)  # None, or a manifest with a problem: read again below, exactly
-    if fast is not None and fast.get("format") == STAGE_FORMAT:
+    if fast is not None and fast.get("format") in TENSOR_DIGESTS:
         m = parse_stage_manifest(fast)
         if isinstance(m, StageManifest):
             return m
@@ -140,7 +140,7 @@ def read_manifest(root: Path, display: str) -> StageManifest | Finding:
         obj = json.loads(raw)
     except JSON_ERRORS:
         obj = None
-    if isinstance(obj, dict) and obj.get("format") != STAGE_FORMAT:
+    if isinstance(obj, dict) and obj.get("format") not in TENSOR_DIGESTS:
         return Finding(
             CORRUPT,
             f"{display}/{STAGE_MANIFEST} has format {obj.get('format')!r}, not {STAGE_FORMAT!r}: it "

@@ -2,7 +2,8 @@
 
 A source shard is read once, in offset order, in windows of at most ``chunk_bytes``. Each
 tensor goes to every stage file that needs it (more than one for tensors replicated on
-purpose) and its sha256 is computed on the way, by a second thread, so that hashing runs
+purpose) and its digest (``format.digest``: xxh3-128 unless asked for another) is computed
+on the way, by a second thread, so that hashing runs
 beside the copying instead of after it. Two ways to move a window, chosen per source shard:
 
 - kernel (the default on Linux, whenever the tensors go somewhere): ``os.copy_file_range``
@@ -25,7 +26,7 @@ source offset (a multiple of the plan's alignment), so every window but a run's 
 on a block boundary; runs of such tensors alone, never read, are cut
 ``LONG_WINDOW_CHUNKS`` times less often.
 
-``copy_file_range``, ``preadv``, ``pwrite`` and ``hashlib`` release the GIL. At most
+``copy_file_range``, ``preadv``, ``pwrite`` and the hashers release the GIL. At most
 ``RING_BUFFERS`` windows are in flight per source shard, so memory stays bounded whatever the
 size of the tensors or of the checkpoint.
 
@@ -45,12 +46,12 @@ from __future__ import annotations
 import bisect
 import collections
 import errno
-import hashlib
 import mmap
 import os
 from collections.abc import Callable
 
 from ..errors import BadInput
+from ..format.digest import TENSOR_DIGEST, hexdigest
 from ..source.remote.engine import RemoteSource
 from ..source.remote.parts import plan_parts
 from . import pages, reflink
@@ -69,7 +70,6 @@ KERNEL_COPY_MIN_BYTES = 1024 * 1024
 # all pages.
 WRITE_BEHIND_BYTES = 1024 * 1024
 DROP_LAG = 8
-_EMPTY_SHA256 = hashlib.sha256().hexdigest()
 # copy_file_range errors that mean "not between these two files": fall back to pwrite.
 _NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL}
 
@@ -127,8 +127,10 @@ def copy_segments(
     share_fds: frozenset[int] = frozenset(),
     on_shared: Callable[[int], None] = lambda n: None,
     on_read: Callable[[memoryview], None] | None = None,
+    digest: str = TENSOR_DIGEST,
 ) -> dict[str, str | None]:
-    """Copy ``segments`` out of ``src_path``; return each tensor's sha256 hex digest.
+    """Copy ``segments`` out of ``src_path``; return each tensor's hex digest of the algorithm
+    ``digest`` (``format.digest``; what a split records, unless compared with another record).
 
     Every source byte is read from the file once, however many outputs it goes to; bytes no
     segment covers are skipped. ``on_progress`` gets the number of source bytes copied after
@@ -147,10 +149,12 @@ def copy_segments(
     segments = sorted(segments, key=lambda s: s.offset)
     unhashed = {s.name for s in segments if s.dests and all(fd in share_fds for fd, _ in s.dests)}
     digests: dict[str, str | None] = dict.fromkeys(unhashed)
-    digests.update({s.name: _EMPTY_SHA256 for s in segments if s.nbytes == 0 and s.name not in unhashed})
+    empty = hexdigest(digest, b"")
+    digests.update({s.name: empty for s in segments if s.nbytes == 0 and s.name not in unhashed})
     remote = not isinstance(src_path, (str, os.PathLike))
     fd = -1 if remote else os.open(src_path, os.O_RDONLY)
-    hasher = Hasher(fd, [s for s in segments if s.nbytes and s.name not in unhashed], digests, on_read)
+    to_hash = [s for s in segments if s.nbytes and s.name not in unhashed]
+    hasher = Hasher(fd, to_hash, digests, on_read, digest)
     try:
         if remote and src_path.transfer is not None:
             mover: _Mover = _ReadBack(src_path, chunk_bytes=chunk_bytes, should_stop=should_stop)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import hashlib
 import mmap
 import queue
 import threading
 from collections.abc import Callable
 
+from ..format.digest import TENSOR_DIGEST, new_hasher
 from . import pages
 from .pages import close_window, drop_pages
 from .segments import Piece, Segment
@@ -30,16 +30,17 @@ class Hasher:
         segments: list[Segment],
         digests: dict[str, str],
         on_read: Callable[[memoryview], None] | None = None,
+        digest: str = TENSOR_DIGEST,
     ) -> None:
         self._src_fd = src_fd
         self._on_read = on_read
         self._room = threading.Semaphore(RING_BUFFERS)
         self._jobs: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
-        self._hashers = {s.name: hashlib.sha256() for s in segments}
+        self._hashers = {s.name: new_hasher(digest) for s in segments}
         self._digests = digests
         self._cancelled = False
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="qwen35-reshard-sha256", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="qwen35-reshard-digest", daemon=True)
 
     def wait_for_room(self) -> None:
         self._room.acquire()

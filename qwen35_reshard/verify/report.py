@@ -54,7 +54,8 @@ class VerifyReport:
     # Findings that the stages hold intact bytes that are not the source's (another checkpoint of the
     # same layout, or one changed since): no repair mends that.
     not_from_source: list[Finding] = field(default_factory=list)
-    source_digests: dict[str, str] = field(default_factory=dict, repr=False)  # source tensor -> sha256
+    # digest (format.digest) -> source tensor -> its digest, for the digest each stage records
+    source_digests: dict[str, dict[str, str]] = field(default_factory=dict, repr=False)
     source_bytes_hashed: int = 0
     recorded_source: str | None = None  # the source the stage manifests record (see stagedir.recorded_source)
     recorded_revision: str | None = None  # with a Hub repo id there: the commit the split was made from
@@ -121,7 +122,7 @@ class CheckedStage:
     summary: StageSummary
     run: RunRecord | None  # what the run directory records, if anything
     manifest: StageManifest | None = None
-    digests: dict[str, str] = field(default_factory=dict)  # sha256 computed from the files
+    digests: dict[str, str] = field(default_factory=dict)  # digests computed from the files (manifest's)
 
 
 def adder(report: VerifyReport, stage: CheckedStage) -> Add:

@@ -67,16 +67,22 @@ def check_against_source(
         to_compare += _compare_placement(ckpt, plan, stage, add)
         if _recorded_limits(m) is not None and not report.findings_for(stage.summary.stage):
             _compare_layout(plan, stage, add, repo)
-    wanted = sorted({name for _, name in to_compare})
-    source_digests = report.source_digests = _hash_source(ckpt, wanted, chunk_bytes, repo)
-    report.source_bytes_hashed = sum(ckpt.tensors[n].nbytes for n in wanted)
+    # Each source tensor hashed once per digest the stages record (one, unless stage-v1 ones).
+    wanted: dict[str, set[str]] = {}
+    for stage, name in to_compare:
+        wanted.setdefault(stage.manifest.digest, set()).add(name)
+    report.source_digests = {
+        digest: _hash_source(ckpt, sorted(names), chunk_bytes, repo, digest)
+        for digest, names in wanted.items()
+    }
+    report.source_bytes_hashed = sum(ckpt.tensors[n].nbytes for n in set().union(*wanted.values()))
     for stage, name in to_compare:
         mine = stage.digests.get(name)
-        if mine is not None and mine != source_digests[name]:
+        if mine is not None and mine != report.source_digests[stage.manifest.digest][name]:
             t = stage.manifest.tensors[name]
-            if t.sha256 is not None and t.sha256 != mine:
+            if t.digest is not None and t.digest != mine:
                 continue  # damaged since it was written: one finding already says so
-            intact = t.sha256 == mine  # the stage holds what it recorded: the source is not its
+            intact = t.digest == mine  # the stage holds what it recorded: the source is not its
             why = ", and are the ones its manifest records: the split is of other bytes" if intact else ""
             finding = adder(report, stage)(
                 DIFFERENT,
@@ -212,9 +218,12 @@ def _source_head(ckpt: Checkpoint, file: str, nbytes: int, repo: Store | None) -
         return fh.read(nbytes)
 
 
-def _hash_source(ckpt: Checkpoint, names: list[str], chunk_bytes: int, repo: Store | None) -> dict[str, str]:
-    """sha256 of each source tensor in ``names``, each shard read once in bounded chunks (from
-    a Hub repo or an object store: only the shards and byte ranges of these tensors are fetched)."""
+def _hash_source(
+    ckpt: Checkpoint, names: list[str], chunk_bytes: int, repo: Store | None, digest: str
+) -> dict[str, str]:
+    """The ``digest`` (``format.digest``) of each source tensor in ``names``, each shard read
+    once in bounded chunks (from a Hub repo or an object store: only the shards and byte
+    ranges of these tensors are fetched)."""
     by_file: dict[str, list[Segment]] = {}
     for name in names:
         t = ckpt.tensors[name]
@@ -227,7 +236,7 @@ def _hash_source(ckpt: Checkpoint, names: list[str], chunk_bytes: int, repo: Sto
 
     def one(file: str) -> dict[str, str]:
         src = fetcher.open(file) if fetcher is not None else str(ckpt.path(file))
-        return copy_segments(src, by_file[file], chunk_bytes=chunk_bytes)
+        return copy_segments(src, by_file[file], chunk_bytes=chunk_bytes, digest=digest)
 
     if fetcher is None:
         return {name: d for file in sorted(by_file) for name, d in one(file).items()}

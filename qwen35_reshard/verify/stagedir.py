@@ -128,19 +128,19 @@ def _check_data_file(
         return
     if layout.sha256 is not None:
         _check_file_digest(path, layout.sha256, where, add, file)
-    recorded = {n: t.sha256 for n, t in m.tensors.items() if t.file == file}
+    recorded = {n: t.digest for n, t in m.tensors.items() if t.file == file}
     segments = []
     for t in header.tensors:
         if for_source or recorded.get(t.name) is not None:
             segments.append(Segment(t.name, header.data_start + t.begin, t.nbytes))
         elif t.name in recorded and layout.sha256 is None:
             stage.summary.bytes_unrecorded += t.nbytes
-    digests = copy_segments(str(path), segments, chunk_bytes=chunk_bytes)
+    digests = copy_segments(str(path), segments, chunk_bytes=chunk_bytes, digest=m.digest)
     stage.summary.bytes_hashed += sum(s.nbytes for s in segments)
     for name, digest in digests.items():
         stage.digests[name] = digest
         if recorded.get(name) is not None and recorded[name] != digest:
-            found = tensor_digest_finding(where, file, name)
+            found = tensor_digest_finding(where, file, name, m.digest)
             add(found.kind, found.text, file=found.file, tensor=found.tensor)
 
 

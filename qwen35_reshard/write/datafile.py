@@ -18,7 +18,7 @@ from ..transfer.segments import Segment
 from .durability import FILE_MODE, remove
 from .sources import SourceAccess
 
-Digests = dict[str, str | None]  # tensor name -> sha256 (None: shared, never read)
+Digests = dict[str, str | None]  # tensor name -> its digest (format.digest; None: shared, never read)
 
 
 @dataclass
@@ -67,7 +67,7 @@ def stamp(path: Path) -> list[int] | None:
 
 
 def file_digests(path: Path, f: OutputFile) -> Digests | None:
-    """sha256 of each tensor of the stage's data file ``path``, laid out as ``f``; None when it
+    """The digest of each tensor of the stage's data file ``path``, laid out as ``f``; None when it
     cannot be read whole (missing, short, changed while read)."""
     segments = [Segment(t.name, f.data_start + t.out_offset, t.source.nbytes) for t in f.tensors]
     try:

@@ -11,7 +11,9 @@ modification and change times as journaled; the change time moves with any write
 filesystem's timestamp granularity, and no call can set it back), or else its tensors hash to
 the digests journaled. Anything else (a
 file replaced or written to by another writer, copied, or journaled without digests because it
-shares the source's blocks) is rewritten.
+shares the source's blocks) is rewritten. Each line names its digest (``format.digest``); a line
+of another (a stage-v1 split's sha256, set aside before) is not kept: its file is rewritten,
+since the manifest the run writes records the current one.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import os
 from pathlib import Path
 
 from ..errors import JSON_ERRORS
+from ..format.digest import TENSOR_DIGEST
 from ..format.names import CLONE, JOURNAL
 from ..plan.planner import Plan, StagePlan
 from ..stage.findings import Finding
@@ -41,7 +44,7 @@ def read_journal(path: Path) -> dict[str, tuple[Digests, list[int] | None]]:
     for line in lines:
         try:
             rec = json.loads(line)
-            if isinstance(rec["digests"], dict):
+            if isinstance(rec["digests"], dict) and rec.get("digest") == TENSOR_DIGEST:
                 entries[rec["file"]] = (rec["digests"], rec.get("stamp"))
         except (*JSON_ERRORS, KeyError, TypeError):
             continue  # a line torn by a crash (bytes of any kind): that file is simply redone
@@ -52,7 +55,7 @@ def append_journal(stage_dir: Path, finished: dict[str, Digests]) -> None:
     """Record the files ``finished`` (name -> digests), renamed into ``stage_dir`` just now, in
     its journal, each with its stamp (see :func:`~.datafile.stamp`)."""
     records = [
-        {"file": name, "digests": digests, "stamp": stamp(stage_dir / name)}
+        {"file": name, "digest": TENSOR_DIGEST, "digests": digests, "stamp": stamp(stage_dir / name)}
         for name, digests in finished.items()
     ]
     with open(stage_dir / JOURNAL, "a") as j:
@@ -120,9 +123,9 @@ def set_aside(stage_dir: Path, damaged: str) -> None:
         return
     digests: dict[str, Digests] = {}
     for t in m.tensors.values():
-        digests.setdefault(t.file, {})[t.name] = t.sha256
+        digests.setdefault(t.file, {})[t.name] = t.digest
     kept = {f: d for f, d in digests.items() if f != damaged and None not in d.values()}
-    records = [{"file": f, "digests": d, "stamp": None} for f, d in sorted(kept.items())]
+    records = [{"file": f, "digest": m.digest, "digests": d, "stamp": None} for f, d in sorted(kept.items())]
     with open(stage_dir / JOURNAL, "a") as j:
         j.write("".join(json.dumps(r) + "\n" for r in records))
         j.flush()

@@ -52,7 +52,7 @@ def stage_manifest(
     plan: Plan, stage: StagePlan, index_bytes: bytes, side_files: dict[str, str]
 ) -> ManifestDraft:
     """The stage manifest for ``stage`` (given its index bytes and the sha256 of each non-weight
-    file it gets), but for the tensors' sha256: a run learns them while it copies, and encodes
+    file it gets), but for the tensors' digests: a run learns them while it copies, and encodes
     the rest before (see :class:`ManifestDraft`)."""
     head = {
         "format": STAGE_FORMAT,
@@ -138,7 +138,7 @@ _FILE_OF, _DTYPE_OF, _SHAPE_OF, _NBYTES_OF = field_getters(SourceTensor, "file",
 
 
 class ManifestDraft:
-    """A stage manifest encoded but for its tensors' sha256: ``encode(digests)`` gives its bytes,
+    """A stage manifest encoded but for its tensors' digests: ``encode(digests)`` gives its bytes,
     those of ``dumps`` of the manifest with a "tensors" entry per tensor, sorted by name.
 
     One entry per tensor (~190,000 for a 397B FP8 checkpoint): the entries are encoded column

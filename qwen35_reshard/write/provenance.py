@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from ..errors import ReshardError
+from ..format.digest import TENSOR_DIGEST
 from ..plan.planner import Plan
 from ..stage.findings import Finding
 from ..stage.reader import read_manifest
@@ -58,7 +59,9 @@ def source_difference(
     for rank in ranks:
         stage = plan.stages[rank]
         m = read_manifest(out / stage.dirname, str(out / stage.dirname))
-        recorded = {} if isinstance(m, Finding) else {n: t.sha256 for n, t in m.tensors.items()}
+        # A stage-v1 manifest's sha256 is not what copy_segments computes: its bytes are hashed.
+        usable = not isinstance(m, Finding) and m.digest == TENSOR_DIGEST
+        recorded = {n: t.digest for n, t in m.tensors.items()} if usable else {}
         for f in stage.files:
             for t in f.tensors:
                 if t.source.file not in files:

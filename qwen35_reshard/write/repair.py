@@ -144,20 +144,22 @@ def damaged_files(
 
 
 def source_mismatch(
-    plan: Plan, out: Path, files: dict[int, set[str]], source_digests: dict[str, str]
+    plan: Plan, out: Path, files: dict[int, set[str]], source_digests: dict[str, dict[str, str]]
 ) -> tuple[str, str] | None:
     """``(tensor, stage file)`` of the first tensor of the data ``files`` to rewrite whose
-    source bytes (``source_digests``, as verify hashed them) are not the ones its stage's
-    manifest records; None when all are (or record none: a damaged manifest, shared blocks).
+    source bytes (``source_digests``: digest -> tensor -> its digest, as verify hashed them)
+    are not the ones its stage's manifest records; None when all are (or record none: a
+    damaged manifest, shared blocks).
     Rewriting from a source that fails this would put another checkpoint's bytes in the split."""
     for rank in sorted(files):
         stage_dir = out / plan.stages[rank].dirname
         m = read_manifest(stage_dir, str(stage_dir))
         if isinstance(m, Finding):
             continue
+        hashed = source_digests.get(m.digest, {})
         for name, t in sorted(m.tensors.items()):
-            want = t.sha256
-            if t.file in files[rank] and want is not None and source_digests.get(name, want) != want:
+            want = t.digest
+            if t.file in files[rank] and want is not None and hashed.get(name, want) != want:
                 return name, f"{plan.stages[rank].dirname}/{t.file}"
     return None
 
@@ -297,7 +299,7 @@ def _files_to_rewrite(
 
 
 def _source_digests(path: Path, f: OutputFile, source: SourceAccess) -> Digests | None:
-    """sha256 of each tensor of the stage's data file ``path`` when the file is ``f`` exactly:
+    """The digest of each tensor of the stage's data file ``path`` when the file is ``f`` exactly:
     its size and header the plan's, each tensor's bytes its source's. None otherwise (also
     when it is missing or short)."""
     if not matches(path, f, header(f, source)):

@@ -91,7 +91,7 @@ def test_verify_names_a_damaged_tensor(built, capsys):
     victim = flip_a_byte(next(stage.glob("*.safetensors")))
     code, out, _ = cli(capsys, "verify", "--cache-dir", str(cache), "--model", REPO)
     assert code == 1
-    assert f"the bytes of tensor {victim!r} do not match its sha256" in out
+    assert f"the bytes of tensor {victim!r} do not match its xxh128" in out
     assert "3 entries checked, 1 with problems" in out  # the local one was not asked for
     code, out, err = cli(capsys, "verify", "--cache-dir", str(cache), "--model", "Qwen/Other")
     assert code == 2 and err.startswith("error: --model: the stage cache holds no entry of Qwen/Other")

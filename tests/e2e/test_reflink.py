@@ -27,6 +27,7 @@ from test_crash_resume import command, kill_when
 
 import qwen35_reshard
 from qwen35_reshard import WriteOptions
+from qwen35_reshard.format.digest import XXH128, hexdigest
 from qwen35_reshard.transfer import copier
 from qwen35_reshard.transfer.segments import Segment
 from qwen35_reshard.verify import verify
@@ -205,7 +206,7 @@ def test_the_layout_is_the_same_on_every_filesystem(checkpoints, filesystems, tm
             assert (shared / name).read_bytes() == (copied / name).read_bytes(), name
         # Copied bytes were read, so their digests are recorded: verify checks every tensor.
         manifest = json.loads((copied / "pp1" / "reshard-stage.json").read_bytes())
-        assert all(t["sha256"] for t in manifest["tensors"].values())
+        assert all(t["xxh128"] for t in manifest["tensors"].values())
         assert verify(copied, source=model).ok
     finally:
         shutil.rmtree(shared, ignore_errors=True)
@@ -447,7 +448,7 @@ def test_a_shared_run_is_shared_in_one_call_and_only_its_edges_copied(filesystem
     run = sum(sizes[:-1])
     assert run > 10 * chunk and len([c for c in calls if c[1] < offsets[3]]) == 1  # (src_fd, src_offset, ...)
     last = data[offsets[3] : offsets[3] + sizes[3]]
-    assert digests == {"t0": None, "t1": None, "t2": None, "t3": hashlib.sha256(last).hexdigest()}
+    assert digests == {"t0": None, "t1": None, "t2": None, "t3": hexdigest(XXH128, last)}
     out = shared.read_bytes()
     for o, n in zip(offsets, sizes, strict=True):
         assert out[shift + o : shift + o + n] == data[o : o + n]

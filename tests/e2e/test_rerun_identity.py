@@ -384,7 +384,7 @@ def test_a_split_that_shared_blocks_is_compared_with_its_own_bytes(xfs, tiny):
     out = root / "out"
     ok(cli("--pp", 2, "--reflink", "always", a, out))
     manifest = json.loads((out / "pp0" / "reshard-stage.json").read_text())
-    assert any(t["sha256"] is None for t in manifest["tensors"].values())  # shared, not hashed
+    assert any(t["xxh128"] is None for t in manifest["tensors"].values())  # shared, not hashed
     line = error_line(cli("--pp", 2, b, out))
     assert "differs" in line and "--overwrite" in line, line
     for shard in shards(a):

@@ -31,6 +31,7 @@ import qwen35_reshard
 from qwen35_reshard.servers.unsplit import STAGE_CACHE_ENV
 from qwen35_reshard.source.checkpoint import source_identity
 from qwen35_reshard.source.header import read_header
+from qwen35_reshard.source.remote.checkpoint import header_read
 from qwen35_reshard.source.remote.parts import GAP_BYTES
 
 from support.helpers import ROOT, SUPPORT, mount_namespace
@@ -132,11 +133,12 @@ def safetensors_bytes(hub, agent: str | None = None) -> int:
 
 
 def header_bytes(model: Path) -> int:
-    """What reading every shard's header costs: its 8-byte length and the JSON."""
+    """What reading every shard's header costs: the tool's first read, or its 8-byte length and
+    the JSON where longer."""
     total = 0
     for f in model.glob("*.safetensors"):
         with open(f, "rb") as fh:
-            total += 8 + int.from_bytes(fh.read(8), "little")
+            total += max(8 + int.from_bytes(fh.read(8), "little"), header_read(f.stat().st_size))
     return total
 
 
@@ -215,13 +217,13 @@ def test_a_damaged_cached_stage_stops_the_load_and_the_next_start_mends_it(tmp_p
     opt_out = {"QWEN35_RESHARD_VERIFY_LOAD": "0"}
     unchecked = serve(tmp_path, {"model": REPO, "rank": 0}, hub=hub, extra=opt_out)
     assert unchecked["how"] == "cached" and unchecked["digests"][victim] != first["digests"][victim]
-    assert "loaded without checking its bytes' sha256 (QWEN35_RESHARD_VERIFY_LOAD=0)" in unchecked["log"]
+    assert "loaded without checking its bytes' digests (QWEN35_RESHARD_VERIFY_LOAD=0)" in unchecked["log"]
 
     # Checked (the default): the load stops in one line naming the tensor and the file.
     stopped = serve(tmp_path, {"model": REPO, "rank": 0}, hub=hub)
     error = stopped.get("error", "")
     where = f"{stage_dir}/{damaged.name}"
-    assert f"{where}: the bytes of tensor {victim!r} do not match its sha256" in error, stopped
+    assert f"{where}: the bytes of tensor {victim!r} do not match its xxh128" in error, stopped
     assert "removed from the stage cache" in error and "next start" in error and "\n" not in error
     assert safetensors_bytes(hub) == 0  # nothing fetched: it was cached
     assert not damaged.exists()
@@ -250,7 +252,7 @@ def test_a_damaged_shard_read_in_place_stops_the_load(tmp_path, make_checkpoint,
 
     plain = serve(tmp_path, {"model": str(model), "rank": 3})
     assert plain["how"] == "in place"
-    said = "loaded unchecked: no sha256 is recorded for them (a local directory records no sha256"
+    said = "loaded unchecked: no digest is recorded for them (a local directory records no sha256"
     assert said in plain["log"]
 
 

@@ -10,9 +10,10 @@ expert through its ``weight_loader`` (also under DeepEP over two nodes). Where S
 assertion refuses a layout, the tool must refuse it too, and the other way round. vLLM's EPLB
 refusal (``(E+R) % ep``, in the MoE factory) needs a whole engine and is left to the unit tests.
 
-The environments come from ``QWEN35_RESHARD_VLLM_PYTHON`` and ``QWEN35_RESHARD_SGLANG_PYTHON``
-(``.ci/run`` builds and exports both). Without one the test fails under CI and is skipped
-elsewhere. About two minutes, both servers side by side (most of it their imports).
+The environments are found as tests/engine/test_vllm_engine.py and test_sglang_loading.py find
+them (``QWEN35_RESHARD_VLLM_PYTHON``; ``QWEN35_RESHARD_SGLANG_PYTHON`` or ``.venv-sglang``, which
+``.ci/run`` builds). Without one the test fails under CI and is skipped elsewhere. About two
+minutes, both servers side by side (most of it their imports).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import time
 from pathlib import Path
 
 import pytest
+from test_sglang_loading import require_sglang_python
+from test_vllm_engine import vllm_python
 
 from qwen35_reshard.errors import BadInput
 from qwen35_reshard.model.experts import MoeLayer, expert_placement, read_expert_location
@@ -36,7 +39,7 @@ from support.tiny_model import LAYERS, tiny_config
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 WORKER = SUPPORT / "expert_placement_worker.py"
-ENVS = {"vllm": "QWEN35_RESHARD_VLLM_PYTHON", "sglang": "QWEN35_RESHARD_SGLANG_PYTHON"}
+SERVERS = ("vllm", "sglang")
 PINNED = {"vllm": "0.32.0", "sglang": "0.5.23"}
 # (E, ep, R): Qwen3.5's 512 and 256 experts at the EP sizes of the deployments in the facts doc
 # (16, 32, 48, 64; 32 redundant as vLLM's docs recommend), small ones with remainders, ep > E,
@@ -49,18 +52,6 @@ GRID = [
     (512, 16, 0), (512, 32, 32), (512, 48, 16), (512, 64, 0),
 ]  # fmt: skip
 NODES = (1, 2, 4, 8)
-
-
-def server_python(server: str) -> str:
-    path = os.environ.get(ENVS[server])
-    if path and Path(path).is_file():
-        return path
-    why = f"{ENVS[server]} is not set" if not path else f"{ENVS[server]}={path} does not exist"
-    if os.environ.get("CI") == "true":
-        pytest.fail(
-            f"{why}: .ci/run builds the {server} virtualenv and exports it; this proof must run in CI"
-        )
-    pytest.skip(f"{why}: build the {server} virtualenv as the README says to run the engine tests")
 
 
 def location_rows(experts: int, physical: int, seed: int) -> list[list[int]]:
@@ -116,7 +107,7 @@ def case_list(tmp: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """Both servers over the whole grid, side by side: {server: (cases, results)}."""
-    pythons = {s: server_python(s) for s in ENVS}
+    pythons = {"vllm": vllm_python(), "sglang": str(require_sglang_python())}
     tmp = tmp_path_factory.mktemp("expert-placement")
     cases = case_list(tmp)
     jobs = {
@@ -218,7 +209,7 @@ def test_nodes_hold_the_union_of_their_ranks_experts_alike_for_both_servers(serv
         e, ep, r = case["experts"], case["ep"], case["redundant"]
         for nodes in (n for n in NODES if ep % n == 0):
             per_node = {}
-            for server in ENVS:
+            for server in SERVERS:
                 got = served[server][1]["cases"][cid]
                 placement = ours(server, case)
                 if "refused" in got or isinstance(placement, BadInput):
@@ -235,7 +226,7 @@ def test_nodes_hold_the_union_of_their_ranks_experts_alike_for_both_servers(serv
                 table.append((e, ep, nodes, r, per_node))
     print("\nE, ep, nodes, R -> distinct experts per node (vLLM | SGLang; - refused)")
     for e, ep, nodes, r, per_node in table:
-        cells = [",".join(map(str, _runs(per_node[s]))) if s in per_node else "-" for s in ENVS]
+        cells = [",".join(map(str, _runs(per_node[s]))) if s in per_node else "-" for s in SERVERS]
         print(f"  E={e} ep={ep} nodes={nodes} R={r}: {' | '.join(cells)}")
     assert len(table) >= 60
 

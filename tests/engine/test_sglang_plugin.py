@@ -45,6 +45,7 @@ from test_sglang_loading import (
 from test_sglang_loading import CHECKPOINTS as BF16_CHECKPOINTS
 
 import qwen35_reshard
+from qwen35_reshard.format.digest import XXH128, hexdigest
 
 from support.helpers import SUPPORT, run_without
 from support.tiny_model import INDEX
@@ -134,7 +135,7 @@ def forge(out: Path, dst: Path, *, drop: str | None = None, add: tuple | None = 
         tensors[name] = tensor
         raw = tensor.view(torch.uint8).numpy().tobytes()
         manifest["tensors"][name] = {"file": file, "dtype": "BF16", "shape": list(tensor.shape),
-                                     "nbytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest(),
+                                     "nbytes": len(raw), "xxh128": hexdigest(XXH128, raw),
                                      "replicated": False}
         index["weight_map"][name] = file
     (stage / file).unlink()  # the split may share its blocks with the source: never write through

@@ -4,12 +4,13 @@ parsed with json/struct for the bytes)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
 
 from safetensors import safe_open
+
+from qwen35_reshard.format.digest import XXH128, hexdigest
 
 INDEX = "model.safetensors.index.json"
 STAGE_MANIFEST = "reshard-stage.json"
@@ -102,6 +103,6 @@ def check_split(ref, model, out, *, pp, runtime="sglang", partition=None, keep_m
                     s.shape,
                     len(s.data),
                 )
-                assert entry["sha256"] == hashlib.sha256(s.data).hexdigest(), name
+                assert entry["xxh128"] == hexdigest(XXH128, s.data), name
                 assert entry["replicated"] == (copies[name] > 1), name
     return expected

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import logging
@@ -19,6 +18,7 @@ from safetensors import safe_open
 import qwen35_reshard
 from qwen35_reshard import loader
 from qwen35_reshard.errors import DamagedStage, ReshardError
+from qwen35_reshard.format.digest import XXH128, hexdigest
 from qwen35_reshard.format.dtypes import DTYPE_SIZES, DTYPES
 from qwen35_reshard.source.header import encode_header, read_header
 from qwen35_reshard.stage import digestpool
@@ -97,7 +97,8 @@ def test_iter_weights_yields_exactly_the_stage_tensors_with_the_source_bytes(out
                 want = f.get_tensor(name)
             assert tensor.dtype == want.dtype
             assert raw_bytes(tensor) == raw_bytes(want), name
-            assert hashlib.sha256(raw_bytes(tensor)).hexdigest() == stage.tensors[name].sha256
+            recorded = stage.tensors[name]
+            assert hexdigest(XXH128, raw_bytes(tensor)) == recorded.digest == recorded.xxh128
         assert got == expected == stage.names
     dtypes = {t.dtype for t in loader.open_stage(out, pp_rank=2).tensors.values()}
     assert {"F32", "BF16", "F8_E4M3"} <= dtypes
@@ -156,9 +157,9 @@ def test_reads_lazily_one_tensor_at_a_time_and_only_this_stage_files(out, monkey
     opened, read = [], []  # the files the loader maps, the tensors it views in them (by offset)
     real_map, real_view = loader._mapped, loader._tensor_at
 
-    def mapping(torch, path, *args):
+    def mapping(torch, fd, path, *args):
         opened.append(Path(path))
-        return real_map(torch, path, *args)
+        return real_map(torch, fd, path, *args)
 
     def viewing(torch, storage, offset, *args):
         read.append(offset)
@@ -433,7 +434,7 @@ def test_a_flipped_data_byte_stops_the_load_naming_tensor_and_file(out, monkeypa
         for _ in stage.iter_weights():  # checked by default: the load never finishes
             pass
     msg = one_line(e)
-    assert repr(victim) in msg and f"{out / 'pp2'}/{path.name}" in msg and "sha256" in msg, msg
+    assert repr(victim) in msg and f"{out / 'pp2'}/{path.name}" in msg and "xxh128" in msg, msg
     assert "--repair" in msg, msg  # a split's stage: mended from its source
     assert (e.value.path, e.value.tensor) == (str(path), victim)
 
@@ -445,7 +446,7 @@ def test_a_flipped_data_byte_stops_the_load_naming_tensor_and_file(out, monkeypa
     with caplog.at_level(logging.WARNING, logger="qwen35_reshard.loader"):
         assert sum(1 for _ in stage.iter_weights()) == len(stage)
     said = [r.getMessage() for r in caplog.records]
-    opt_out = "loaded without checking its bytes' sha256 (QWEN35_RESHARD_VERIFY_LOAD=0)"
+    opt_out = "loaded without checking its bytes' digests (QWEN35_RESHARD_VERIFY_LOAD=0)"
     assert said == [f"qwen35-reshard: {out / 'pp2'}: {opt_out}"]
     monkeypatch.setenv(loader.VERIFY_LOAD_ENV, "1")
     with pytest.raises(DamagedStage):
@@ -528,8 +529,8 @@ def test_a_stage_of_tens_of_thousands_of_tensors_opens_loads_and_verifies(many):
 def _uppercase_a_digest(d: Path) -> None:
     text = (d / MANIFEST).read_text()
     digest = json.loads(text)["tensors"]
-    name = next(n for n, t in digest.items() if t["sha256"])
-    (d / MANIFEST).write_text(text.replace(digest[name]["sha256"], digest[name]["sha256"].upper(), 1))
+    name = next(n for n, t in digest.items() if t["xxh128"])
+    (d / MANIFEST).write_text(text.replace(digest[name]["xxh128"], digest[name]["xxh128"].upper(), 1))
 
 
 def _drop_from_index(d: Path) -> None:
@@ -549,7 +550,7 @@ def _manifest_without_a_tensor(d: Path) -> None:
 # The checks the opener makes one tensor at a time on a small stage (DAMAGE above), on a stage
 # large enough for its fast paths: each still refuses, naming what is wrong.
 MANY_DAMAGE = {
-    "a digest in capitals": (_uppercase_a_digest, ["damaged (sha256 of tensor"]),
+    "a digest in capitals": (_uppercase_a_digest, ["damaged (xxh128 of tensor"]),
     "index lacks a tensor": (_drop_from_index, ["lacks tensor", "model.safetensors.index.json"]),
     "manifest lacks a tensor": (_manifest_without_a_tensor, ["lists tensor", "reshard-stage.json does not"]),
     "dtype differs": (lambda d: _rewrite_header(_data_file(d), _dtype_to_f16), ["is F16", "records BF16"]),

@@ -1,10 +1,9 @@
 """The copy engine on random layouts: every destination gets exactly the source bytes, every
-tensor its sha256, gaps are never copied, and a short source or a stop request ends the copy.
+tensor its digest, gaps are never copied, and a short source or a stop request ends the copy.
 Both ways of moving bytes are covered: the kernel copy, with its real refusal across
 filesystems (then pwrite from the mapping), and the buffers used where a source cannot be
 mapped."""
 
-import hashlib
 import os
 import random
 import threading
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from qwen35_reshard.errors import ReshardError
+from qwen35_reshard.format.digest import SHA256, XXH128, hexdigest
 from qwen35_reshard.transfer.copier import copy_segments
 from qwen35_reshard.transfer.segments import Segment
 
@@ -51,7 +51,7 @@ def _check_random_layouts(rng: random.Random, src_dir: Path, out_dir: Path, *, k
             assert sum(progress) == sum(s.nbytes for s in segments)  # gaps are not read
             for s in segments:
                 want = data[s.offset : s.offset + s.nbytes]
-                assert digests[s.name] == hashlib.sha256(want).hexdigest(), (trial, s.name)
+                assert digests[s.name] == hexdigest(XXH128, want), (trial, s.name)
                 for fd, off in s.dests:
                     assert os.pread(fd, s.nbytes, off) == want, (trial, s.name, chunk)
         finally:
@@ -76,12 +76,12 @@ def test_hash_only_segments_read_and_hash(tmp_path):
     src = tmp_path / "src"
     src.write_bytes(data)
     segments = [Segment("a", 0, 100_000), Segment("b", 100_000, 0), Segment("c", 150_000, 150_000)]
-    digests = copy_segments(str(src), segments, chunk_bytes=4096)
-    assert digests == {
-        "a": hashlib.sha256(data[:100_000]).hexdigest(),
-        "b": hashlib.sha256(b"").hexdigest(),
-        "c": hashlib.sha256(data[150_000:]).hexdigest(),
-    }
+    for digest in (XXH128, SHA256):  # the one a split records; sha256 for a stage-v1 one
+        assert copy_segments(str(src), segments, chunk_bytes=4096, digest=digest) == {
+            "a": hexdigest(digest, data[:100_000]),
+            "b": hexdigest(digest, b""),
+            "c": hexdigest(digest, data[150_000:]),
+        }
 
 
 def test_short_source_is_an_error_naming_the_file(tmp_path):
@@ -139,4 +139,4 @@ def test_hashing_dest_less_segments_gaps_empty_and_adjacent(tmp_path):
     ranges = [("a", 0, 0), ("b", 0, 3000), ("c", 3000, 0), ("d", 3000, 1), ("e", 5000, 4999), ("f", 9999, 0)]
     for chunk in (1, 7, 4096, 1 << 20):
         got = copy_segments(str(path), [Segment(k, o, n) for k, o, n in ranges], chunk_bytes=chunk)
-        assert got == {k: hashlib.sha256(data[o : o + n]).hexdigest() for k, o, n in ranges}, chunk
+        assert got == {k: hexdigest(XXH128, data[o : o + n]) for k, o, n in ranges}, chunk

@@ -21,6 +21,7 @@ import pytest
 
 import qwen35_reshard
 from qwen35_reshard import WriteOptions, cli, loader
+from qwen35_reshard.format.digest import XXH128, hexdigest
 from qwen35_reshard.verify import verify
 
 INDEX = "model.safetensors.index.json"
@@ -199,12 +200,12 @@ def test_flipped_byte_is_different_naming_the_tensor(out, model):
     report = verify(out)
     f = only(report, "different")
     assert (f.stage, f.file, f.tensor) == ("pp1", path.name, name)
-    assert "sha256" in f.message
+    assert "xxh128" in f.message
     # Against the source the same damaged byte is one problem, not a second one from the
     # source's side; the repair it calls for is the same.
     against = verify(out, model)
     assert [(f.kind, f.tensor) for f in against.findings] == [("different", name)]
-    assert "sha256" in against.findings[0].message and against.repairable
+    assert "xxh128" in against.findings[0].message and against.repairable
     code, stdout, stderr = run_verify(out)
     assert code == 1 and stderr == ""
     assert name in stdout and stdout.splitlines()[-2].startswith("verify FAILED")
@@ -222,8 +223,8 @@ def test_bytes_changed_with_manifest_updated_only_source_finds_it(out, model):
     raw = bytearray(path.read_bytes())
     raw[8 + n + begin] ^= 0x01
     path.write_bytes(bytes(raw))
-    digest = hashlib.sha256(raw[8 + n + begin : 8 + n + end]).hexdigest()
-    edit_json(stage / MANIFEST, lambda m: m["tensors"][name].update(sha256=digest))
+    digest = hexdigest(XXH128, raw[8 + n + begin : 8 + n + end])
+    edit_json(stage / MANIFEST, lambda m: m["tensors"][name].update(xxh128=digest))
     assert verify(out).ok
     f = only(verify(out, model), "different")
     assert (f.stage, f.tensor) == ("pp2", name)
@@ -368,7 +369,7 @@ def test_plain_checkpoint_is_not_a_stage(model):
 
 @pytest.mark.parametrize("layout", ["gathered", "clone"])
 def test_a_missing_digest_is_accepted_only_where_blocks_can_be_shared(tiny, tmp_path, layout):
-    """``"sha256": null`` means "shared with the source, never read": only a clone or an
+    """``"xxh128": null`` means "shared with the source, never read": only a clone or an
     aligned file can hold such a tensor; anywhere else the manifest is damaged."""
     # Small shards: some are needed whole by a stage (clones), the rest are gathered.
     model = tiny.build_checkpoint(tmp_path / "m", shard_bytes=60_000)
@@ -378,14 +379,14 @@ def test_a_missing_digest_is_accepted_only_where_blocks_can_be_shared(tiny, tmp_
     manifest = json.loads((stage / MANIFEST).read_bytes())
     file = next(f for f, info in sorted(manifest["files"].items()) if info["layout"] == layout)
     name = next(n for n, t in sorted(manifest["tensors"].items()) if t["file"] == file)
-    edit_json(stage / MANIFEST, lambda m: m["tensors"][name].update(sha256=None))
+    edit_json(stage / MANIFEST, lambda m: m["tensors"][name].update(xxh128=None))
     if layout == "clone":
         report = verify(out)
         assert report.ok and report.stages[1].bytes_unrecorded == manifest["tensors"][name]["nbytes"]
         assert verify(out, model).ok  # --source compares those bytes with the source
     else:
         f = only(verify(out), "corrupt")
-        assert (f.stage, f.file) == ("pp1", MANIFEST) and "sha256" in f.message
+        assert (f.stage, f.file) == ("pp1", MANIFEST) and "xxh128" in f.message
 
 
 def test_damaged_manifest_is_corrupt(out):

@@ -26,7 +26,7 @@ def _expected(head: dict, files, digests: dict) -> dict:
             "dtype": t.source.dtype,
             "shape": list(t.source.shape),
             "nbytes": t.source.nbytes,
-            "sha256": digests[t.name],
+            "xxh128": digests[t.name],
             "source_file": t.source.file,
             "replicated": t.replicated,
         }
