@@ -5,6 +5,7 @@ its local copies and, with ``hf_cache``, the shared cache shards needed whole go
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import os
@@ -23,6 +24,8 @@ from .http import Progress, retry_status, retrying, transport_cause
 
 LISTING_NAME = "files.json"  # kept beside the headers: the repo's files and sizes at the commit
 LFS_NAME = "lfs-sha256.json"  # kept with it: each LFS file's sha256, as the Hub names its blob
+# Failures of the local disk while huggingface_hub writes its cache: not the Hub's.
+LOCAL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
 
 
 class HubStore(Store):
@@ -220,6 +223,10 @@ class HubStore(Store):
 
         try:
             path = retrying(get, f"{self.describe()}: {name}")
+        except OSError as e:
+            if e.errno not in LOCAL_ERRNOS:
+                raise hub_error(e, self, what=name) from e
+            raise  # the cache's disk, not the Hub: the caller names the directory
         except Exception as e:
             raise hub_error(e, self, what=name) from e
         self.traffic.add(self.objects[name].size)
