@@ -204,5 +204,5 @@ def test_a_node_from_the_hub_fetches_about_its_own_bytes(make_checkpoint, tmp_pa
     fetched, whole = doc["fetch"]["fetched_bytes"], doc["fetch"]["checkpoint_bytes"]
     assert sorted(p.name for p in (tmp_path / "out").iterdir() if p.is_dir()) == ["node1"]
     # Its tensors' bytes, plus headers and side files: far from the whole checkpoint.
-    assert node["bytes"] * 0.9 < fetched < node["bytes"] * 1.1 and fetched < 0.4 * whole
+    assert node["bytes"] * 0.9 < fetched < node["bytes"] * 1.1 and fetched < 0.5 * whole
     assert verify(tmp_path / "out", model, ranks=[1]).ok
