@@ -56,7 +56,7 @@ LAYERS = [
     # (issue 33) goes through the library; the load format and the plugin import it only when a
     # rank is handed no split.
     (9, "servers", ["servers", "servers.terms", "servers.unsplit", "servers.stagecache", "servers.deployment",
-                    "servers.vllm", "servers.sglang"]),
+                    "servers.vllm", "servers.sglang", "servers.inplace", "servers.eprank"]),
     # The CLI sits on top: it may show what the servers keep (the stage cache).
     (10, "cli", ["cli", "cli.progress", "cli.report", "cli.flags", "cli.process", "cli.cache", "cli.app",
                  "__main__"]),
