@@ -28,14 +28,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
-from ..errors import StageError
+from ..errors import ReshardError, StageError
 from ..format.names import STAGE_MANIFEST
 from ..loader import Stage, is_split, open_stage
 from ..model.parallelism import Parallelism
 from ..model.runtimes import runtime_of
-from .terms import operator_terms
+from .eprank import RankExperts, ep_nodes, rank_view
+from .terms import for_operator, operator_terms
 
 PpIndices = Callable[[int, int, int], tuple[int, int]]  # (layers, rank, pp size) -> [start, end)
 
@@ -52,6 +54,7 @@ def rank_stage(
     revision: str | None,
     token: str | None,
     log: Callable[[str], None],
+    experts: RankExperts | None = None,
 ) -> Stage:
     """Pipeline rank ``pp_rank``'s stage of ``model``, once every rank of the deployment agreed
     on the partition and (an unsplit Hub repo) the commit: a split's stage (``model`` is a run
@@ -69,6 +72,8 @@ def rank_stage(
         pp_indices: the server's ``get_pp_indices``.
         revision, token: as the server was given them.
         log: the server's log (info level).
+        experts: the rank's expert-parallel group as the server built it (None: none). For
+            an unsplit model the rank loads only its node's experts (:mod:`.eprank`).
 
     Returns:
         The :class:`~qwen35_reshard.loader.Stage` this rank loads.
@@ -89,7 +94,9 @@ def rank_stage(
     """
     split = is_split(model)
     mine = own_view(model, runtime, group, pp_size, layers, pp_indices, revision, token, split=split)
-    partition, commit = agree(runtime, group, mine)
+    mine.update(rank_view(experts, pp_rank))
+    partition, commit, views = agree(runtime, group, mine)
+    nodes = ep_nodes(views, experts.ep) if experts is not None and not split else {}
     start = sum(partition[:pp_rank])
     end = start + partition[pp_rank]
     if split:
@@ -103,7 +110,19 @@ def rank_stage(
         if commit is not None and commit != revision:
             log(f"qwen35-stages: {model}: every rank serves commit {commit} (resolved once, on rank 0)")
         layout = Parallelism(pp=pp_size, runtime=runtime, partition=tuple(partition))
-        stage = for_server(model, layout, rank=pp_rank, revision=commit or revision, token=token, log=log)
+        node = 0
+        if experts is not None:
+            try:
+                layout = replace(
+                    layout, ep=experts.ep, nodes=nodes[pp_rank], redundant_experts=experts.redundant,
+                    init_expert_location=_location(experts.location),
+                )
+            except ReshardError as e:  # the server's own expert-parallel settings, which it accepted
+                raise StageError(f"pipeline rank {pp_rank}: {for_operator(e)}") from e
+            node = experts.ep_rank // layout.ranks_per_node
+        stage = for_server(
+            model, layout, rank=pp_rank, node=node, revision=commit or revision, token=token, log=log
+        )
     stage.check(pp_size=pp_size, start_layer=start, end_layer=end, pp_rank=pp_rank, runtime=runtime)
     return stage
 
@@ -144,9 +163,12 @@ def own_view(
     return view
 
 
-def agree(runtime: str, group: object, mine: dict[str, object]) -> tuple[list[int], str | None]:
+def agree(
+    runtime: str, group: object, mine: dict[str, object]
+) -> tuple[list[int], str | None, list[dict[str, object]]]:
     """Exchange this rank's view (:func:`own_view`) with every rank of ``group`` and decide, as
-    every rank does from the same views, the partition and the commit (None: not a Hub repo).
+    every rank does from the same views, the partition and the commit (None: not a Hub repo);
+    and every rank's view, for what else all decide alike.
 
     Raises:
         StageError: on every rank alike (:func:`one_partition`, :func:`one_commit`).
@@ -156,7 +178,7 @@ def agree(runtime: str, group: object, mine: dict[str, object]) -> tuple[list[in
         import torch.distributed as dist
 
         dist.all_gather_object(views, mine, group=group.cpu_group)
-    return one_partition(runtime, [(v["partition"], v["variable"]) for v in views]), one_commit(views)
+    return one_partition(runtime, [(v["partition"], v["variable"]) for v in views]), one_commit(views), views
 
 
 def one_partition(runtime: str, views: Sequence[tuple[object, str | None]]) -> list[int]:
@@ -211,6 +233,16 @@ def one_commit(views: Sequence[dict[str, object]]) -> str | None:
                 f"{theirs!r}: one deployment serves one commit: launch every node with --revision {commit}"
             )
     return str(commit)
+
+
+def _location(given: str | None) -> tuple[tuple[int, ...], ...] | None:
+    """SGLang's ``--init-expert-location`` as the layout's rows (None: ``trivial``)."""
+    if given is None:
+        return None
+    from ..model.experts import read_expert_location
+
+    rows = read_expert_location(given)
+    return None if rows is None else tuple(tuple(row) for row in rows)
 
 
 def _partition_view(partition: object, var: str | None, name: str) -> str:

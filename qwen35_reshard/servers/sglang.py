@@ -42,6 +42,7 @@ from collections.abc import Callable, Iterator
 
 from ..loader import Stage, StageError, is_split, stage_dirname
 from .deployment import rank_stage
+from .eprank import RankExperts
 from .terms import operator_weights
 
 RUNTIME = "sglang"
@@ -122,13 +123,19 @@ def is_unsplit_asked(model_config: object) -> bool:
 
 
 def target_stage(
-    model_config: object, group: object, pp_rank: int, pp_size: int, pp_indices: Callable
+    model_config: object,
+    group: object,
+    pp_rank: int,
+    pp_size: int,
+    pp_indices: Callable,
+    experts: RankExperts | None = None,
 ) -> Stage:
     """The stage pipeline rank ``pp_rank`` must load, once every rank agreed on the partition
     (SGLang's ``pp_indices``, which reads SGLANG_PP_LAYER_PARTITION on each node) and the commit,
     checked against the layers SGLang gives the rank (:func:`~.deployment.rank_stage`): a split's,
     or for a model path that is not a split (``UNSPLIT_ENV``) the rank's stage of the unsplit
-    checkpoint; only headers are read.
+    checkpoint (under expert parallelism, ``experts``: its node's experts only); only headers
+    are read.
 
     Raises:
         StageError: the stage is damaged, incomplete, or not the one this rank needs.
@@ -137,10 +144,26 @@ def target_stage(
     stage = rank_stage(
         path, runtime=RUNTIME, group=group, pp_rank=pp_rank, pp_size=pp_size,
         layers=model_config.hf_text_config.num_hidden_layers, pp_indices=pp_indices,
-        revision=getattr(model_config, "revision", None), token=None, log=log.info,
+        revision=getattr(model_config, "revision", None), token=None, log=log.info, experts=experts,
     )
     _stages[path] = stage
     return stage
+
+
+def rank_experts(parallel: object) -> RankExperts | None:
+    """This rank's EP group as SGLang 0.5.23 builds it: ``moe_ep_rank`` of ``moe_ep_size`` in its
+    parallel context, ``--ep-num-redundant-experts`` and ``--init-expert-location``; None
+    without expert parallelism."""
+    from sglang.srt.runtime_context import get_exec
+
+    if parallel.moe_ep_size <= 1:
+        return None
+    moe = get_exec().moe
+    location = moe.init_expert_location
+    return RankExperts(
+        ep_rank=parallel.moe_ep_rank, ep=parallel.moe_ep_size, redundant=moe.ep_num_redundant_experts,
+        location=None if location in (None, "trivial") else str(location),
+    )
 
 
 def check_layer_names(stage: Stage, layer_of: Callable[[str], int | None]) -> None:
@@ -215,7 +238,8 @@ def loader_class() -> type:
             else:
                 parallel = get_parallel()
                 self._stage = target_stage(
-                    model_config, parallel.world_group, parallel.pp_rank, parallel.pp_size, get_pp_indices
+                    model_config, parallel.world_group, parallel.pp_rank, parallel.pp_size, get_pp_indices,
+                    rank_experts(parallel),
                 )
                 check_layer_names(self._stage, get_layer_id)
                 self._takes = lambda name: not name.startswith(MTP_PREFIX)  # those are the draft's

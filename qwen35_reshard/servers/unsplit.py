@@ -40,28 +40,26 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..api import reshard
 from ..bulk import collector_paused, return_freed_memory
 from ..errors import ReshardError
-from ..format.names import CACHE_REPO_PREFIX, CLONE, STAGE_MANIFEST, stage_dirname
+from ..format.names import CACHE_REPO_PREFIX, STAGE_MANIFEST, stage_dirname
 from ..loader import Stage, StageError, open_stage
 from ..model.parallelism import Parallelism
 from ..model.runtimes import runtime_of
-from ..plan.planner import stage_tensors
-from ..source.checkpoint import Checkpoint, downloaded_sha256, source_identity
-from ..source.header import read_header
+from ..source.checkpoint import source_identity
 from ..source.hub.cache import HubSettings
 from ..source.hub.store import open_hub
 from ..source.open import is_repo_id, open_model
 from ..source.s3.store import is_s3_uri, open_s3
-from ..stage.manifest import FileLayout, StageManifest, StageTensor
 from ..write.claims import in_use
 from ..write.journal import set_aside
 from ..write.options import WriteOptions
+from .inplace import in_place_stage, pipeline_only, resolved, stage_layers
 from .terms import STAGE_CACHE_ENV, cache_error, for_operator
 
 STAGE_COPY_ENV = "QWEN35_RESHARD_STAGE_COPY"
@@ -127,6 +125,7 @@ def server_stage(
     layout: Parallelism,
     *,
     rank: int,
+    node: int = 0,
     revision: str | None = None,
     token: str | None = None,
     cache: str | os.PathLike[str] | None = None,
@@ -141,6 +140,10 @@ def server_stage(
         layout: the deployment's layout: its runtime (whose placement rules apply) and its
             decoder layers per stage, as the server computed them.
         rank: the server's pipeline rank.
+        node: under expert parallelism (``layout.ep``), the node of the stage whose experts the
+            rank loads: read in place from a local directory, only the node's slice. A stage of
+            the stage cache (a Hub repo, an ``s3://`` URI, ``copy``) is the whole stage, every
+            expert (built by the split's pipeline stages).
         revision, token: for a repo id (``revision`` also picks a cache folder's snapshot).
         cache: the stage cache (default :func:`stage_cache_root`).
         copy: a local directory's stage is built in the cache first rather than read in place.
@@ -161,12 +164,13 @@ def server_stage(
         ('in place', 4, 8)
     """
     started = time.monotonic()
-    partition = _resolved(layout)
+    partition = resolved(layout)
     if not 0 <= rank < len(partition):
         raise StageError(f"pipeline rank {rank} is outside the partition {partition}")
     root = Path(cache) if cache is not None else stage_cache_root()
     name = os.fspath(model)
     settings = HubSettings(revision=revision, token=token, user_agent=user_agent)
+    cached = pipeline_only(layout)  # what the stage cache holds: whole pipeline stages
     try:
         if is_s3_uri(name):
             listed = open_s3(name, user_agent=user_agent)
@@ -179,22 +183,24 @@ def server_stage(
             where, commit = listed.where, listed.commit
             out = root / S3_DIRNAME / where.bucket / (where.prefix or "_") / commit
             unpinned = replace(settings, revision=None)  # the listing pins the objects: their ETags
-            key = out / cache_key(layout)
-            served = _cached_or_built(name, key, layout, rank, hub=unpinned, commit=commit)
+            key = out / cache_key(cached)
+            served = _cached_or_built(name, key, cached, rank, hub=unpinned, commit=commit)
         elif is_repo_id(name):
             repo = open_hub(name, settings)
             out = root / f"{CACHE_REPO_PREFIX}{repo.repo_id.replace('/', '--')}" / repo.commit
             pinned = replace(settings, revision=repo.commit)
-            key = out / cache_key(layout)
-            served = _cached_or_built(name, key, layout, rank, hub=pinned, commit=repo.commit)
+            key = out / cache_key(cached)
+            served = _cached_or_built(name, key, cached, rank, hub=pinned, commit=repo.commit)
+        elif copy:
+            served = _from_local(name, settings, root, cached, rank, copy=True)
         else:
-            served = _from_local(name, settings, root, layout, rank, copy=copy)
+            served = _from_local(name, settings, root, layout, rank, node=node)
     except ReshardError as e:  # in the operator's terms; a StageError of this rank says so already
         said = for_operator(e)
         raise StageError(said if isinstance(e, StageError) else f"pipeline rank {rank}: {said}") from e
     except OSError as e:  # a cache cannot be created or written (a full disk, permissions): say which
         raise StageError(f"pipeline rank {rank}: {name}: {cache_error(e, root)}") from e
-    served.stage.check(len(partition), *_layers(partition, rank), pp_rank=rank, runtime=layout.runtime)
+    served.stage.check(len(partition), *stage_layers(partition, rank), pp_rank=rank, runtime=layout.runtime)
     return_freed_memory()  # what planning held, freed by now, before the server loads the weights
     return ServedStage(
         served.stage, served.how, name, served.where, served.fetched_bytes, time.monotonic() - started
@@ -228,16 +234,6 @@ def pinned_commit(model: str, revision: str | None, token: str | None) -> str | 
         raise StageError(for_operator(e)) from e
 
 
-def _resolved(layout: Parallelism) -> tuple[int, ...]:
-    """The layout's layers per stage, which the server computed (never left for a split to choose)."""
-    if not isinstance(layout.partition, tuple):
-        raise StageError(f"a server's stage needs the layers per stage it computed, not {layout.partition!r}")
-    return layout.partition
-
-
-def _layers(partition: Sequence[int], rank: int) -> tuple[int, int]:
-    start = sum(partition[:rank])
-    return start, start + partition[rank]
 
 
 def _from_local(
@@ -247,15 +243,17 @@ def _from_local(
     layout: Parallelism,
     rank: int,
     *,
-    copy: bool,
+    node: int = 0,
+    copy: bool = False,
 ) -> ServedStage:
-    """The stage of the local checkpoint ``model``: read in place, or (``copy``) built into the
-    stage cache ``root`` first. Its own function so that the checkpoint read here (a few
-    hundred bytes a tensor, ~290,000 tensors at the largest shapes) is freed on return."""
+    """The stage of the local checkpoint ``model``: read in place (node ``node``'s slice under
+    expert parallelism), or (``copy``) built into the stage cache ``root`` first. Its own
+    function so that the checkpoint read here (a few hundred bytes a tensor, ~290,000 tensors
+    at the largest shapes) is freed on return."""
     if not copy:
         with collector_paused():  # as reshard and open_stage read and plan: see bulk.collector_paused
             ckpt, _ = open_model(model, settings)
-            return ServedStage(in_place_stage(ckpt, layout, rank), IN_PLACE, model, None)
+            return ServedStage(in_place_stage(ckpt, layout, rank, node), IN_PLACE, model, None)
     ckpt, _ = open_model(model, settings)
     fingerprint = source_identity(ckpt)["fingerprint"][:FINGERPRINT_CHARS]
     out = root / LOCAL_DIRNAME / fingerprint / cache_key(layout)
@@ -341,114 +339,49 @@ def _served_from_cache(stage: Stage, again: str) -> Stage:
     return replace(stage, on_damaged=damaged)
 
 
-def _shard_sha256(ckpt: Checkpoint, file: str) -> str | None:
-    """The whole shard's recorded sha256: a Hugging Face cache blob's name, or the record of
-    ``hf download --local-dir``; None where neither is known."""
-    return ckpt.blob_sha256.get(file) or downloaded_sha256(ckpt.root, file)
-
-
-def in_place_stage(ckpt: Checkpoint, layout: Parallelism, rank: int) -> Stage:
-    """Stage ``rank`` of the split of ``ckpt`` as a :class:`~qwen35_reshard.loader.Stage` whose tensors are
-    read from the source shards themselves: the plan's tensors for the rank, at their offsets
-    in the shards whose headers are read again here (what ``iter_weights`` checks each shard
-    against before reading it).
-
-    Raises:
-        StageError: a shard changed since the checkpoint was read.
-    """
-    pp, runtime, partition = layout.pp, layout.runtime, _resolved(layout)
-    planned = stage_tensors(ckpt, layout, rank=rank)
-    sources = sorted(planned.tensors, key=lambda s: (s.file, s.offset))
-    headers = {}
-    for file in sorted({s.file for s in sources}):
-        header = read_header(ckpt.path(file), display=f"{ckpt.display}/{file}")
-        at = dict(zip(header.columns.names, header.columns.begins, strict=True))
-        for s in (s for s in sources if s.file == file):
-            begin = at.get(s.name)
-            if begin is None or header.data_start + begin != s.offset:
-                raise StageError(
-                    f"{ckpt.display}/{file} changed while the server was starting (tensor {s.name!r} moved); "
-                    "restart the server once the checkpoint is no longer being written"
-                )
-        headers[file] = header.raw
-    tensors = {
-        s.name: StageTensor(
-            name=s.name, file=s.file, dtype=s.dtype, shape=s.shape, nbytes=s.nbytes, offset=s.offset
-        )
-        for s in sources
-    }
-    counts: dict[str, int] = {}
-    for s in sources:
-        counts[s.file] = counts.get(s.file, 0) + 1
-    start, end = _layers(partition, rank)
-    manifest = StageManifest(
-        rank=rank,
-        pp=pp,
-        runtime=runtime,
-        partition=partition,
-        start_layer=start,
-        end_layer=end,
-        mtp=planned.mtp,
-        identity=None,
-        source=source_identity(ckpt),
-        index_sha256=None,
-        side_files={},
-        files={f: ckpt.file_sizes[f] for f in counts},
-        file_tensors=counts,
-        # The whole shard's sha256, where known (a Hugging Face cache names its blobs by it;
-        # hf download --local-dir records it): what a load checks the shard's bytes against.
-        layouts={f: FileLayout(CLONE, f, digest) for f in counts if (digest := _shard_sha256(ckpt, f))},
-        tensors=tensors,
-    )
-    return Stage(
-        path=ckpt.root,
-        display=f"{ckpt.display} (stage {rank}, read in place)",
-        manifest=manifest,
-        headers=headers,
-        files_at=ckpt.display,
-        on_damaged=lambda file: (
-            f"it is the checkpoint's own file, read in place: restore {file} where the checkpoint came "
-            "from (download or copy it again); nothing was loaded"
-        ),
-        unrecorded=(
-            "a local directory records no sha256 of its shards, unless downloaded by hf download "
-            "--local-dir and unchanged since; a Hugging Face cache folder does"
-        ),
-    )
-
-
 def for_server(
     model: str,
     layout: Parallelism,
     *,
     rank: int,
+    node: int = 0,
     revision: str | None,
     token: str | None,
     log: Callable[[str], None],
 ) -> Stage:
     """What a server's ``qwen35-stages`` loader does for an unsplit ``model``: say the opt-in
     and the partition (where it comes from: a partition variable that differs between nodes
-    shows here, and keys the cache apart) in the server's log, then :func:`server_stage` with
-    the cache and ``copy`` of the environment and the rank in the User-Agent.
+    shows here, and keys the cache apart) and, under expert parallelism, the node and its EP
+    ranks in the server's log, then :func:`server_stage` with the cache and ``copy`` of the
+    environment and the rank in the User-Agent.
 
     Raises:
         StageError: as :func:`server_stage`; its line is logged first.
     """
     var = runtime_of(layout.runtime).partition_env
     given = os.environ.get(var)
-    partition = _resolved(layout)
-    start, end = _layers(partition, rank)
+    partition = resolved(layout)
+    start, end = stage_layers(partition, rank)
     root = stage_cache_root()
     log(
         f"qwen35-stages: {model} is not a split: pipeline rank {rank} of {len(partition)} loads its "
         f"stage (layers [{start}, {end}) of partition {','.join(map(str, partition))}, "
         f"{f'{var}={given}' if given else f'{var} unset'}) of the unsplit checkpoint, stage cache {root}"
     )
+    if layout.expert_parallel:
+        ranks = layout.node_ep_ranks(node)
+        log(
+            f"qwen35-stages: {model}: expert parallelism {layout.ep} over {layout.nodes} node(s) per stage "
+            f"({layout.runtime}'s placement, {layout.redundant_experts} redundant): this is node {node}, "
+            f"EP ranks [{ranks.start}, {ranks.stop}); a local directory is read in place, the node's experts "
+            "only; a stage fetched into the stage cache holds every expert"
+        )
     try:
         served = server_stage(
             model,
             layout,
             rank=rank,
+            node=node,
             revision=revision,
             token=token,
             cache=root,

@@ -36,6 +36,7 @@ from collections.abc import Callable
 
 from ..loader import Stage
 from .deployment import rank_stage
+from .eprank import RankExperts
 from .terms import operator_weights
 
 LOAD_FORMAT = "qwen35-stages"
@@ -87,10 +88,12 @@ def _accept_object_storage() -> None:
     VllmConfig.try_verify_and_update_config = checked
 
 
-def own_stage(model_config: object, log: Callable[[str], None]) -> Stage:
+def own_stage(model_config: object, log: Callable[[str], None], parallel_config: object = None) -> Stage:
     """This rank's stage of ``model_config.model``, once every rank of the deployment (vLLM's
     world group) agreed on the partition and the commit, checked against the rank's view of the
-    split (:func:`~qwen35_reshard.servers.deployment.rank_stage`). Called before the model is built.
+    split (:func:`~qwen35_reshard.servers.deployment.rank_stage`); under expert parallelism
+    (``parallel_config``, default vLLM's current one, if any) of an unsplit model, only the
+    experts of the rank's node. Called before the model is built.
 
     Raises:
         StageError: on every rank for a disagreement; else this rank's stage cannot be loaded.
@@ -98,6 +101,10 @@ def own_stage(model_config: object, log: Callable[[str], None]) -> Stage:
     from vllm.distributed import get_pp_group, get_world_group
     from vllm.distributed.utils import get_pp_indices
 
+    if parallel_config is None:
+        from vllm.config import get_current_vllm_config_or_none
+
+        parallel_config = getattr(get_current_vllm_config_or_none(), "parallel_config", None)
     pp = get_pp_group()
     token = getattr(model_config, "hf_token", None)
     # For an s3:// model vLLM fetches the config and tokenizer into a local folder
@@ -108,8 +115,30 @@ def own_stage(model_config: object, log: Callable[[str], None]) -> Stage:
         model, runtime=RUNTIME, group=get_world_group(), pp_rank=pp.rank_in_group,
         pp_size=pp.world_size, layers=model_config.hf_text_config.num_hidden_layers,
         pp_indices=get_pp_indices, revision=getattr(model_config, "revision", None),
-        token=token if isinstance(token, str) else None, log=log,
+        token=token if isinstance(token, str) else None, log=log, experts=rank_experts(parallel_config),
     )
+
+
+def rank_experts(parallel_config: object) -> RankExperts | None:
+    """This rank's EP group as vLLM 0.32 builds it (``FusedMoEParallelConfig.make``, mirrored
+    by ``DefaultModelLoader._init_ep_weight_filter``): ``enable_expert_parallel`` over
+    ``ep_size = dp * pcp * tp`` ranks, ``ep_rank = dp_rank * pcp * tp + pcp_rank * tp + tp_rank``;
+    redundant experts under EPLB only. None without expert parallelism."""
+    from vllm.distributed import get_dp_group, get_pcp_group, get_tensor_model_parallel_rank
+
+    if not getattr(parallel_config, "enable_expert_parallel", False):
+        return None
+    dp, tp = parallel_config.data_parallel_size, parallel_config.tensor_parallel_size
+    pcp = parallel_config.prefill_context_parallel_size
+    ep = dp * pcp * tp
+    if ep == 1:
+        return None
+    dp_rank = get_dp_group().rank_in_group if dp > 1 else 0
+    tp_rank = get_tensor_model_parallel_rank() if tp > 1 else 0
+    pcp_rank = get_pcp_group().rank_in_group if pcp > 1 else 0
+    eplb = getattr(parallel_config, "enable_eplb", False)
+    redundant = parallel_config.eplb_config.num_redundant_experts if eplb else 0
+    return RankExperts(ep_rank=dp_rank * pcp * tp + pcp_rank * tp + tp_rank, ep=ep, redundant=redundant)
 
 
 def _loader_class() -> type:
@@ -142,7 +171,8 @@ def _loader_class() -> type:
             """Nothing to download: the stages are directories every worker reads itself."""
 
         def load_model(self, vllm_config: object, model_config: object, prefix: str = "") -> object:
-            self._stage = own_stage(model_config, log.info)  # before the model is built
+            # before the model is built
+            self._stage = own_stage(model_config, log.info, vllm_config.parallel_config)
             return super().load_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
 
         def load_weights(self, model: object, model_config: object) -> None:

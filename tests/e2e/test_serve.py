@@ -31,6 +31,7 @@ import qwen35_reshard
 from qwen35_reshard.servers.unsplit import STAGE_CACHE_ENV
 from qwen35_reshard.source.checkpoint import source_identity
 from qwen35_reshard.source.header import read_header
+from qwen35_reshard.source.remote.checkpoint import header_read
 from qwen35_reshard.source.remote.parts import GAP_BYTES
 
 from support.helpers import ROOT, SUPPORT, mount_namespace
@@ -132,11 +133,12 @@ def safetensors_bytes(hub, agent: str | None = None) -> int:
 
 
 def header_bytes(model: Path) -> int:
-    """What reading every shard's header costs: its 8-byte length and the JSON."""
+    """What reading every shard's header costs: the tool's first read, or its 8-byte length and
+    the JSON where longer."""
     total = 0
     for f in model.glob("*.safetensors"):
         with open(f, "rb") as fh:
-            total += 8 + int.from_bytes(fh.read(8), "little")
+            total += max(8 + int.from_bytes(fh.read(8), "little"), header_read(f.stat().st_size))
     return total
 
 

@@ -63,7 +63,8 @@ def vllm_python() -> str:
     pytest.skip(f"{why}: build the vLLM virtualenv as the README says to run the engine test")
 
 
-def tiny_config() -> Qwen3_5MoeConfig:
+def tiny_config(**text) -> Qwen3_5MoeConfig:
+    """The tiny model's config; ``text``: text-config entries to change."""
     return Qwen3_5MoeConfig(
         text_config={
             "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": LAYERS,
@@ -79,6 +80,7 @@ def tiny_config() -> Qwen3_5MoeConfig:
                 "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
                 "mrope_section": [2, 1, 1], "mrope_interleaved": True,
             },
+            **text,
         },
         vision_config={
             "depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 4,
@@ -127,33 +129,35 @@ UPSTREAM_PP_RACE = "req_id_to_index[req_id]"
 
 
 def run_engine(
-    world, model: Path | str, pp: int, load_format: str, partition: str | None = None, env: dict | None = None
+    world, model: Path | str, pp: int, load_format: str, partition: str | None = None,
+    env: dict | None = None, **spec: object,
 ) -> dict:
     """One engine start and greedy generation in its own process (again once after vLLM's own
     PP scheduler race, see ``UPSTREAM_PP_RACE``); wall time and peak memory (summed over the
     process and every engine process it starts, sampled every 0.2 s).
-    ``env``: variables added to the engine's environment."""
-    got = _run_engine_once(world, model, pp, load_format, partition, env)
+    ``env``: variables added to the engine's environment; ``spec``: more of vllm_generate.py's
+    settings (``tp``, ``expert_parallel``: then ``params``, what each rank loaded)."""
+    got = _run_engine_once(world, model, pp, load_format, partition, env, spec)
     if got["returncode"] != 0 and "KeyError" in got["log"] and UPSTREAM_PP_RACE in got["log"]:
         print("vLLM's PP scheduler race (vllm-project/vllm#32701): the same engine start again")
-        got = _run_engine_once(world, model, pp, load_format, partition, env)
+        got = _run_engine_once(world, model, pp, load_format, partition, env, spec)
     return got
 
 
 def _run_engine_once(
-    world, model: Path | str, pp: int, load_format: str, partition: str | None, env: dict | None
+    world, model: Path | str, pp: int, load_format: str, partition: str | None, env: dict | None, spec: dict
 ) -> dict:
     extra, env = env or {}, {k: v for k, v in os.environ.items() if k != "VLLM_PP_LAYER_PARTITION"}
     env.update(extra)
     if partition:
         env["VLLM_PP_LAYER_PARTITION"] = partition
-    spec = {"model": str(model), "pp": pp, "load_format": load_format, "prompts": PROMPTS,
-            "max_tokens": MAX_TOKENS}
+    settings = {"model": str(model), "pp": pp, "load_format": load_format, "prompts": PROMPTS,
+                "max_tokens": MAX_TOKENS, **spec}
     log = world["root"] / f"engine-{len(list(world['root'].glob('engine-*')))}.log"
     t0, peak = time.monotonic(), 0
     with open(log, "w+") as out:
         proc = subprocess.Popen(
-            [world["python"], str(GENERATE), json.dumps(spec)],
+            [world["python"], str(GENERATE), json.dumps(settings)],
             stdout=out, stderr=subprocess.STDOUT, env=env, cwd=world["root"],
         )
         ps = psutil.Process(proc.pid)
@@ -170,10 +174,12 @@ def _run_engine_once(
         text = out.read()
     result = {"returncode": proc.returncode, "log": text, "seconds": time.monotonic() - t0,
               "peak_gb": peak / 1e9}
-    lines = [ln for ln in text.splitlines() if ln.startswith("RESULT ")]
-    if lines:
-        result["tokens"] = json.loads(lines[-1][len("RESULT "):])["tokens"]
-    print(f"{Path(model).name} pp={pp} {load_format} {partition or ''}: exit {proc.returncode}, "
+    for key, prefix in (("tokens", "RESULT "), ("params", "PARAMS ")):
+        lines = [ln for ln in text.splitlines() if ln.startswith(prefix)]
+        if lines:
+            found = json.loads(lines[-1][len(prefix):])
+            result[key] = found["tokens"] if key == "tokens" else found
+    print(f"{Path(model).name} pp={pp} {spec or ''} {load_format} {partition or ''}: exit {proc.returncode}, "
           f"{result['seconds']:.0f} s, peak {result['peak_gb']:.2f} GB, tokens {result.get('tokens')}")
     return result
 

@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from sglang_worker import differing, main, nan_counts, pipeline_group, set_up_rank, tracked
+from sglang_worker import differing, local_experts, main, nan_counts, pipeline_group, set_up_rank, tracked
 
 HOOKED = "sglang.srt.model_loader.loader.get_model_loader"
 probe: dict = {}  # what the measuring hooks saw during the current load
@@ -134,17 +134,23 @@ def run_job(job: dict) -> None:
     def loaded(case: dict, *, draft: bool) -> dict:
         """The model from the split (or, ``unsplit``, the unsplit checkpoint through the plugin,
         opted in) and its twin from the whole checkpoint by SGLang's own loader, compared."""
-        got = load(case["split"], draft=draft)
-        key = (case["source"], draft)
-        if key not in references:
-            os.environ.pop(plugin.UNSPLIT_ENV, None)  # the twin is SGLang's own, whatever the job's opt-in
+        def own(path: str, track: bool = True) -> dict:
+            """``path`` loaded by SGLang's own loader, whatever the job's opt-in."""
+            os.environ.pop(plugin.UNSPLIT_ENV, None)
             try:
-                references[key] = load(case["source"], draft=draft, track=False)
+                return load(path, draft=draft, track=track)
             finally:
                 if opt_in is not None:
                     os.environ[plugin.UNSPLIT_ENV] = opt_in
+
+        got = own(case["split"]) if case.get("stock") else load(case["split"], draft=draft)
+        key = (case["source"], draft)
+        if key not in references:
+            references[key] = own(case["source"], track=False)  # the twin is SGLang's own
         ref = references[key]
         model, twin = got.pop("model"), ref["model"]
+        if job.get("ep", 1) > 1:  # which experts each slot of the rank holds, by their bytes
+            got["local_experts"] = local_experts(model, Path(case["source"]))
         return {**got, "nan_after_whole": ref["nan"], "differs_from_whole": differing(model, twin),
                 "ref_loader": ref["loader"], "ref_sglang_own_loader": ref["sglang_own_loader"],
                 "layers": [getattr(model, "start_layer", None), getattr(model, "end_layer", None)]}
@@ -157,7 +163,9 @@ def run_job(job: dict) -> None:
         else:
             out = loaded(case, draft=False)
             # An unsplit checkpoint's stage is the one the plugin built or opened for this rank.
-            if case.get("unsplit"):
+            if case.get("stock"):  # not a split: SGLang's own loader
+                out["stage_names"] = None
+            elif case.get("unsplit"):
                 out["stage_names"] = plugin._stages[case["split"]].names
             else:
                 out["stage_names"] = loader.open_stage(case["split"], pp_rank=rank).names

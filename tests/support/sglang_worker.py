@@ -33,9 +33,10 @@ from types import SimpleNamespace
 
 
 def pipeline_group(rank: int, size: int) -> SimpleNamespace:
-    """What SGLang's model code reads from its pipeline group."""
+    """What SGLang's model code reads from a process group (pipeline, tensor, expert parallel)."""
     return SimpleNamespace(
-        rank_in_group=rank, world_size=size, is_first_rank=rank == 0, is_last_rank=rank == size - 1
+        rank_in_group=rank, world_size=size, is_first_rank=rank == 0, is_last_rank=rank == size - 1,
+        cpu_group=None, device_group=None,
     )
 
 
@@ -91,8 +92,38 @@ def differing(a, b) -> list[str]:
     return sorted(n for n, p in a.named_parameters() if not torch.equal(raw(p), raw(pb[n])))
 
 
+def local_experts(model, source: Path) -> dict[str, list[int]]:
+    """For each decoder layer's routed experts in ``model`` (SGLang's fused ``w13_weight``,
+    ``[E_local, 2I, H]``), the global id of the checkpoint expert each local slot holds, found by
+    its bytes in ``source`` (fused or per-expert): -1 for a slot equal to none."""
+    import re
+
+    import torch
+
+    whole = {n: t for n, t in whole_checkpoint(source) if ".mlp.experts." in n and not n.startswith("mtp.")}
+    found = {}
+    for name, p in model.named_parameters():
+        m = re.search(r"layers\.(\d+)\.mlp\.experts\.w13_weight$", name)
+        if m is None:
+            continue
+        prefix = next(k for k in whole if f".layers.{m[1]}.mlp.experts." in k).split(".mlp.experts.")[0]
+        fused = whole.get(f"{prefix}.mlp.experts.gate_up_proj")
+        if fused is not None:
+            experts = dict(enumerate(fused))
+        else:
+            at = f"{prefix}.mlp.experts."
+            ids = {int(k[len(at):].split(".")[0]) for k in whole if k.startswith(at)}
+            experts = {e: torch.cat([whole[f"{at}{e}.gate_proj.weight"], whole[f"{at}{e}.up_proj.weight"]])
+                       for e in sorted(ids)}
+        found[name] = [next((e for e, w in experts.items() if torch.equal(w, slot)), -1) for slot in p]
+    return found
+
+
 def set_up_rank(job: dict) -> tuple[int, int]:
-    """SGLang's process-wide context for the job's pipeline rank; ``(pp, rank)``."""
+    """SGLang's process-wide context for the job's pipeline rank; ``(pp, rank)``. With ``ep``
+    (an expert-parallel group of that size in each stage, SGLang's ``--tp N --ep N``) and
+    ``ep_rank``, the process is that rank of its stage's group: its MoE layers hold only the
+    rank's experts (``moe_ep_rank``) and its linear layers the TP shard of that rank."""
     import torch
     from sglang.srt.runtime_context import SpawnRanks, get_parallel
     from sglang.srt.server_args import ServerArgs
@@ -100,18 +131,27 @@ def set_up_rank(job: dict) -> tuple[int, int]:
 
     torch.set_num_threads(1)  # jobs run side by side, one core each
     pp, rank = job["pp"], job["rank"]
+    ep, ep_rank = job.get("ep", 1), job.get("ep_rank", 0)
     if job["partition"] is None:
         os.environ.pop("SGLANG_PP_LAYER_PARTITION", None)
     else:
         os.environ["SGLANG_PP_LAYER_PARTITION"] = job["partition"]
     # The server-args context for this rank (model_path "dummy" as SGLang's own tests do: the
-    # model is built from the stage's config, outside server-argument resolution).
-    publish(ServerArgs(model_path="dummy", device="cpu", pp_size=pp), role="test",
-            ranks=SpawnRanks(world_rank=rank))
+    # model is built from the stage's config, outside server-argument resolution). SGLang's
+    # world rank is tp_size * pp_rank + tp_rank; its moe_ep_rank follows from it.
+    # Wide EP as deployed (``--enable-dp-attention``): attention (and the vision tower) is not
+    # split over the EP group, so any EP size builds.
+    wide = {"dp_size": ep, "enable_dp_attention": True} if ep > 1 else {}
+    publish(ServerArgs(model_path="dummy", device="cpu", pp_size=pp, tp_size=ep, ep_size=ep, **wide),
+            role="test", ranks=SpawnRanks(world_rank=ep * rank + ep_rank))
     # Each job is one process alone (no gloo group): the plugin's cross-rank exchange over the
     # world group (servers/deployment.py) has only this rank to agree with.
     alone = SimpleNamespace(world_size=1, rank_in_group=0, cpu_group=None)
-    get_parallel().override_permanently(pp_group=pipeline_group(rank, pp), world_group=alone)
+    groups = {"pp_group": pipeline_group(rank, pp), "world_group": alone}
+    if ep > 1:  # stand-ins for the groups SGLang's MoE code asks for while it builds (no collective runs)
+        groups.update(tp_group=pipeline_group(ep_rank, ep), moe_ep_group=pipeline_group(ep_rank, ep),
+                      moe_tp_group=pipeline_group(0, 1))
+    get_parallel().override_permanently(**groups)
     return pp, rank
 
 

@@ -5,6 +5,7 @@ its local copies and, with ``hf_cache``, the shared cache shards needed whole go
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import os
@@ -23,6 +24,8 @@ from .http import Progress, retry_status, retrying, transport_cause
 
 LISTING_NAME = "files.json"  # kept beside the headers: the repo's files and sizes at the commit
 LFS_NAME = "lfs-sha256.json"  # kept with it: each LFS file's sha256, as the Hub names its blob
+# Failures of the local disk while huggingface_hub writes its cache: not the Hub's.
+LOCAL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
 
 
 class HubStore(Store):
@@ -220,19 +223,22 @@ class HubStore(Store):
 
         try:
             path = retrying(get, f"{self.describe()}: {name}")
+        except OSError as e:
+            if e.errno not in LOCAL_ERRNOS:
+                raise hub_error(e, self, what=name) from e
+            raise  # the cache's disk, not the Hub: the caller names the directory
         except Exception as e:
             raise hub_error(e, self, what=name) from e
         self.traffic.add(self.objects[name].size)
         return path
 
 
-def open_hub(repo_id: str, settings: HubSettings, traffic: Traffic | None = None) -> HubStore:
+def open_hub(repo_id: str, settings: HubSettings) -> HubStore:
     """Pin ``repo_id`` at ``settings.revision`` (default ``main``) to its commit.
 
     Args:
         repo_id: ``org/name``.
         settings: how to reach the Hub (revision, token, endpoint, cache, offline, ...).
-        traffic: what counts the run's requests and bytes.
 
     Returns:
         The repo as a store, pinned to the commit.
@@ -247,7 +253,7 @@ def open_hub(repo_id: str, settings: HubSettings, traffic: Traffic | None = None
     from huggingface_hub import HfApi
 
     revision = settings.revision or "main"
-    probe = HubStore(repo_id, revision, "0" * 40, settings, traffic)
+    probe = HubStore(repo_id, revision, "0" * 40, settings)
     if not COMMIT.fullmatch(revision):
         # huggingface_hub falls back on the cache's ref (offline, or the Hub unreachable),
         # which it reads as it finds it: checked here first, read by no one if damaged.

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -32,7 +32,22 @@ if TYPE_CHECKING:
 
 # config.json model_type of a Qwen3.5 MoE checkpoint (multimodal save, text-only save).
 MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
-HEADER_PROBE_BYTES = 8  # the length prefix; then exactly the header: not a byte of tensor data
+# A header's first read: its length prefix and the header itself where it is no longer (one
+# request; a second, for the rest, only for a longer one). 64 KiB holds the header of a shard of
+# ~500 tensors, and costs 6.5 ms at 10 MB/s: less than the round trip a second request waits.
+# Never more than 1/HEADER_SHARE of the shard (small shards: the header read is not the data).
+HEADER_GUESS = 64 << 10
+HEADER_SHARE = 16
+
+
+def header_read(size: int) -> int:
+    """Bytes of a ``size``-byte shard read first for its header (see :data:`HEADER_GUESS`).
+
+    Example:
+        >>> header_read(5 << 30), header_read(160_000), header_read(4)
+        (65536, 10000, 4)
+    """
+    return min(size, max(8, min(HEADER_GUESS, size // HEADER_SHARE)))
 # Headers read at once while planning: each costs round trips, not bandwidth (a few KB), so every
 # shard's at once (more than the data streams), up to this many (a 397B checkpoint has 94 shards).
 HEADER_READS = 64
@@ -59,22 +74,32 @@ def read_remote_checkpoint(store: Store) -> Checkpoint:
 
     objects = store.objects
     engine = store.engine()
+    # Everything planning reads goes out at once, once the listing is known: config, index, the
+    # quantization side file, each listed shard's header and the small files every stage gets
+    # (read beside the headers, not after the plan). A header the index does not ask for is read
+    # for nothing (a stray shard), a small file that fails is fetched again (and refused) by the
+    # run that needs it: planning itself does not wait on either.
+    pool = ThreadPoolExecutor(max_workers=HEADER_READS)
     try:
-        with ThreadPoolExecutor(max_workers=1) as pool:  # two files, a round trip each: at once
-            index = pool.submit(small_file, store, INDEX_NAME, engine) if INDEX_NAME in objects else None
-            config_bytes = small_file(store, CONFIG_NAME, engine)
-            config = load_config(config_bytes, f"{store.describe()}/{CONFIG_NAME}")
-            _check_model_type(config, store)
-            index_bytes = index.result() if index is not None else None
-        if index is None and SINGLE_FILE_NAME not in objects:
+        reads = _planning_reads(store, engine, pool)
+        config_bytes = reads[CONFIG_NAME].result()
+        config = load_config(config_bytes, f"{store.describe()}/{CONFIG_NAME}")
+        _check_model_type(config, store)
+        index_bytes = reads[INDEX_NAME].result() if INDEX_NAME in reads else None
+        if index_bytes is None and SINGLE_FILE_NAME not in objects:
             raise RemoteError(
                 f"{store.describe()}: no {INDEX_NAME} and no {SINGLE_FILE_NAME}; not a safetensors checkpoint"
             )
 
         def read_headers(files: list[str]) -> Iterator[Header]:
             _check_shard_names(store, files)
+            _check_offline(store, files)
+            heads = {
+                f: reads.pop(f + HEADER_SUFFIX, None) or pool.submit(header_bytes, store, f, engine)
+                for f in files
+            }
             # Parsed as taken, each dropped once its tensors are made (see assemble_checkpoint).
-            return map(parsed_headers(store, files, engine).pop, files)
+            return (_parsed(store, f, heads.pop(f).result()) for f in files)
 
         ckpt = assemble_checkpoint(
             root=store.folder,
@@ -86,8 +111,10 @@ def read_remote_checkpoint(store: Store) -> Checkpoint:
             other_files=lambda files: listed_other_files(objects, files),
             hub=store.identity(),
         )
-        side = small_file(store, QUANT_SIDE_FILE, engine) if QUANT_SIDE_FILE in objects else None
+        side = reads[QUANT_SIDE_FILE].result() if QUANT_SIDE_FILE in reads else None
+        wait(reads.values())  # the small files, read beside the headers: a failure is the run's to see
     finally:
+        pool.shutdown(wait=False, cancel_futures=True)  # after an error, start no more reads
         engine.close()
     published = {f: o.sha256 for f in ckpt.files if (o := objects[f]).sha256 is not None}
     quant_side = load_quant_side(side, f"{store.describe()}/{QUANT_SIDE_FILE}")
@@ -123,6 +150,8 @@ def small_file(store: Store, name: str, engine: FetchEngine) -> bytes:
     local = store.local(name)
     if local is not None:
         data = local.read_bytes()
+    elif name not in store.objects:
+        raise RemoteError(f"{store.describe()}: {name} is missing from the {store.kind}; not a checkpoint")
     elif store.offline:
         raise RemoteError(
             f"{store.describe()}: offline, and neither a local copy nor the kept files ({store.folder}) "
@@ -150,34 +179,44 @@ def missing_offline(store: Store, names: Iterable[str]) -> list[str]:
     return [n for n in names if not (store.folder / n).is_file() and store.local(n) is None]
 
 
-def parsed_headers(store: Store, files: list[str], engine: FetchEngine) -> dict[str, Header]:
-    """Each shard's parsed header: kept, else from a local copy, else fetched (all at once)."""
-    heads = [f + HEADER_SUFFIX for f in files]
-    missing = [f for f, h in zip(files, heads, strict=True) if not (store.folder / h).is_file()]
-    missing = [f for f in missing if store.local(f) is None]
-    if missing and store.offline:
+def _planning_reads(store: Store, engine: FetchEngine, pool: ThreadPoolExecutor) -> dict[str, Future[bytes]]:
+    """What planning reads, all submitted at once: config, index and quantization side file by
+    name; offline nothing more (only what is kept or local may be read), else also each listed
+    shard's header (by ``<shard>.header``) and the small files every stage gets."""
+    objects = store.objects
+    names = [CONFIG_NAME, *(n for n in (INDEX_NAME, QUANT_SIDE_FILE) if n in objects)]
+    reads = {n: pool.submit(small_file, store, n, engine) for n in names}
+    if store.offline:
+        return reads
+    shards = [n for n in objects if n.endswith(".safetensors") and is_plain_name(n)]
+    reads.update({f + HEADER_SUFFIX: pool.submit(header_bytes, store, f, engine) for f in shards})
+    extra, _ = listed_other_files(objects, shards)
+    reads.update({n: pool.submit(small_file, store, n, engine) for n in extra if n not in reads})
+    return reads
+
+
+def _parsed(store: Store, name: str, raw: bytes) -> Header:
+    return parse_header(raw[8:], file_size=store.objects[name].size, where=f"{store.describe()}: {name}")
+
+
+def _check_offline(store: Store, files: list[str]) -> None:
+    """Offline, every shard's header must be kept or in a local copy."""
+    if not store.offline:
+        return
+    missing = [
+        f for f in files if not (store.folder / (f + HEADER_SUFFIX)).is_file() and store.local(f) is None
+    ]
+    if missing:
         raise RemoteError(
             f"{store.describe()}: offline, and neither kept headers nor local copies exist for "
             f"{plural(len(missing), 'shard')} ({', '.join(missing[:3])}{', ...' * (len(missing) > 3)}); plan "
             "it once with network access"
         )
-    sizes = {f: store.objects[f].size for f in files}
-
-    def one(f: str) -> Header:
-        raw = header_bytes(store, f, engine)
-        return parse_header(raw[8:], file_size=sizes[f], where=f"{store.describe()}: {f}")
-
-    pool = ThreadPoolExecutor(max_workers=max(1, min(len(files), HEADER_READS)))
-    try:
-        futures: list[Future[Header]] = [pool.submit(one, f) for f in files]
-        return dict(zip(files, (f.result() for f in futures), strict=True))
-    finally:
-        pool.shutdown(cancel_futures=True)  # on the first error, fetch no more headers
 
 
 def header_bytes(store: Store, name: str, engine: FetchEngine) -> bytes:
     """Shard ``name``'s length prefix and header (its first 8 + n bytes): kept, read from a
-    local copy, or fetched by two ranged reads (the prefix, then exactly the header).
+    local copy, or fetched: its first :func:`header_read` bytes, and the rest of a longer header.
 
     Raises:
         ReshardError: the shard is not in the store, or its header could not be read.
@@ -194,7 +233,7 @@ def header_bytes(store: Store, name: str, engine: FetchEngine) -> bytes:
             (n,) = struct.unpack("<Q", fh.read(8).ljust(8, b"\0"))
             _check_header_length(store, name, n, size)
             return struct.pack("<Q", n) + fh.read(n)
-    raw = _read(store, name, 0, min(size, HEADER_PROBE_BYTES), engine)
+    raw = _read(store, name, 0, header_read(size), engine)
     if len(raw) < 8:
         raise RemoteError(f"{store.describe()}: {name}: not a safetensors file (shorter than 8 bytes)")
     (n,) = struct.unpack("<Q", raw[:8])
