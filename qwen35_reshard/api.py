@@ -17,13 +17,13 @@ from pathlib import Path
 
 from .bulk import collector_paused
 from .errors import BadInput, param
-from .format.names import RUN_MANIFEST, stage_dir_rank
+from .format.names import RUN_MANIFEST, node_dir_of, stage_dir_rank
 from .model.parallelism import BALANCED, Parallelism, layout_of
 from .model.quant import unchecked_message
 from .plan.balance import Choice, choose
 from .plan.capacity import Capacity
 from .plan.fetch import fetch_report, needed_by
-from .plan.nodes import Node, Nodes, pick_node
+from .plan.nodes import Node, Nodes, pick_dirs
 from .plan.planner import Plan, make_plan, recorded_plan
 from .source.checkpoint import Checkpoint, read_checkpoint, source_fingerprint
 from .source.hub.cache import HubSettings
@@ -37,6 +37,7 @@ from .write.options import DEFAULTS, WriteOptions
 from .write.repair import (
     damaged_files,
     recorded_identity,
+    recorded_location,
     remove_leftovers,
     repair_files,
     repair_lock,
@@ -177,6 +178,10 @@ def reshard(
     pp: int | None = None,
     runtime: str | None = None,
     partition: Sequence[int] | str | None = None,
+    ep: int | None = None,
+    nodes: int | None = None,
+    redundant_experts: int | None = None,
+    init_expert_location: Sequence[Sequence[int]] | None = None,
     capacity: Capacity | None = None,
     ranks: Sequence[int] | str | None = None,
     node: Nodes | None = None,
@@ -192,20 +197,30 @@ def reshard(
             or a Hub repo id (``Qwen/Qwen3.5-35B-A3B``), read from its index and headers only.
         out_dir: the output directory; None only with ``dry_run`` (the plan alone).
         layout: the layout to split for (:class:`Parallelism`: pipeline stages, runtime,
-            partition); or build it with the next three (not both).
+            partition, expert parallelism); or build it with the next seven (not both).
         pp: number of pipeline stages.
         runtime: ``"sglang"`` (default) or ``"vllm"``, the server whose split and placement rules apply.
         partition: decoder layers per stage (a list, or ``"15,15,15,15"``), ``"balanced"``
             (the split whose fullest stage holds the fewest bytes), or None for the runtime's
             own split.
+        ep: expert-parallel ranks per stage: one directory per node (``OUT/pp{r}-node{k}``,
+            ``OUT/node{k}`` without PP) holding its stage's other tensors and the experts its
+            EP ranks start with, per expert by global id.
+        nodes: with ``ep``: the nodes each stage's EP group spans.
+        redundant_experts: with ``ep``: the server's redundant expert slots.
+        init_expert_location: with ``ep``, SGLang: its ``--init-expert-location``'s
+            ``physical_to_logical_map`` (default: its trivial location).
         capacity: with ``partition="balanced"``: size the split for serving (maximise the
             requests the worst stage holds) on these GPUs (:class:`Capacity`).
-        ranks: build only these stages (default: all); ``"auto"``: the stages of the node this
-            runs on, its index and the node count read from the scheduler's variables in
-            ``node.env`` (Slurm, Kubernetes, torchrun: :mod:`qwen35_reshard.plan.nodes` lists them).
+        ranks: build only these stages (default: all; with ``ep``, every node of them);
+            ``"auto"``: the stages (with ``ep``: the directory) of the node this runs on, its
+            index and the node count read from the scheduler's variables in ``node.env``
+            (Slurm, Kubernetes, torchrun: :mod:`qwen35_reshard.plan.nodes` lists them).
         node: the node this run builds for (:class:`Nodes`): with ``nnodes`` and ``node_rank``,
-            build the stages SGLang and vLLM run on that node; with ``ranks="auto"``, the count
-            the environment must agree with, and the environment to read (default: ``os.environ``).
+            build the stages SGLang and vLLM run on that node (with ``ep``: ``node_rank`` alone,
+            the servers' node rank of ``pp * nodes`` nodes, builds that node's directory); with
+            ``ranks="auto"``, the count the environment must agree with, and the environment to
+            read (default: ``os.environ``).
         hub: for a Hub repo id: revision, token, offline, ... (:class:`HubSettings`).
         write: what OUT gets and how it is written: ``keep_mtp``, ``max_file_bytes``,
             ``overwrite``, ``workers``, ``reflink`` (:class:`WriteOptions`).
@@ -236,7 +251,10 @@ def reshard(
         >>> reshard(MODEL, OUT, pp=4, ranks="auto", node=Nodes(env=on_node), dry_run=True).node.describe()
         'rank 1 of 2 from LWS_WORKER_INDEX, LWS_GROUP_SIZE: stages 2, 3'
     """
-    layout = layout_of(layout, pp=pp, runtime=runtime, partition=partition)
+    layout = layout_of(
+        layout, pp=pp, runtime=runtime, partition=partition, ep=ep, nodes=nodes,
+        redundant_experts=redundant_experts, init_expert_location=init_expert_location,
+    )  # fmt: skip
     out = None if out_dir is None else Path(out_dir)
     _check_run(model, out, dry_run=dry_run, workers=write.workers)
     if capacity is not None and layout.partition != BALANCED:
@@ -245,10 +263,9 @@ def reshard(
             f"{param('partition', 'balanced')}"
         )
     events = progress if isinstance(progress, ReshardProgress) else ReshardProgress()
-    located = pick_node(ranks, node, pp=layout.pp, environ=os.environ)
+    located, ranks = pick_dirs(ranks, node, layout, environ=os.environ)
     if located is not None:
         events.located(located)
-        ranks = located.stages
     with collector_paused():
         ckpt, repo = _open(model, hub or HubSettings(), events)
         choice = None
@@ -260,7 +277,7 @@ def reshard(
         plan = make_plan(
             ckpt,
             layout,
-            ranks=None if ranks is None else list(ranks),
+            ranks=ranks,
             keep_mtp=write.keep_mtp,
             max_file_bytes=write.max_file_bytes,
         )
@@ -405,7 +422,8 @@ def repair(
         (False, True, True)
     """
     target = Path(out_dir)
-    single = stage_dir_rank(target) is not None and not (target / RUN_MANIFEST).exists()
+    named = stage_dir_rank(target) is not None or node_dir_of(target) is not None
+    single = named and not (target / RUN_MANIFEST).exists()
     out = target.parent if single else target
     with repair_lock(out, single, on_wait) as now:
         return _repair(target, out, single, source, write.workers, now, hub or HubSettings())
@@ -438,7 +456,7 @@ def _repair(
         )
     plan = recorded_plan(
         ckpt,
-        Parallelism.recorded(identity),
+        Parallelism.recorded(identity, recorded_location(out, identity)),
         mtp=identity.mtp,
         max_file_bytes=identity.max_file_bytes,
         max_header_bytes=identity.max_header_bytes,

@@ -22,26 +22,30 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from ..errors import BadInput, ReshardError
-from ..model.parallelism import Parallelism
 from ..plan.capacity import capacity_from
-from ..plan.nodes import Nodes
 from ..source.hub.cache import HubSettings
 from ..write.options import DEFAULT_WORKERS, WriteOptions
 from . import cache, process
 from .flags import (
+    EP_FLAGS,
     FLAGS,
     MAX_FILE_DEFAULT,
     PROG,
     VERIFY_FLAGS,
     ContextLength,
     Debug,
+    Ep,
+    EpNodes,
+    ExpertArgs,
     GpuMemory,
     HfCache,
+    InitExpertLocation,
     Json,
     MaxFileSize,
     MemFraction,
     Model,
     Nnodes,
+    NodeOpt,
     NodeRank,
     NoMtp,
     Offline,
@@ -49,6 +53,7 @@ from .flags import (
     Pp,
     Quiet,
     Rank,
+    RedundantExperts,
     Reflink,
     Revision,
     Runtime,
@@ -209,6 +214,11 @@ def split(
     rank: Rank = None,
     nnodes: Nnodes = None,
     node_rank: NodeRank = None,
+    ep: Ep = 1,
+    nodes: EpNodes = 1,
+    redundant_experts: RedundantExperts = 0,
+    init_expert_location: InitExpertLocation = None,
+    node: NodeOpt = None,
     no_mtp: NoMtp = False,
     max_file_size: MaxFileSize = MAX_FILE_DEFAULT,
     dry_run: Annotated[
@@ -238,18 +248,21 @@ def split(
     debug: Debug = False,
     version: Version = False,
 ) -> None:
-    """Split MODEL into OUT/pp0, OUT/pp1, ...: one Hugging Face directory per pipeline stage,
-    byte for byte, resumable. Prints the launch line for the server."""
+    """Split MODEL into OUT/pp0, OUT/pp1, ...: one Hugging Face directory per pipeline stage
+    (with --ep, per node: OUT/pp0-node0, ...), byte for byte, resumable. Prints the launch line
+    for the server."""
     ranks = ranks_of(rank)
+    expert = ExpertArgs(ep, nodes, redundant_experts, init_expert_location, node)
 
     # The one place the flags become the library's options (FLAGS spells them back in errors).
     def run(progress: Reporter) -> ReshardResult:
         from ..api import reshard
 
+        picked, where = expert.node_pick(ranks, nnodes, node_rank)
         return reshard(
             model,
             out,
-            Parallelism(pp=pp, runtime=runtime.value, partition=partition),
+            expert.layout(pp, runtime.value, partition),
             capacity=capacity_from(
                 partition,
                 gpu_memory=gpu_memory,
@@ -257,8 +270,8 @@ def split(
                 tp=tp,
                 mem_fraction=mem_fraction,
             ),
-            ranks=ranks,
-            node=None if nnodes is None and node_rank is None else Nodes(nnodes, node_rank),
+            ranks=picked,
+            node=where,
             hub=HubSettings(
                 revision=revision, token=token, offline=offline, streams=streams, hf_cache=hf_cache
             ),
@@ -274,13 +287,14 @@ def split(
         )
 
     output = Output(quiet, json_, debug)
+    flags = EP_FLAGS if ep > 1 else FLAGS
     run_guarded(
-        lambda: _reshard(run, out, output),
+        lambda: _reshard(run, out, output, flags),
         output,
         "nothing was written"
         if dry_run
         else "unfinished files were removed; run the same command again to resume",
-        FLAGS,
+        flags,
     )
 
 
@@ -305,6 +319,11 @@ def plan(
     rank: Rank = None,
     nnodes: Nnodes = None,
     node_rank: NodeRank = None,
+    ep: Ep = 1,
+    nodes: EpNodes = 1,
+    redundant_experts: RedundantExperts = 0,
+    init_expert_location: InitExpertLocation = None,
+    node: NodeOpt = None,
     no_mtp: NoMtp = False,
     max_file_size: MaxFileSize = MAX_FILE_DEFAULT,
     revision: Revision = None,
@@ -320,8 +339,9 @@ def plan(
     # plan is a dry run of split.
     split(
         model, out, pp, runtime, partition, gpu_memory, tp, context_length, mem_fraction, rank, nnodes,
-        node_rank, no_mtp, max_file_size, dry_run=True, revision=revision, token=token, offline=offline,
-        streams=streams, quiet=quiet, json_=json_, debug=debug,
+        node_rank, ep, nodes, redundant_experts, init_expert_location, node, no_mtp, max_file_size,
+        dry_run=True, revision=revision, token=token, offline=offline, streams=streams, quiet=quiet,
+        json_=json_, debug=debug,
     )  # fmt: skip
 
 
@@ -395,14 +415,16 @@ def _progress_bar(console: Console) -> RichReporter | LogReporter:
     return LogReporter(sys.stderr, float(os.environ.get(LOG_INTERVAL_ENV) or LOG_INTERVAL))
 
 
-def _reshard(run: Callable[[Reporter], ReshardResult], out: Path | None, output: Output) -> int:
+def _reshard(
+    run: Callable[[Reporter], ReshardResult], out: Path | None, output: Output, flags: dict[str, str]
+) -> int:
     """``split`` and ``plan``: ``run``, the library's reshard, its plan shown once made, then
     its result."""
     from .report import QuietView, SplitView, dry_run_lines, fetch_line, summary
 
     results, progress = _consoles(output)
     view = process.collector_off_until_planned(
-        QuietView(FLAGS) if output.quiet else SplitView(results, _progress_bar(progress), FLAGS)
+        QuietView(flags) if output.quiet else SplitView(results, _progress_bar(progress), flags)
     )
     try:
         result = run(view)
@@ -422,11 +444,11 @@ def _reshard(run: Callable[[Reporter], ReshardResult], out: Path | None, output:
     if output.quiet:
         results.print(plan.launch_env, highlight=False, markup=False, soft_wrap=True)
     if output.json:
-        print(json.dumps(_json_doc(result), indent=2))
+        print(json.dumps(_json_doc(result, flags), indent=2))
     return 0
 
 
-def _json_doc(result: ReshardResult) -> dict:
+def _json_doc(result: ReshardResult, flags: dict[str, str]) -> dict:
     """``--json``'s summary: the status, then the result's own record."""
     if result.dry_run:
         status = "dry_run"
@@ -434,7 +456,7 @@ def _json_doc(result: ReshardResult) -> dict:
         status = "nothing_to_do" if result.written.nothing_to_do else "ok"
     doc = {"status": status, **result.to_dict()}
     if result.node is not None:  # its source in this command line's flags
-        doc["node"] = result.node.to_dict(FLAGS)
+        doc["node"] = result.node.to_dict(flags)
     return doc
 
 

@@ -5,13 +5,17 @@ with them is in :mod:`.app`."""
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 from typing import Annotated
 
 import typer
 
 from .._version import __version__
+from ..errors import BadInput
 from ..format.names import TOOL_NAME
+from ..model.parallelism import Parallelism
 from ..model.runtimes import RUNTIMES
+from ..plan.nodes import Nodes
 from ..plan.planner import DEFAULT_MAX_FILE_BYTES
 from ..source.remote.engine import DEFAULT_STREAMS, STREAMS_ENV
 from ..units import parse_size
@@ -33,7 +37,7 @@ FLAGS = {
     "nodes": "--nodes",
     "node": "--node",
     "redundant_experts": "--redundant-experts",
-    "expert_location": "--init-expert-location",
+    "init_expert_location": "--init-expert-location",
     "nnodes": "--nnodes",
     "node_rank": "--node-rank",
     "max_file_bytes": "--max-file-size",
@@ -48,6 +52,9 @@ FLAGS = {
     "out_dir": "OUT",
 }
 
+
+# With --ep, a node is picked by --node: the library's node_rank and ranks="auto" are its.
+EP_FLAGS = {**FLAGS, "node_rank": "--node", "ranks": "--node", "nnodes": "--pp x --nodes"}
 
 # verify names the checkpoint with --source.
 VERIFY_FLAGS = {
@@ -151,6 +158,98 @@ Rank = Annotated[
         "on, from the scheduler's environment (Slurm, Kubernetes, torchrun)  [default: all]",
     ),
 ]
+Ep = Annotated[
+    int,
+    typer.Option(
+        "--ep", metavar="E", help="expert-parallel ranks per stage: one directory per node (with --nodes)"
+    ),
+]
+EpNodes = Annotated[
+    int,
+    typer.Option(
+        "--nodes",
+        metavar="N",
+        help="with --ep: nodes each stage's EP group spans; node k hosts EP ranks [k*E/N, (k+1)*E/N) "
+        "(the deployment has --pp x --nodes nodes)",
+    ),
+]
+RedundantExperts = Annotated[
+    int,
+    typer.Option(
+        "--redundant-experts",
+        metavar="R",
+        help="with --ep: redundant expert slots (vLLM's EPLB num_redundant_experts, SGLang's "
+        "--ep-num-redundant-experts)",
+    ),
+]
+InitExpertLocation = Annotated[
+    str | None,
+    typer.Option(
+        "--init-expert-location",
+        metavar="FILE",
+        help="with --ep and --runtime sglang: SGLang's --init-expert-location (a .json file or inline "
+        "JSON with physical_to_logical_map)  [default: trivial]",
+    ),
+]
+NodeOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--node",
+        metavar="G",
+        help="with --ep: build only node G of --pp x --nodes (the servers' --node-rank); 'auto': this "
+        "node, from the scheduler's environment",
+    ),
+]
+@dataclass(frozen=True)
+class ExpertArgs:
+    """``split``'s expert-parallel flags: the layout they make and the node ``--node`` picks.
+
+    With ``--ep``, OUT holds one directory per node of ``--pp x --nodes`` and ``--node G``
+    (``auto``: from the scheduler, as ``--rank auto``) picks one by the servers' node rank;
+    ``--nnodes`` and ``--node-rank``, which pick pipeline stages, are refused beside it, and
+    ``--node`` without ``--ep`` (there every node's stages are ``--node-rank``'s).
+    """
+
+    ep: int
+    nodes: int
+    redundant_experts: int
+    init_expert_location: str | None
+    node: str | None
+
+    def layout(self, pp: int, runtime: str, partition: str | None) -> Parallelism:
+        from ..model.experts import read_expert_location
+
+        rows = None if self.init_expert_location is None else read_expert_location(self.init_expert_location)
+        return Parallelism(pp, runtime, partition, self.ep, self.nodes, self.redundant_experts, rows)
+
+    def node_pick(
+        self, ranks: list[int] | str | None, nnodes: int | None, node_rank: int | None
+    ) -> tuple[list[int] | str | None, Nodes | None]:
+        """``ranks`` and ``node`` for :func:`~qwen35_reshard.api.reshard`; one line for a mix
+        of flags that pick nodes two ways."""
+        if self.ep == 1:
+            if self.node is not None:
+                raise BadInput(
+                    "--node picks a node directory of an expert-parallel split: add --ep, or pick "
+                    "pipeline stages with --rank or --nnodes and --node-rank"
+                )
+            return ranks, None if nnodes is None and node_rank is None else Nodes(nnodes, node_rank)
+        if nnodes is not None or node_rank is not None:
+            raise BadInput(
+                "with --ep, OUT has one directory per node of --pp x --nodes: pick one with --node G "
+                "(the servers' --node-rank) or --node auto, not --nnodes/--node-rank"
+            )
+        if self.node is None:
+            return ranks, None
+        if ranks is not None:
+            raise BadInput("--node picks one node's directory: drop --rank (it picks every node of a stage)")
+        if self.node == "auto":
+            return "auto", None
+        if not (self.node.isascii() and self.node.isdigit()):
+            raise BadInput(f"--node {self.node} is no node number: pass 0, 1, ... or auto")
+        return None, Nodes(node_rank=int(self.node))  # the servers' node rank: --node's (EP_FLAGS)
+
+
 VerifyRank = Annotated[
     list[str] | None,
     typer.Option(

@@ -28,6 +28,7 @@ from ..stage.findings import Finding
 from ..units import format_bytes, plural
 from ..verify import VerifyReport
 from ..write.writer import OutState, WriteResult
+from .nodeview import experts_cell, node_launch_lines, title_layout
 from .progress import LogReporter, RichReporter
 
 
@@ -83,25 +84,28 @@ def plan_table(plan: Plan, node: Node | None = None) -> Table:
     ckpt = plan.checkpoint
     table = _table(
         f"{ckpt.display}: {plural(ckpt.num_layers, 'layer')}, {plural(len(ckpt.tensors), 'tensor')}, "
-        f"{plural(len(ckpt.files), 'shard')} -> pp={plan.pp} ({plan.runtime})"
+        f"{plural(len(ckpt.files), 'shard')} -> pp={plan.pp}{title_layout(plan)} "
+        f"({plan.runtime})"
     )
-    # "shards": source shards the stage reads, of all; "also": its roles besides decoder layers.
-    for col in ("stage", "layers", "tensors", "size", "files", "shards", "also", "build"):
+    # "shards": source shards read, of all; "also": roles besides decoder layers; "experts" (EP,
+    cols = ("stage", "layers", "tensors", "size", "files", "shards", "also", "build")
+    if plan.layout.expert_parallel:  # in place of files and shards): the node's EP ranks and experts
+        cols = (*cols[:4], "also", "experts", "build")
+    for col in cols:
         numeric = col in ("tensors", "size", "files", "shards")
         table.add_column(col, justify="right" if numeric else "left", no_wrap=col != "also")
     skipped = False
     for s in plan.stages:
         skipped |= s.rank not in plan.ranks
-        table.add_row(
-            s.dirname,
-            f"{s.start_layer}-{s.end_layer - 1} ({s.end_layer - s.start_layer})",
-            str(len(s.tensors)),
-            format_bytes(s.size),
-            str(len(s.files)),
-            f"{len(s.source_files)}/{len(ckpt.files)}",
-            ", ".join(s.extras) or "-",
-            "yes" if s.rank in plan.ranks else "no",
-        )
+        row = {
+            "stage": s.dirname,
+            "layers": f"{s.start_layer}-{s.end_layer - 1} ({s.end_layer - s.start_layer})",
+            "tensors": str(len(s.tensors)), "size": format_bytes(s.size), "files": str(len(s.files)),
+            "shards": f"{len(s.source_files)}/{len(ckpt.files)}", "also": ", ".join(s.extras) or "-",
+            "experts": experts_cell(s.node) if s.node is not None else "",
+            "build": "yes" if s.rank in plan.ranks else "no",
+        }  # fmt: skip
+        table.add_row(*map(row.__getitem__, cols))
     if skipped:
         why = "--rank" if node is None else f"this node (rank {node.rank} of {node.nnodes}) does not run it"
         table.caption = f"build no: not selected by {why}" if node is None else f"build no: {why}"
@@ -190,6 +194,8 @@ def launch_lines(plan: Plan, out: str, node: Node | None = None) -> list[tuple[s
     ``$``, quotes); for ``node``, that node's own command. docs/deploy.md states the same
     commands (tests/e2e/test_launch_lines.py compares them)."""
     runtime, env, pp = runtime_of(plan.runtime), plan.launch_env, plan.pp
+    if plan.layout.expert_parallel:
+        return node_launch_lines(plan, out)
     if node is not None:
         stages = list(node.stages)
         stage = str(stages[0]) if len(stages) == 1 else None
@@ -281,7 +287,8 @@ def summary(
         rate = result.source_bytes / seconds if seconds > 0 else 0.0
         kept = f", {plural(result.files_kept, 'file')} kept from an earlier run" if result.files_kept else ""
         shared = f", {format_bytes(result.bytes_shared)} shared with the source" if result.sharing else ""
-        built = ", ".join(f"pp{r}" for r in result.built) or f"{out}'s own files and {RUN_MANIFEST} again"
+        built = ", ".join(plan.stages[r].dirname for r in result.built)
+        built = built or f"{out}'s own files and {RUN_MANIFEST} again"
         console.print(
             f"[bold green]wrote[/] {built} in {seconds:.1f} s: "
             f"{format_bytes(result.source_bytes)} of source bytes into "

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from .jsonio import is_uint
 
+_EP_FIELDS = frozenset({"ep", "nodes", "redundant_experts", "expert_location"})
+
 
 @dataclass(frozen=True)
 class RunIdentity:
@@ -25,26 +27,37 @@ class RunIdentity:
     max_file_bytes: int
     max_header_bytes: int
     tool_version: str
+    # Expert parallelism (issue 42); recorded only for an expert-parallel split (ep > 1), so a
+    # pipeline split's identity is what it was before. ``expert_location``: the sha256 of SGLang's
+    # initial expert location (the stage manifests record its rows), or None for its trivial one.
+    ep: int = 1
+    nodes: int = 1
+    redundant_experts: int = 0
+    expert_location: str | None = None
 
     def to_json(self) -> dict:
-        """The identity as its JSON object (``partition`` a list)."""
-        return dataclasses.asdict(self) | {"partition": list(self.partition)}
+        """The identity as its JSON object (``partition`` a list; the EP fields where ep > 1)."""
+        doc = dataclasses.asdict(self) | {"partition": list(self.partition)}
+        return doc if self.ep > 1 else {k: v for k, v in doc.items() if k not in _EP_FIELDS}
 
     @classmethod
     def from_json(cls, obj: object) -> RunIdentity | None:
         """The identity recorded as ``obj``, or None when it is not a well-formed one."""
         if isinstance(obj, dict) and "source" not in obj:
             obj = {**obj, "source": ""}  # recorded before the source was: another split than any now
+        if isinstance(obj, dict) and not _EP_FIELDS.intersection(obj):
+            obj = {**obj, "ep": 1, "nodes": 1, "redundant_experts": 0, "expert_location": None}
         if not isinstance(obj, dict) or set(obj) != {f.name for f in dataclasses.fields(cls)}:
             return None
         partition = obj["partition"]
-        ints = ("pp", "max_file_bytes", "max_header_bytes")
+        ints = ("pp", "max_file_bytes", "max_header_bytes", "ep", "nodes", "redundant_experts")
         strs = ("source_fingerprint", "source", "runtime", "mtp", "tool_version")
         if not (
             all(is_uint(obj[k]) for k in ints)
             and all(isinstance(obj[k], str) for k in strs)
             and isinstance(partition, list)
             and all(is_uint(n) for n in partition)
+            and (obj["expert_location"] is None or isinstance(obj["expert_location"], str))
         ):
             return None
         return cls(**(obj | {"partition": tuple(partition)}))

@@ -26,7 +26,11 @@ RUN_FORMAT = f"{TOOL_NAME}/run-v1"
 # The top-level fields of a stage manifest, in the order they are written.
 STAGE_FIELDS = (
     "format", "tool", "source", "identity", "stage", "pp", "runtime", "partition", "layers", "mtp",
-    "launch_env", "index_sha256", "side_files", "files", "tensors",
+    "launch_env", "node", "index_sha256", "side_files", "files", "tensors",
 )  # fmt: skip
+# The fields of a node directory's "node" entry (expert parallelism): which node of its stage it
+# is, its EP group's layout, and the logical experts it holds per MoE layer ("layers.N",
+# "mtp.layers.K"), every one of which verify and the loader require.
+NODE_FIELDS = ("node", "nodes", "ep", "ep_ranks", "redundant_experts", "expert_location", "experts")
 # The fields of one "tensors" entry of a stage manifest, in the order they are written.
 TENSOR_FIELDS = ("file", "dtype", "shape", "nbytes", XXH128, "source_file", "replicated")

@@ -26,6 +26,8 @@ STAGE_MANIFEST = "reshard-stage.json"
 RUN_MANIFEST = "reshard.json"
 # A stage directory's name, pp{rank}; no leading zeros, so each rank has one spelling.
 STAGE_DIR = re.compile(r"pp(0|[1-9][0-9]*)")
+# A node's directory of an expert-parallel split: pp{rank}-node{k}, or node{k} without PP.
+NODE_DIR = re.compile(r"(?:pp(0|[1-9][0-9]*)-)?node(0|[1-9][0-9]*)")
 # Files of a run in progress: the marker (OUT, removed on success), the journal (a stage
 # directory, removed with the stage complete) and every file before its atomic rename.
 RUN_MARKER = ".reshard-run.json"  # identity of a run in progress; removed on success
@@ -68,6 +70,24 @@ MTP_KEPT, MTP_DROPPED, MTP_ABSENT = "kept", "dropped", "absent"
 def stage_dirname(rank: int) -> str:
     """The directory of stage ``rank`` inside OUT: ``pp{rank}``."""
     return f"pp{rank}"
+
+
+def node_dirname(stage: int, node: int, pp: int) -> str:
+    """The directory of node ``node`` of pipeline stage ``stage`` inside OUT: ``pp{stage}-node{node}``,
+    or ``node{node}`` for a split without pipeline parallelism (``pp`` 1)."""
+    return f"node{node}" if pp == 1 else f"pp{stage}-node{node}"
+
+
+def is_split_dirname(name: str) -> bool:
+    """A directory a split writes in OUT: a stage's (``ppN``) or a node's (``pp{r}-node{k}``, ``node{k}``)."""
+    return bool(STAGE_DIR.fullmatch(name) or NODE_DIR.fullmatch(name))
+
+
+def node_dir_of(path: Path) -> tuple[int, int] | None:
+    """``(stage, node)`` for a directory named ``pp{stage}-node{node}`` or ``node{node}`` (stage 0);
+    None for any other name."""
+    m = NODE_DIR.fullmatch(path.name)
+    return (int(m.group(1) or 0), int(m.group(2))) if m else None
 
 
 def stage_dir_rank(path: Path) -> int | None:

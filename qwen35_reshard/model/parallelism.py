@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 
 from ..errors import BadInput, param
 from ..format.identity import RunIdentity
+from .experts import check_nodes, node_ranks
 from .runtimes import check_partition, check_runtime, default_partition, launch_env, parse_partition
 
 BALANCED = "balanced"  # partition="balanced": the split whose fullest stage holds the fewest bytes
@@ -40,7 +41,7 @@ class Parallelism:
             ``[k * ep / nodes, (k + 1) * ep / nodes)``, so ``nodes`` divides ``ep``.
         redundant_experts: extra physical expert slots per layer (vLLM's EPLB
             ``num_redundant_experts``, SGLang's ``--ep-num-redundant-experts``).
-        expert_location: SGLang's ``--init-expert-location``: each MoE layer's physical slot ->
+        init_expert_location: SGLang's ``--init-expert-location``: each MoE layer's physical slot ->
             logical expert map (``physical_to_logical_map``), or None for its trivial location.
 
     Example:
@@ -51,7 +52,7 @@ class Parallelism:
         >>> Parallelism(pp=2, ep=6, nodes=4)
         Traceback (most recent call last):
         ...
-        qwen35_reshard.errors.BadInput: nodes=4 does not divide ep=6: ...; use a divisor of 6
+        qwen35_reshard.errors.BadInput: ep=6 does not divide evenly over nodes=4: ...
     """
 
     pp: int = 1
@@ -60,7 +61,7 @@ class Parallelism:
     ep: int = 1
     nodes: int = 1
     redundant_experts: int = 0
-    expert_location: tuple[tuple[int, ...], ...] | None = None
+    init_expert_location: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         _positive("pp", self.pp)
@@ -68,26 +69,25 @@ class Parallelism:
         object.__setattr__(self, "partition", _partition(self.partition, self.pp))
         _positive("ep", self.ep)
         _positive("nodes", self.nodes)
-        if self.ep % self.nodes:
-            raise BadInput(
-                f"{param('nodes', self.nodes)} does not divide {param('ep', self.ep)}: every node hosts "
-                "the same number of EP ranks (node k hosts ranks [k*ep/nodes, (k+1)*ep/nodes)); use a "
-                f"divisor of {self.ep}"
-            )
+        check_nodes(self.ep, self.nodes)
         if not _is_int(self.redundant_experts) or self.redundant_experts < 0:
             raise BadInput(f"{param('redundant_experts')} must be 0 or more, got {self.redundant_experts!r}")
         if self.redundant_experts and self.ep == 1:
             raise BadInput(
                 f"{param('redundant_experts')} are slots of an expert-parallel group: add {param('ep')}"
             )
-        if self.expert_location is not None:
-            object.__setattr__(self, "expert_location", _location(self))
+        if self.init_expert_location is not None:
+            object.__setattr__(self, "init_expert_location", _location(self))
 
     @classmethod
-    def recorded(cls, record: RunIdentity) -> Parallelism:
-        """The layout a split's manifests record (its run identity): what verify checks the
-        split against and a repair rewrites it for."""
-        return cls(pp=record.pp, runtime=record.runtime, partition=tuple(record.partition))
+    def recorded(
+        cls, record: RunIdentity, location: tuple[tuple[int, ...], ...] | None = None
+    ) -> Parallelism:
+        """The layout a split's manifests record (its run identity; SGLang's initial expert
+        ``location``, which the identity records by digest, from a node's manifest): what a
+        repair rewrites the split for."""
+        ep = dict(ep=record.ep, nodes=record.nodes, redundant_experts=record.redundant_experts)
+        return cls(record.pp, record.runtime, tuple(record.partition), **ep, init_expert_location=location)
 
     @property
     def expert_parallel(self) -> bool:
@@ -107,10 +107,7 @@ class Parallelism:
 
     def node_ep_ranks(self, node: int) -> range:
         """The EP ranks node ``node`` of a stage (0 to ``nodes - 1``) hosts."""
-        if not 0 <= node < self.nodes:
-            raise BadInput(f"{param('node', node)} is not a node of a stage: use 0 to {self.nodes - 1}")
-        per = self.ranks_per_node
-        return range(node * per, (node + 1) * per)
+        return node_ranks(self.ep, self.nodes, node)
 
     def sizes(self, num_layers: int) -> list[int]:
         """Decoder layers per stage for a model of ``num_layers``: the partition given, checked
@@ -184,25 +181,20 @@ def _partition(partition: object, pp: int) -> tuple[int, ...] | str | None:
 
 
 def _location(layout: Parallelism) -> tuple[tuple[int, ...], ...]:
-    """SGLang's initial expert location, checked for what needs no model: the server reads it
-    only under expert parallelism, and every layer maps the same number of physical slots."""
-    if layout.runtime != SGLANG:
-        raise BadInput(
-            f"{param('expert_location')} is SGLang's --init-expert-location: drop it, or use "
-            f"{param('runtime', SGLANG)}"
-        )
+    """SGLang's initial expert location as rows of tuples (the layout is hashable). What needs
+    the model (a row per layer, ``E + R`` slots each) is checked by
+    :func:`~qwen35_reshard.model.experts.expert_placement`."""
     if layout.ep == 1:
         raise BadInput(
-            f"{param('expert_location')} places experts over an expert-parallel group: add {param('ep')}"
+            f"{param('init_expert_location')} places experts over an expert-parallel group: add {param('ep')}"
         )
-    rows = tuple(tuple(row) for row in layout.expert_location)  # type: ignore[union-attr]
-    if not rows or not all(rows) or len({len(row) for row in rows}) != 1:
+    if layout.runtime != SGLANG:
         raise BadInput(
-            f"{param('expert_location')} must map every MoE layer's physical expert slots (the same "
-            "number for each layer) to logical experts"
+            f"{param('init_expert_location')} is SGLang's; drop it, or use {param('runtime', SGLANG)}"
         )
-    if not all(_is_int(e) and e >= 0 for row in rows for e in row):
+    try:
+        return tuple(tuple(row) for row in layout.init_expert_location)  # type: ignore[union-attr]
+    except TypeError as e:
         raise BadInput(
-            f"{param('expert_location')} maps a slot to something that is no expert id (0, 1, ...)"
-        )
-    return rows
+            f"{param('init_expert_location')} must be rows of expert ids (its physical_to_logical_map)"
+        ) from e

@@ -20,114 +20,18 @@ same ones.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from collections.abc import Set as AbstractSet
 from itertools import chain
-from typing import NamedTuple
 
 from ..errors import BadInput
-from ..model import names
-from ..model.experts import MoeLayer
+from ..model.experts import EXPERTS, MoeLayer, expert_tensors
 from ..model.modules import EXPERT, FUSED_EXPERTS
 from ..model.schema import SCALE_SUFFIX
 from ..source.checkpoint import SourceTensor
 
-EXPERTS = "mlp.experts."  # a MoE block's routed experts, relative to its decoder layer
-MTP_LAYERS = "mtp.layers."
-# The packed weight of each quantization set (the first part of every scheme), and BF16's.
-WEIGHT_SUFFIXES = frozenset({"weight", "weight_packed", "qweight"})
 _GATE_UP, _DOWN = tuple(FUSED_EXPERTS)  # "gate_up_proj", "down_proj"
 _GATE, _UP, _DOWN_PROJ = tuple(EXPERT)  # "gate_proj", "up_proj", "down_proj"
-_FUSED = frozenset({*FUSED_EXPERTS, *(f + SCALE_SUFFIX for f in FUSED_EXPERTS)})
-
-
-class ExpertTensor(NamedTuple):
-    """What a routed-expert tensor's name says.
-
-    Attributes:
-        layer: its MoE layer.
-        expert: the global (logical) expert id; None for a fused tensor of every expert.
-        part: the name after ``mlp.experts.`` (fused: ``gate_up_proj``, ``down_proj``, with
-            ``_scale_inv`` for block FP8) or after ``mlp.experts.{e}.`` (``gate_proj.weight``,
-            ``down_proj.weight_scale_inv``, ...).
-    """
-
-    layer: MoeLayer
-    expert: int | None
-    part: str
-
-    @property
-    def heavy(self) -> bool:
-        """A per-expert packed weight: what a node holds for its own experts only."""
-        return self.expert is not None and self.part.rpartition(".")[2] in WEIGHT_SUFFIXES
-
-
-def expert_tensor(name: str) -> ExpertTensor | None:
-    """The MoE layer, expert and part of a routed-expert tensor; None for any other tensor.
-
-    Decoder layers are parsed by model/names.py (``model.language_model.layers.N.`` or
-    ``model.layers.N.``), MTP's as ``mtp.layers.K.``.
-
-    Raises:
-        BadInput: a name under ``mlp.experts.`` that is neither form (the servers load neither).
-
-    Example:
-        >>> expert_tensor("model.language_model.layers.3.mlp.experts.17.up_proj.weight")
-        ExpertTensor(layer=MoeLayer(index=3, mtp=False), expert=17, part='up_proj.weight')
-        >>> expert_tensor("mtp.layers.0.mlp.experts.gate_up_proj")
-        ExpertTensor(layer=MoeLayer(index=0, mtp=True), expert=None, part='gate_up_proj')
-    """
-    return expert_tensors([name])[0]
-
-
-def expert_tensors(tensor_names: Sequence[str]) -> list[ExpertTensor | None]:
-    """:func:`expert_tensor` of each name, at once: one regex pass of model/names.py over all
-    of them, then a few string operations per name (~1 s per million names). Parse a stage's
-    names once and hand the result to :func:`node_expert_tensors` for each of its nodes.
-
-    Raises:
-        BadInput: as :func:`expert_tensor`.
-    """
-    tensor_names = list(tensor_names)
-    keys, roles = names.classify_all(tensor_names)
-    layers: dict[str, MoeLayer] = {}  # key (a decoder layer's prefix) -> its MoE layer
-    for key, role in roles.items():
-        if role is not None and role.kind == names.LAYER:
-            layers[key] = MoeLayer(role.layer)
-    ids: dict[str, int | None] = {}  # "17" -> 17, the few hundred spellings met, parsed once
-    parts: set[str] = set()  # per-expert parts met and found valid ("gate_proj.weight", ...)
-    out: list[ExpertTensor | None] = []
-    for name, key in zip(tensor_names, keys, strict=True):
-        layer = layers.get(key)
-        if layer is not None:
-            rest = name[len(key) :]
-        elif name.startswith(MTP_LAYERS):
-            index, _, rest = name[len(MTP_LAYERS) :].partition(".")
-            k = _index(index)
-            layer = None if k is None else MoeLayer(k, mtp=True)
-        if layer is None or not rest.startswith(EXPERTS):
-            out.append(None)
-            continue
-        rest = rest[len(EXPERTS) :]
-        if rest in _FUSED:
-            out.append(ExpertTensor(layer, None, rest))
-            continue
-        head, _, part = rest.partition(".")
-        if head not in ids:
-            ids[head] = _index(head)
-        expert = ids[head]
-        if part not in parts:
-            proj, _, suffix = part.partition(".")
-            if expert is None or proj not in EXPERT or not suffix:
-                raise BadInput(
-                    f"tensor {name!r}: not a routed-expert tensor the servers load (mlp.experts.{{e}}."
-                    "{gate,up,down}_proj.<suffix>, or fused gate_up_proj/down_proj)"
-                )
-            parts.add(part)
-        elif expert is None:
-            raise BadInput(f"tensor {name!r}: expert id {head!r} is not a number as the servers spell it")
-        out.append(ExpertTensor(layer, expert, part))
-    return out
 
 
 def node_expert_tensors(
@@ -300,20 +204,3 @@ def _scale_problem(scale: SourceTensor, weight: SourceTensor | None, block: int 
     if scale.shape[1] != 2 * intermediate // block:
         return f"it has {scale.shape[1]} scale rows per expert, not {2 * intermediate // block}"
     return None
-
-
-def _index(text: str) -> int | None:
-    """A layer or expert id as the servers' names spell it: decimal digits, no leading zero."""
-    if not (text.isascii() and text.isdigit()) or (text[0] == "0" and len(text) > 1):
-        return None
-    return int(text)
-
-
-def experts_by_layer(tensors: Mapping[str, object]) -> dict[MoeLayer, set[int]]:
-    """The per-expert ids found under each MoE layer of ``tensors`` (names), for a check that
-    a node holds every expert it must (the servers notice no missing local expert)."""
-    found: dict[MoeLayer, set[int]] = {}
-    for what in expert_tensors(list(tensors)):
-        if what is not None and what.expert is not None and what.heavy:
-            found.setdefault(what.layer, set()).add(what.expert)
-    return found

@@ -3,6 +3,9 @@ it came: pure summaries."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
+from ..source.checkpoint import Checkpoint, SourceTensor
 from ..source.remote.fetch import FETCH_CACHE, FETCH_WHOLE, RemoteFetcher, ShardFetch
 from .planner import Plan
 
@@ -11,8 +14,21 @@ def needed_by(plan: Plan) -> dict[str, set[str]]:
     """Per source shard, the tensors the plan's selected stages read from it. Pure."""
     needed: dict[str, set[str]] = {}
     for stage in plan.selected:
-        for t in stage.tensors:
-            needed.setdefault(t.source.file, set()).add(t.name)
+        needed_of(plan.checkpoint, (t.source for t in stage.tensors), needed)
+    return needed
+
+
+def needed_of(
+    ckpt: Checkpoint, tensors: Iterable[SourceTensor], needed: dict[str, set[str]] | None = None
+) -> dict[str, set[str]]:
+    """``needed`` (file -> checkpoint tensors) with ``tensors`` read from their shards. An expert
+    cut from a fused tensor (:mod:`.experts`) names no tensor, only its shard: the fetch then
+    takes that shard's ranges, never the whole shard for a part of its fused tensor."""
+    needed = {} if needed is None else needed
+    for t in tensors:
+        names = needed.setdefault(t.file, set())
+        if t.name in ckpt.tensors:
+            names.add(t.name)
     return needed
 
 

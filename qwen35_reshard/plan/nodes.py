@@ -41,9 +41,10 @@ launch scripts         NODE_RANK                NNODES, else as for an Indexed J
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..errors import BadInput, ReshardError, param, spell
+from ..model.parallelism import Parallelism
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ class Node:
     nnodes: int
     stages: range
     source: str
-
+    what: str = "stage"  # what ``stages`` numbers: pipeline stages, or a split's node directories
     def to_dict(self, flags: Mapping[str, str] | None = None) -> dict:
         """Plain JSON-ready data: rank, nnodes, stages (a list) and source (spelt as in
         :meth:`describe`)."""
@@ -73,7 +74,7 @@ class Node:
         """E.g. ``rank 2 of 4 from LWS_WORKER_INDEX, LWS_GROUP_SIZE: stage 2``; parameters
         named in ``source`` are spelt as ``flags`` maps them (see :func:`errors.spell`)."""
         stages = list(self.stages)
-        which = f"stage {stages[0]}" if len(stages) == 1 else f"stages {', '.join(map(str, stages))}"
+        which = f"{self.what} {stages[0]}" if len(stages) == 1 else f"stages {', '.join(map(str, stages))}"
         return f"rank {self.rank} of {self.nnodes} from {spell(self.source, flags or {})}: {which}"
 
 
@@ -126,6 +127,46 @@ def pick_node(
             f"{param('nnodes')} and {param('node_rank')} go together: pass both, or {param('ranks', 'auto')}"
         )
     return given_node(pp, nnodes, node_rank)
+
+
+def pick_dirs(
+    ranks: Sequence[int] | str | None, nodes: Nodes | None, layout: Parallelism, *, environ: Mapping[str, str]
+) -> tuple[Node | None, list[int] | None]:
+    """The node a run builds for (None: none picked) and the directories of the plan it builds
+    (None: all): :func:`pick_node`'s stages; under expert parallelism, where every node has a
+    directory, the node's own (``node_rank``, or from the scheduler with ``ranks="auto"``: the
+    servers' node rank of ``pp * nodes`` nodes), or every node of the stages ``ranks``.
+
+    Raises:
+        ReshardError: as :func:`pick_node`, and a node count other than the layout's.
+    """
+    if not layout.expert_parallel:
+        node = pick_node(ranks, nodes, pp=layout.pp, environ=environ)
+        return node, list(node.stages) if node is not None else None if ranks is None else list(ranks)
+    count, given = layout.nnodes, nodes or Nodes()
+    if given.nnodes is not None and given.nnodes != count:
+        raise BadInput(
+            f"{param('nnodes', given.nnodes)}, but {param('pp', layout.pp)} x "
+            f"{param('nodes', layout.nodes)} is {count} nodes: drop {param('nnodes')}"
+        )
+    if given.node_rank is not None and ranks is None:
+        node = given_node(count, count, given.node_rank)
+        return replace(node, source=param("node_rank"), what="node"), list(node.stages)
+    node = pick_node(ranks, given, pp=count, environ=environ)
+    if node is not None and node.nnodes != count:
+        raise BadInput(
+            f"the scheduler gives {node.nnodes} nodes ({spell(node.source, {})}), but "
+            f"{param('pp', layout.pp)} x {param('nodes', layout.nodes)} is {count}: launch as many "
+            f"nodes, or fix {param('nodes')}"
+        )
+    if node is not None or ranks is None:
+        return (None, None) if node is None else (replace(node, what="node"), list(node.stages))
+    for r in ranks:
+        if not 0 <= r < layout.pp:
+            raise BadInput(
+                f"{param('ranks', r)} is out of range for {param('pp', layout.pp)} (0..{layout.pp - 1})"
+            )
+    return None, [r * layout.nodes + k for r in sorted(set(ranks)) for k in range(layout.nodes)]
 
 
 def node_stages(pp: int, nnodes: int, node_rank: int) -> range:

@@ -23,6 +23,7 @@ from ..model.parallelism import Parallelism, layout_of
 from ..model.runtimes import check_pp, check_servable, launch_env, layer_ranges, placement_rules
 from ..source.checkpoint import Checkpoint, SourceTensor
 from .layout import OutputFile, PlacedTensor, check_file_limit, layout_files
+from .nodedirs import NodeExperts, node_dirs
 
 DEFAULT_MAX_FILE_BYTES = 5 * 1024**3
 # The Hub reads remote headers only up to 25 MB; stay well below with room for long names.
@@ -37,13 +38,20 @@ _EXTRA_KINDS = (names.EMBED, names.VISUAL, names.VISUAL_POS_EMBED, names.NORM, n
 
 @dataclass(frozen=True)
 class StagePlan:
-    """What one pipeline stage's directory holds."""
+    """What one directory of the split holds: a pipeline stage's, or (expert parallelism) one
+    node's of a stage (``node``)."""
 
-    rank: int
+    rank: int  # its index in the plan: the pipeline rank, or the node's (stage * nodes + node)
     start_layer: int
     end_layer: int  # exclusive
     files: tuple[OutputFile, ...]
     extras: tuple[str, ...] = ()  # non-layer roles it holds (embed, visual, norm, lm_head, mtp)
+    node: NodeExperts | None = None  # expert parallelism: the node, its EP ranks and experts
+
+    @property
+    def stage(self) -> int:
+        """Its pipeline rank."""
+        return self.rank if self.node is None else self.node.stage
 
     @property
     def tensors(self) -> list[PlacedTensor]:
@@ -72,7 +80,7 @@ class StagePlan:
 
     @property
     def dirname(self) -> str:
-        return stage_dirname(self.rank)
+        return stage_dirname(self.rank) if self.node is None else self.node.dirname
 
 
 @dataclass(frozen=True)
@@ -82,8 +90,8 @@ class Plan:
     checkpoint: Checkpoint
     layout: Parallelism  # its partition the layers per stage planned (a tuple)
     mtp: str  # MTP_KEPT, MTP_DROPPED or MTP_ABSENT
-    stages: tuple[StagePlan, ...]  # all pp stages, whether built in this run or not
-    ranks: tuple[int, ...]  # stages to build in this run
+    stages: tuple[StagePlan, ...]  # every directory (pp stages, or pp * nodes nodes), built now or not
+    ranks: tuple[int, ...]  # the directories to build in this run
     dropped: tuple[str, ...]  # tensors left out on purpose (--no-mtp)
     max_file_bytes: int
     max_header_bytes: int
@@ -133,7 +141,9 @@ def make_plan(
         runtime: ``"sglang"`` (default) or ``"vllm"``, the server whose split and placement rules apply.
         partition: decoder layers per stage (default: the runtime's own split).
         keep_mtp: False leaves the ``mtp.*`` tensors out (recorded in the manifests).
-        ranks: the stages to write (default: all); the plan still describes every stage.
+        ranks: the stages to write (default: all); under expert parallelism the node
+            directories, by the servers' node rank (``stage * nodes + node``). The plan still
+            describes every directory.
         max_file_bytes: largest output data file.
         max_header_bytes: largest safetensors header of an output file.
 
@@ -154,40 +164,54 @@ def make_plan(
         ((4, 4), 'VLLM_PP_LAYER_PARTITION=4,4')
     """
     layout = layout_of(layout, pp=pp, runtime=runtime, partition=partition)
+    wide = layout.expert_parallel
     placed = _place(
-        ckpt, layout, keep_mtp=keep_mtp, ranks=ranks, stages=range(layout.pp), max_file_bytes=max_file_bytes,
+        ckpt, layout, keep_mtp=keep_mtp, ranks=None if wide else ranks, stages=range(layout.pp),
+        max_file_bytes=max_file_bytes,
     )  # fmt: skip
     file_order = {f: i for i, f in enumerate(ckpt.files)}
     file_tensors = Counter(map(_FILE, ckpt.tensors.values()))
     whole_fits = {f for f in file_tensors if ckpt.file_sizes[f] <= max_file_bytes}
-    stages = tuple(
-        StagePlan(
-            rank=r,
-            start_layer=placed.ranges[r][0],
-            end_layer=placed.ranges[r][1],
-            extras=placed.extras[r],
-            files=layout_files(
-                *placed.tensors[r],
-                file_order,
-                file_tensors,
-                whole_fits,
-                max_file_bytes=max_file_bytes,
-                max_header_bytes=max_header_bytes,
-            ),
-        )
-        for r in range(layout.pp)
-    )
+    if wide:
+        dirs = node_dirs(ckpt, layout, {r: sources for r, (sources, _) in placed.tensors.items()})
+        selected = _node_ranks(ranks, layout)
+    else:
+        dirs = [(None, *placed.tensors[r]) for r in range(layout.pp)]
+        selected = placed.ranks
+    stages = []
+    for index, (node, sources, replicated) in enumerate(dirs):
+        r = index if node is None else node.stage
+        # A shard is cloned whole only where its tensors are the source's own, none cut per expert.
+        cut = {t.file for t in sources if ckpt.tensors.get(t.name) is not t} if wide else set()
+        whole = whole_fits - cut
+        files = layout_files(
+            sources, replicated, file_order, file_tensors, whole,
+            max_file_bytes=max_file_bytes, max_header_bytes=max_header_bytes,
+        )  # fmt: skip
+        stages.append(StagePlan(index, *placed.ranges[r], files, placed.extras[r], node))
     return Plan(
         ckpt,
         layout.with_partition(placed.partition),
         placed.mtp,
-        stages,
-        placed.ranks,
+        tuple(stages),
+        selected,
         placed.dropped,
         max_file_bytes,
         max_header_bytes,
         placed.unchecked,
     )
+
+
+def _node_ranks(ranks: list[int] | None, layout: Parallelism) -> tuple[int, ...]:
+    """The node directories to build: ``ranks`` (by the servers' node rank), default all."""
+    count = layout.nnodes
+    for r in ranks or ():
+        if not 0 <= r < count:
+            raise BadInput(
+                f"{param('node', r)} is not a node of {param('pp', layout.pp)} x "
+                f"{param('nodes', layout.nodes)} ({count} nodes: 0 to {count - 1})"
+            )
+    return tuple(sorted(set(ranks))) if ranks is not None else tuple(range(count))
 
 
 def stage_tensors(
@@ -265,8 +289,6 @@ def _place(
     """Check the split and the checkpoint, and place every tensor: the tensors of each of
     ``stages`` in source order, each with whether it is replicated (see :func:`make_plan`)."""
     pp, runtime = layout.pp, layout.runtime
-    if layout.expert_parallel:
-        raise BadInput(f"{param('ep', layout.ep)}: this version writes pipeline stages only; use ep=1")
     check_pp(ckpt.num_layers, pp)
     sizes = layout.sizes(ckpt.num_layers)
     ranges = layer_ranges(sizes)

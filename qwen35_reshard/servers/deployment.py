@@ -115,7 +115,7 @@ def rank_stage(
             try:
                 layout = replace(
                     layout, ep=experts.ep, nodes=nodes[pp_rank], redundant_experts=experts.redundant,
-                    expert_location=_location(experts.location),
+                    init_expert_location=_location(experts.location),
                 )
             except ReshardError as e:  # the server's own expert-parallel settings, which it accepted
                 raise StageError(f"pipeline rank {pp_rank}: {for_operator(e)}") from e

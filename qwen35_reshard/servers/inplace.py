@@ -27,7 +27,7 @@ from ..stage.manifest import FileLayout, StageManifest, StageTensor
 
 def pipeline_only(layout: Parallelism) -> Parallelism:
     """``layout`` without expert parallelism: the pipeline stage a node's slice is cut from."""
-    return replace(layout, ep=1, nodes=1, redundant_experts=0, expert_location=None)
+    return replace(layout, ep=1, nodes=1, redundant_experts=0, init_expert_location=None)
 
 
 def node_tensors(

@@ -22,7 +22,7 @@ from ..format.digest import HEX_LENGTH, SHA256, XXH128, is_hex_digest
 from ..format.dtypes import DTYPE_SIZES
 from ..format.identity import RunIdentity
 from ..format.jsonio import is_sha256, is_uint, read_json
-from ..format.manifest import STAGE_FIELDS, TENSOR_DIGESTS
+from ..format.manifest import NODE_FIELDS, STAGE_FIELDS, TENSOR_DIGESTS
 from ..format.names import (
     ALIGNED,
     CLONE,
@@ -96,6 +96,45 @@ def set_once(tensors: list[StageTensor], field: str, values: list[object]) -> No
 
 
 @dataclass(frozen=True)
+class NodeRecord:
+    """A node directory's "node" entry (expert parallelism, ``format.manifest.NODE_FIELDS``)."""
+
+    node: int
+    nodes: int
+    ep: int
+    ep_ranks: tuple[int, ...]
+    redundant_experts: int
+    expert_location: tuple[tuple[int, ...], ...] | None
+    experts: dict[str, tuple[int, ...]]  # MoE layer ("layers.N", "mtp.layers.K") -> logical experts
+
+
+def parse_node_entry(entry: object) -> NodeRecord | str:
+    """The "node" entry as plain data, or what is structurally wrong with it."""
+    if not isinstance(entry, dict) or set(entry) != set(NODE_FIELDS):
+        return "node entry"
+    ints = [entry[k] for k in ("node", "nodes", "ep", "redundant_experts")]
+    if not all(map(is_uint, ints)) or not entry["node"] < entry["nodes"] or entry["ep"] < 2:
+        return f"node {entry['node']!r} of {entry['nodes']!r} nodes, ep {entry['ep']!r}"
+    ranks, experts, location = entry["ep_ranks"], entry["experts"], entry["expert_location"]
+    if not (isinstance(ranks, list) and ranks and all(is_uint(r) and r < entry["ep"] for r in ranks)):
+        return f"ep_ranks {ranks!r}"
+    if not (
+        isinstance(experts, dict)
+        and all(isinstance(ids, list) and all(map(is_uint, ids)) for ids in experts.values())
+    ):
+        return "experts is not a map of MoE layers to expert ids"
+    if location is not None and not (
+        isinstance(location, list) and all(isinstance(r, list) and all(map(is_uint, r)) for r in location)
+    ):
+        return "expert_location is not rows of expert ids"
+    return NodeRecord(
+        entry["node"], entry["nodes"], entry["ep"], tuple(ranks), entry["redundant_experts"],
+        None if location is None else tuple(map(tuple, location)),
+        {label: tuple(ids) for label, ids in experts.items()},
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
 class StageManifest:
     """A structurally valid stage manifest, as plain data."""
 
@@ -115,11 +154,22 @@ class StageManifest:
     layouts: dict[str, FileLayout]  # by data file
     tensors: dict[str, StageTensor]  # in load order (file, then offset) once read by read_stage
     digest: str = XXH128  # what each tensor's ``digest`` is (format.digest): sha256 in stage-v1
+    node: NodeRecord | None = None  # a node directory of an expert-parallel split
+
+    @property
+    def index(self) -> int:
+        """The directory's index in its split's plan: the stage, or (a node) ``stage * nodes + node``."""
+        return self.rank if self.node is None else self.rank * self.node.nodes + self.node.node
 
     @property
     def layout(self) -> Parallelism:
         """The layout the stage was split for."""
-        return Parallelism(pp=self.pp, runtime=self.runtime, partition=self.partition)
+        n = self.node
+        if n is None:
+            return Parallelism(pp=self.pp, runtime=self.runtime, partition=self.partition)
+        return Parallelism(
+            self.pp, self.runtime, self.partition, n.ep, n.nodes, n.redundant_experts, n.expert_location
+        )
 
 
 def parse_stage_manifest(m: dict) -> StageManifest | str:
@@ -168,6 +218,9 @@ def parse_stage_manifest(m: dict) -> StageManifest | str:
     side_files = parse_side_files(m.get("side_files", {}))
     if side_files is None:
         return "side_files is not a map of plain file names to sha256 digests"
+    node = None if "node" not in m else parse_node_entry(m["node"])
+    if isinstance(node, str):
+        return node
     identity, source = m.get("identity"), m.get("source")
     return StageManifest(
         rank=rank,
@@ -189,6 +242,7 @@ def parse_stage_manifest(m: dict) -> StageManifest | str:
         },
         tensors=entries,
         digest=digest,
+        node=node,
     )
 
 

@@ -40,6 +40,7 @@ from ..model.runtimes import placement_rules
 from ..source.header import Header, read_header
 from .findings import CORRUPT, DIFFERENT, EXTRA, INCOMPLETE, MISSING, REBUILD, RERUN, Finding
 from .manifest import StageManifest, StageTensor, decode_stage_manifest, parse_stage_manifest, set_once
+from .nodes import expert_problems, node_dir_problems
 
 
 @dataclass(frozen=True)
@@ -77,9 +78,9 @@ def read_stage(root: Path, display: str, run: RunRecord | None = None) -> StageD
     m = read_manifest(root, display)
     if isinstance(m, Finding):
         return StageDir(None, {}, [m])
-    problems: list[Finding] = []
+    problems = node_dir_problems(root, display, m)
     want = stage_dir_rank(root)
-    if want is not None and want != m.rank:
+    if want is not None and (want != m.rank or m.node is not None):
         problems.append(
             Finding(
                 DIFFERENT,
@@ -335,7 +336,7 @@ def _schema_problems(root: Path, display: str, m: StageManifest) -> tuple[list[F
     owners = placement_rules(m.pp, m.runtime, schema.tied_embeddings(config), kept)
     held = _held(m, owners, required.names, f"{schema.language_model_prefix(config)}layers.")
     missing, wrong = schema.compare_schema(required, m.tensors, held)
-    problems = []
+    missing, problems = (missing, []) if m.node is None else expert_problems(display, m, config, missing)
     if missing:
         method = required.method_of(missing[0], m.tensors)
         part = f", part of {method}," if method else ""

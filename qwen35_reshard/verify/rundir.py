@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from types import MappingProxyType
 
@@ -19,14 +20,17 @@ from ..format.names import (
     PARTIAL_SUFFIX,
     RUN_MANIFEST,
     RUN_MARKER,
-    STAGE_DIR,
     STAGE_MANIFEST,
+    is_split_dirname,
+    node_dirname,
     partial_base,
     stage_dir_rank,
+    stage_dirname,
 )
 from ..format.paths import checked_file
 from ..stage.findings import CORRUPT, DIFFERENT, EXTRA, INCOMPLETE, REPAIR, RERUN, Finding
 from ..stage.manifest import damaged_side_files, parse_side_files
+from ..stage.nodes import node_dirs
 from ..stage.reader import RunRecord, read_run_record, stage_dirs
 from .report import SIDE_KIND, CheckedStage, StageSummary, VerifyReport, adder, side_file_message
 from .selection import asked_ranks, report_missing, stages_identity
@@ -39,11 +43,15 @@ def is_run_dir(root: Path) -> bool:
         return True
     if any(partial_base(p.name) in (RUN_MARKER, RUN_MANIFEST, LOCK) for p in root.iterdir()):
         return True
-    return any(STAGE_DIR.fullmatch(p.name) and p.is_dir() for p in root.iterdir())
+    return any(_split_dir(p) for p in root.iterdir())
+
+
+def _split_dir(p: Path) -> bool:
+    return is_split_dirname(p.name) and p.is_dir()
 
 
 def is_stage_dir(root: Path) -> bool:
-    if STAGE_DIR.fullmatch(root.name):
+    if is_split_dirname(root.name):
         return True
     names = (STAGE_MANIFEST, INDEX_NAME, JOURNAL)
     return any(p.name in names or p.name.endswith(".safetensors") for p in root.iterdir())
@@ -85,7 +93,7 @@ def check_run_dir(
         )
     # Temporaries, OUT's lock or OUT's own files (config.json, ...): a run was here; else the
     # stage directories were copied here.
-    only_stages = all(STAGE_DIR.fullmatch(p.name) and p.is_dir() for p in root.iterdir())
+    only_stages = all(_split_dir(p) for p in root.iterdir())
     traces = bool(report.findings) or not only_stages
     marker = _read_json_finding(root / RUN_MARKER, display, report)
     run = _read_json_finding(root / RUN_MANIFEST, display, report)
@@ -127,16 +135,20 @@ def check_run_dir(
     dirs = stage_dirs(root)
     report.copied = record is None and not traces
     if report.copied:  # the split the copied stages record, if one
-        identity = stages_identity(dirs)
+        identity = stages_identity(dirs or node_dirs(root, 1 << 30))
     report.identity = identity
-    pp = identity.pp if identity else None
+    nodes = identity.nodes if identity is not None and identity.ep > 1 else None
+    if nodes is not None:  # an expert-parallel split: one directory per node
+        dirs = node_dirs(root, nodes)
+    pp = identity.pp * (nodes or 1) if identity else None  # the split's directories
     asked = asked_ranks(ranks, env, nnodes, pp, display)
-    report_missing(display, report, pp, set(dirs), asked, _recorded_complete(run))
+    name_of = stage_dirname if nodes is None else partial(_node_name, identity.pp, nodes)
+    report_missing(display, report, pp, set(dirs), asked, _recorded_complete(run, nodes), name_of)
     stages = []
     for rank, path in dirs.items():
         if asked is not None and rank not in asked:
             continue
-        if pp is not None and rank >= pp:
+        if pp is not None and not 0 <= rank < pp:
             report.findings.append(
                 Finding(
                     EXTRA,
@@ -172,13 +184,19 @@ def check_same_split(stages: list[CheckedStage], report: VerifyReport) -> None:
             )
 
 
-def _recorded_complete(run: dict | None) -> set[int]:
+def _recorded_complete(run: dict | None, nodes: int | None) -> set[int]:
+    """The directories the run manifest records complete, by index (a node's: stage * nodes + node)."""
     stages = run.get("stages") if isinstance(run, dict) else None
     if not isinstance(stages, list):
         return set()
-    return {
-        s["stage"] for s in stages if isinstance(s, dict) and s.get("complete") and is_uint(s.get("stage"))
-    }
+    done = [s for s in stages if isinstance(s, dict) and s.get("complete") and is_uint(s.get("stage"))]
+    if nodes is None:
+        return {s["stage"] for s in done}
+    return {s["stage"] * nodes + s["node"] for s in done if is_uint(s.get("node"))}
+
+
+def _node_name(pp: int, nodes: int, index: int) -> str:
+    return node_dirname(index // nodes, index % nodes, pp)
 
 
 def parent_record(root: Path, report: VerifyReport) -> RunRecord | None:

@@ -5,7 +5,7 @@ command that checks only the stages present."""
 from __future__ import annotations
 
 import shlex
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from ..errors import BadInput, param
@@ -60,6 +60,7 @@ def report_missing(
     present: set[int],
     asked: set[int] | None,
     complete: set[int],
+    name_of: Callable[[int], str] = stage_dirname,
 ) -> None:
     """A finding for each stage of the split (or of ``asked``) absent from the run directory,
     saying what leads on: the same command again where the run recorded it complete, else
@@ -68,10 +69,11 @@ def report_missing(
     report.missing_stages = sorted(ranks - present)
     report.unbuilt = [r for r in report.missing_stages if r not in complete]
     here = sorted(present & set(range(pp or 0)))
-    names = ", ".join(map(stage_dirname, here))
+    names = ", ".join(map(name_of, here))
+    nodes = name_of is not stage_dirname  # an expert-parallel split's: checked by index (--rank G)
     only = shlex.join(["qwen35-reshard", "verify", display, *(a for r in here for a in ("--rank", str(r)))])
     for rank in report.missing_stages:
-        name = stage_dirname(rank)
+        name = name_of(rank)
         if rank in complete:
             why = f"{RUN_MANIFEST} records it as complete; {RERUN} (it builds it again)"
         elif report.copied and here:
@@ -82,6 +84,7 @@ def report_missing(
         elif asked is None and here:
             why = f"build it, or check only the stages here ({names}): {only}"
         else:
-            why = f"build it with the split's command (--rank {rank})"
+            why = f"build it with the split's command ({'--node' if nodes else '--rank'} {rank})"
         split = f" of this pp={pp} split" if pp is not None else ""
+        split = f" of this split's {pp} node directories" if nodes and pp is not None else split
         report.findings.append(Finding(MISSING, f"{display}/{name}{split} is missing: {why}", stage=name))

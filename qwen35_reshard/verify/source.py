@@ -7,8 +7,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ..errors import ReshardError
 from ..format.names import CLONE, LOCAL_SOURCE
+from ..plan.fetch import needed_of
 from ..plan.planner import Plan, recorded_plan
-from ..source.checkpoint import Checkpoint, source_fingerprint, source_name
+from ..source.checkpoint import Checkpoint, SourceTensor, source_fingerprint, source_name
 from ..source.remote.checkpoint import remote_header
 from ..source.remote.fetch import RemoteFetcher
 from ..source.remote.store import Store
@@ -35,7 +36,7 @@ def check_against_source(
         _prepare_remote(repo, ckpt, stages)
     fingerprint = source_fingerprint(ckpt)
     plans: dict[tuple, Plan | None] = {}
-    to_compare: list[tuple[CheckedStage, str]] = []
+    to_compare: list[tuple[CheckedStage, SourceTensor]] = []
     for stage in stages:
         add = adder(report, stage)
         m = stage.manifest
@@ -68,15 +69,16 @@ def check_against_source(
         if _recorded_limits(m) is not None and not report.findings_for(stage.summary.stage):
             _compare_layout(plan, stage, add, repo)
     # Each source tensor hashed once per digest the stages record (one, unless stage-v1 ones).
-    wanted: dict[str, set[str]] = {}
-    for stage, name in to_compare:
-        wanted.setdefault(stage.manifest.digest, set()).add(name)
+    wanted: dict[str, dict[str, SourceTensor]] = {}
+    for stage, src in to_compare:
+        wanted.setdefault(stage.manifest.digest, {})[src.name] = src
     report.source_digests = {
-        digest: _hash_source(ckpt, sorted(names), chunk_bytes, repo, digest)
-        for digest, names in wanted.items()
+        digest: _hash_source(ckpt, tensors, chunk_bytes, repo, digest) for digest, tensors in wanted.items()
     }
-    report.source_bytes_hashed = sum(ckpt.tensors[n].nbytes for n in set().union(*wanted.values()))
-    for stage, name in to_compare:
+    hashed = {name: src.nbytes for tensors in wanted.values() for name, src in tensors.items()}
+    report.source_bytes_hashed = sum(hashed.values())
+    for stage, src in to_compare:
+        name = src.name
         mine = stage.digests.get(name)
         if mine is not None and mine != report.source_digests[stage.manifest.digest][name]:
             t = stage.manifest.tensors[name]
@@ -87,7 +89,7 @@ def check_against_source(
             finding = adder(report, stage)(
                 DIFFERENT,
                 f"{stage.display}/{t.file}: the bytes of tensor {name!r} differ from the source's "
-                f"({ckpt.tensors[name].file}){why}",
+                f"({src.file}){why}",
                 file=t.file,
                 tensor=name,
             )
@@ -130,7 +132,7 @@ def _compare_layout(plan: Plan, stage: CheckedStage, add: Add, repo: Store | Non
     With every tensor's bytes checked elsewhere, this makes every byte of every file the one
     the plan dictates. Only for stages that hold exactly the right tensors.
     """
-    for f in plan.stages[stage.manifest.rank].files:
+    for f in plan.stages[stage.manifest.index].files:
         path = stage.path / f.name
         where = f"{stage.display}/{f.name}"
         want = f.header
@@ -152,19 +154,20 @@ def _compare_layout(plan: Plan, stage: CheckedStage, add: Add, repo: Store | Non
 
 def _compare_placement(
     ckpt: Checkpoint, plan: Plan, stage: CheckedStage, add: Add
-) -> list[tuple[CheckedStage, str]]:
-    """Missing, extra and differently shaped tensors; returns the (stage, tensor) pairs to hash."""
+) -> list[tuple[CheckedStage, SourceTensor]]:
+    """Missing, extra and differently shaped tensors; returns the (stage, source tensor) pairs
+    to hash (an expert cut from a fused tensor: its byte range of it)."""
     rank = stage.manifest.rank
-    expected = {t.name for t in plan.stages[rank].tensors}
+    expected = {t.name: t.source for t in plan.stages[stage.manifest.index].tensors}
     actual = stage.manifest.tensors
     where = f"pp={plan.pp} {plan.runtime} partition {list(plan.partition)}"
-    for name in sorted(expected - set(actual)):
+    for name in sorted(expected.keys() - set(actual)):
         add(
             MISSING,
             f"{stage.display} lacks source tensor {name!r}, which the plan ({where}) puts on stage {rank}",
             tensor=name,
         )
-    extra = sorted(set(actual) - expected)
+    extra = sorted(set(actual) - expected.keys())
     owners: dict[str, list[int]] = {}
     for s in plan.stages if extra else ():
         for t in s.tensors:
@@ -178,8 +181,8 @@ def _compare_placement(
             why = f"the plan ({where}) puts it on stage(s) {owners.get(name, [])} only"
         add(EXTRA, f"{stage.display} holds tensor {name!r} but {why}", file=actual[name].file, tensor=name)
     pairs = []
-    for name in sorted(expected & set(actual)):
-        src, t = ckpt.tensors[name], actual[name]
+    for name in sorted(expected.keys() & set(actual)):
+        src, t = expected[name], actual[name]
         if (src.dtype, tuple(src.shape)) != (t.dtype, t.shape):
             add(
                 DIFFERENT,
@@ -189,7 +192,7 @@ def _compare_placement(
                 tensor=name,
             )
         else:
-            pairs.append((stage, name))
+            pairs.append((stage, src))
     return pairs
 
 
@@ -219,20 +222,16 @@ def _source_head(ckpt: Checkpoint, file: str, nbytes: int, repo: Store | None) -
 
 
 def _hash_source(
-    ckpt: Checkpoint, names: list[str], chunk_bytes: int, repo: Store | None, digest: str
+    ckpt: Checkpoint, tensors: dict[str, SourceTensor], chunk_bytes: int, repo: Store | None, digest: str
 ) -> dict[str, str]:
-    """The ``digest`` (``format.digest``) of each source tensor in ``names``, each shard read
-    once in bounded chunks (from a Hub repo or an object store: only the shards and byte
-    ranges of these tensors are fetched)."""
+    """The ``digest`` (``format.digest``) of each source tensor of ``tensors`` (by name), each
+    shard read once in bounded chunks (from a Hub repo or an object store: only the shards and
+    byte ranges of these tensors are fetched)."""
     by_file: dict[str, list[Segment]] = {}
-    for name in names:
-        t = ckpt.tensors[name]
+    for name in sorted(tensors):
+        t = tensors[name]
         by_file.setdefault(t.file, []).append(Segment(name, t.offset, t.nbytes))
-    fetcher = (
-        RemoteFetcher(repo, ckpt, {f: {s.name for s in segs} for f, segs in by_file.items()})
-        if repo is not None
-        else None
-    )
+    fetcher = RemoteFetcher(repo, ckpt, needed_of(ckpt, tensors.values())) if repo is not None else None
 
     def one(file: str) -> dict[str, str]:
         src = fetcher.open(file) if fetcher is not None else str(ckpt.path(file))

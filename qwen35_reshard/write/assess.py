@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..errors import ELSEWHERE, JSON_ERRORS, BadInput, advice, param
 from ..format.identity import RunIdentity, describe_differences
-from ..format.names import GONE_SUFFIX, LOCK, RUN_MANIFEST, RUN_MARKER, STAGE_DIR, partial_base
+from ..format.names import GONE_SUFFIX, LOCK, RUN_MANIFEST, RUN_MARKER, is_split_dirname, partial_base
 from ..plan.planner import Plan, StagePlan
 from ..stage.findings import Finding
 from ..stage.manifest import damaged_side_files, parse_side_files, stage_is_complete
@@ -211,7 +211,7 @@ def _other_split(
     foreign = [
         p.name
         for p in entries
-        if not (STAGE_DIR.fullmatch(p.name) and p.is_dir())
+        if not (is_split_dirname(p.name) and p.is_dir())
         and p.name not in (RUN_MARKER, RUN_MANIFEST, *plan.checkpoint.extra_files)
     ]
     if foreign or recorded is None:

@@ -34,7 +34,32 @@ def run_identity(plan: Plan) -> RunIdentity:
         max_file_bytes=plan.max_file_bytes,
         max_header_bytes=plan.max_header_bytes,
         tool_version=__version__,
+        ep=plan.layout.ep,
+        nodes=plan.layout.nodes,
+        redundant_experts=plan.layout.redundant_experts,
+        expert_location=location_sha256(plan.layout.init_expert_location),
     )
+
+
+def location_sha256(rows: tuple[tuple[int, ...], ...] | None) -> str | None:
+    """What identifies SGLang's initial expert location in a run identity: the sha256 of its
+    rows as the stage manifests record them (None: the trivial location)."""
+    return None if rows is None else hashlib.sha256(dumps_text([list(r) for r in rows]).encode()).hexdigest()
+
+
+def node_entry(plan: Plan, stage: StagePlan) -> dict:
+    """A node directory's "node" entry (``format.manifest.NODE_FIELDS``)."""
+    layout, node = plan.layout, stage.node
+    rows = layout.init_expert_location
+    return {
+        "node": node.node,
+        "nodes": layout.nodes,
+        "ep": layout.ep,
+        "ep_ranks": list(node.ep_ranks),
+        "redundant_experts": layout.redundant_experts,
+        "expert_location": None if rows is None else [list(r) for r in rows],
+        "experts": {label: list(ids) for label, ids in node.experts},
+    }
 
 
 def stage_index(stage: StagePlan) -> dict:
@@ -59,13 +84,14 @@ def stage_manifest(
         "tool": TOOL,
         "source": source_identity(plan.checkpoint),
         "identity": run_identity(plan).to_json(),
-        "stage": stage.rank,
+        "stage": stage.stage,
         "pp": plan.pp,
         "runtime": plan.runtime,
         "partition": list(plan.partition),
         "layers": {"start": stage.start_layer, "end": stage.end_layer},
         "mtp": plan.mtp,
         "launch_env": plan.launch_env,
+        **({"node": node_entry(plan, stage)} if stage.node is not None else {}),
         "index_sha256": hashlib.sha256(index_bytes).hexdigest(),
         "side_files": dict(sorted(side_files.items())),
         "files": {f.name: _file_entry(f) for f in stage.files},
@@ -106,7 +132,8 @@ def run_manifest(plan: Plan, complete: list[int], side_files: dict[str, str] | N
         ),
         "stages": [
             {
-                "stage": s.rank,
+                "stage": s.stage,
+                **(s.node.to_dict() if s.node is not None else {}),
                 "dir": s.dirname,
                 "layers": {"start": s.start_layer, "end": s.end_layer},
                 "tensors": len(s.tensors),

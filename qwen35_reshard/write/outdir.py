@@ -27,7 +27,8 @@ from ..format.names import (
 )
 from ..plan.layout import OutputFile
 from ..plan.planner import Plan, StagePlan
-from ..stage.reader import RunRecord, read_run_record, stage_dirs
+from ..stage.nodes import split_dirs
+from ..stage.reader import RunRecord, read_run_record
 from ..transfer import reflink as reflinks
 from ..units import format_bytes
 from . import claims
@@ -121,7 +122,7 @@ def check_free_space(out: Path, needed: int, *, freed: int = 0) -> None:
 def _own_stage_dirs(out: Path) -> list[Path]:
     """The stage directories in OUT that are real directories: a link's target is not ours to
     delete from."""
-    return [p for p in stage_dirs(out).values() if not p.is_symlink()]
+    return [p for p in split_dirs(out) if not p.is_symlink()]
 
 
 def split_bytes(out: Path) -> int:

@@ -32,6 +32,7 @@ from ..format.names import (
     RUN_MANIFEST,
     RUN_MARKER,
     STAGE_MANIFEST,
+    node_dir_of,
     partial_base,
     stage_dir_rank,
 )
@@ -40,6 +41,7 @@ from ..plan.layout import OutputFile
 from ..plan.planner import Plan, StagePlan
 from ..stage.findings import EXTRA, INCOMPLETE, Finding
 from ..stage.manifest import file_sha256, stage_is_complete
+from ..stage.nodes import node_dirs
 from ..stage.reader import RunRecord, read_manifest, read_run_record, stage_dirs
 from ..transfer.copier import copy_segments
 from ..transfer.segments import Segment
@@ -55,13 +57,30 @@ from .outdir import check_free_space, side_file_bytes
 from .sources import SourceAccess
 
 
+def _dir_index(plan: Plan, dirname: str) -> int | None:
+    """The plan's index of its directory ``dirname`` (``pp2``, ``pp1-node0``); None for none of its."""
+    return next((s.rank for s in plan.stages if s.dirname == dirname), None)
+
+
+def recorded_location(out: Path, identity: RunIdentity) -> tuple[tuple[int, ...], ...] | None:
+    """SGLang's initial expert location a split records (its node manifests hold the rows, the
+    identity their digest), or None for none."""
+    if identity.expert_location is None:
+        return None
+    for path in node_dirs(out, identity.nodes).values():
+        m = read_manifest(path, str(path))
+        if not isinstance(m, Finding) and m.identity == identity and m.node is not None:
+            return m.node.expert_location
+    raise BadInput(f"{out}: no readable node manifest records the split's initial expert location")
+
+
 def recorded_identity(out: Path, stage_dir: Path | None) -> RunIdentity:
     """The split's settings: from the run record beside the stages, else from a stage manifest."""
     record = read_run_record(out, str(out)) if stage_dir is None else None
     if isinstance(record, RunRecord):
         return record.identity
     candidates = [stage_dir] if stage_dir is not None else sorted(out.iterdir())
-    candidates = [p for p in candidates if stage_dir_rank(p) is not None]
+    candidates = [p for p in candidates if stage_dir_rank(p) is not None or node_dir_of(p) is not None]
     for path in candidates:
         m = read_manifest(path, str(path))
         if not isinstance(m, Finding) and m.identity is not None:
@@ -126,8 +145,8 @@ def damaged_files(
             if f.file in plan.checkpoint.extra_files:
                 out_side.add(f.file)
             continue
-        rank = stage_dir_rank(Path(f.stage))
-        if rank is None or rank >= plan.pp:
+        rank = _dir_index(plan, f.stage)
+        if rank is None:
             continue
         stage = plan.stages[rank]
         planned = {t.name: file.name for file in stage.files for t in file.tensors}
@@ -174,8 +193,8 @@ def remove_leftovers(findings: list[Finding], plan: Plan, out: Path, now: int) -
         if f.file is None or not is_plain_name(f.file):
             continue
         where = out / f.stage if f.stage is not None else out
-        rank = stage_dir_rank(where) if f.stage is not None else None
-        in_plan = rank is not None and rank < plan.pp
+        rank = _dir_index(plan, f.stage) if f.stage is not None else None
+        in_plan = rank is not None
         planned = {file.name for file in plan.stages[rank].files} if in_plan else set()
         stray = f.kind == EXTRA and f.file.endswith(".safetensors") and f.file not in planned
         leftover = f.kind == INCOMPLETE and (f.file.endswith(PARTIAL_SUFFIX) or f.file in (JOURNAL, CLAIM))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..format.names import CLAIM
 from ..plan.planner import StagePlan
-from ..stage.reader import stage_dirs
+from ..stage.nodes import split_dirs
 from . import claims
 
 
@@ -35,6 +35,6 @@ def given_up_on_failure(out: Path, stages: list[StagePlan]) -> Iterator[None]:
 def claimed(out: Path) -> bool:
     """Whether any stage directory in OUT holds a claim (of a live run or a killed one)."""
     try:
-        return any((d / CLAIM).exists() for d in stage_dirs(out).values())
+        return any((d / CLAIM).exists() for d in split_dirs(out))
     except OSError:
         return False

@@ -46,7 +46,8 @@ from ..format.names import CLAIM, RUN_MANIFEST, RUN_MARKER
 from ..plan.layout import OutputFile
 from ..plan.planner import Plan, StagePlan
 from ..stage.manifest import damaged_side_files, file_sha256, stage_is_complete
-from ..stage.reader import RunRecord, read_run_record, stage_dirs
+from ..stage.nodes import split_dirs
+from ..stage.reader import RunRecord, read_run_record
 from ..write.manifest import run_identity, run_manifest
 from . import claims
 from .assemble import CopyJob, Reporter, copy_files
@@ -300,7 +301,7 @@ class _Run:
         other = isinstance(record, RunRecord) and record.identity != identity
         state = None if other else assess_out(plan, out, overwrite=overwrite)
         if other or state.action == "replace":
-            for stage_dir in stage_dirs(out).values():
+            for stage_dir in split_dirs(out):
                 holder = claims.holder_of(stage_dir / CLAIM, now)
                 if not holder.held:
                     continue
@@ -475,7 +476,7 @@ class _Run:
         record = dumps(run_manifest(plan, complete, side_sha256))
         # The marker stays while another live run writes OUT, or while a stage a killed run left
         # unfinished holds files: its source stamps are what a resume proves those files against.
-        others = any(claims.holder_of(d / CLAIM, now).held for d in stage_dirs(out).values())
+        others = any(claims.holder_of(d / CLAIM, now).held for d in split_dirs(out))
         marker = (out / RUN_MARKER).exists() and not others and not unfinished(out, plan, complete)
         side_files = bool(self.result.built) or bool(damaged_side_files(out, side_sha256))
         try:

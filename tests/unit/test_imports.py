@@ -38,14 +38,14 @@ LAYERS = [
                    "source.remote.fetch", "source.ranged", "source.hub", "source.hub.cache",
                    "source.hub.http", "source.hub.store", "source.s3", "source.s3.store", "source.open"]),
     (4, "plan", ["plan", "plan.layout", "plan.planner", "plan.capacity", "plan.balance", "plan.fetch",
-                 "plan.nodes", "plan.experts"]),
+                 "plan.nodes", "plan.experts", "plan.nodedirs"]),
     (5, "transfer", ["transfer", "transfer.reflink", "transfer.segments", "transfer.pages", "transfer.hasher",
                      "transfer.copier"]),
-    (6, "stage", ["stage", "stage.findings", "stage.manifest", "stage.reader", "stage.digestpool",
-                  "stage.nodechecks"]),
+    (6, "stage", ["stage", "stage.findings", "stage.manifest", "stage.nodes", "stage.reader",
+                  "stage.digestpool", "stage.nodechecks"]),
     (7, "verify", ["verify", "verify.report", "verify.rundir", "verify.stagedir", "verify.source",
                    "verify.selection", "verify.check"]),
-    (7, "loader", ["loader", "loader.checks"]),
+    (7, "loader", ["loader", "loader.checks", "loader.mapping"]),
     (7, "write", ["write", "write.claims", "write.durability", "write.journal", "write.datafile",
                   "write.assemble", "write.assess", "write.sources", "write.provenance", "write.outdir",
                   "write.finish", "write.stageclaims",
@@ -58,7 +58,8 @@ LAYERS = [
     (9, "servers", ["servers", "servers.terms", "servers.unsplit", "servers.stagecache", "servers.deployment",
                     "servers.vllm", "servers.sglang", "servers.inplace", "servers.eprank"]),
     # The CLI sits on top: it may show what the servers keep (the stage cache).
-    (10, "cli", ["cli", "cli.progress", "cli.report", "cli.flags", "cli.process", "cli.cache", "cli.app",
+    (10, "cli", ["cli", "cli.progress", "cli.nodeview", "cli.report", "cli.flags", "cli.process", "cli.cache",
+                 "cli.app",
                  "__main__"]),
 ]  # fmt: skip
 LAYER = {

@@ -31,18 +31,17 @@ def test_examples_run():
         ({"pp": 2, "partition": (8,)}, "partition='8' has 1 entry but pp is 2", "--partition 8 has 1 entry"),
         ({"pp": 2, "partition": [4, 0]}, "partition='4,0': every stage needs", "--partition 4,0"),
         ({"ep": 0}, "ep must be at least 1", "--ep must"),
-        ({"ep": 8, "nodes": 3}, "nodes=3 does not divide ep=8", "--nodes 3 does not divide --ep 8"),
-        ({"nodes": 2}, "nodes=2 does not divide ep=1", "--nodes 2 does not divide --ep 1"),
+        ({"ep": 8, "nodes": 3}, "ep=8 does not divide evenly over nodes=3", "--ep 8 does not divide evenly"),
+        ({"nodes": 2}, "ep=1 does not divide evenly over nodes=2", "over --nodes 2"),
         ({"redundant_experts": -1}, "redundant_experts must be 0 or more", "--redundant-experts must"),
         ({"redundant_experts": 4}, "redundant_experts are slots of an expert-parallel group", "add --ep"),
         (
-            {"ep": 2, "runtime": "vllm", "expert_location": ((0, 1),)},
-            "expert_location is SGLang's --init-expert-location: drop it, or use runtime='sglang'",
-            "--init-expert-location is SGLang's --init-expert-location: drop it, or use --runtime",
+            {"ep": 2, "runtime": "vllm", "init_expert_location": ((0, 1),)},
+            "init_expert_location is SGLang's; drop it, or use runtime='sglang'",
+            "--init-expert-location is SGLang's; drop it, or use --runtime sglang",
         ),
-        ({"expert_location": ((0, 1),)}, "expert_location places experts over", "add --ep"),
-        ({"ep": 2, "expert_location": ((0, 1), (0,))}, "the same number for each layer", "the same number"),
-        ({"ep": 2, "expert_location": ((0, -1),)}, "no expert id", "no expert id"),
+        ({"init_expert_location": ((0, 1),)}, "init_expert_location places experts", "add --ep"),
+        ({"ep": 2, "init_expert_location": (3,)}, "must be rows of expert ids", "--init-expert-location"),
     ],
 )
 def test_refusals_name_the_parameter_in_one_line(kwargs, library, cli):
@@ -64,7 +63,7 @@ def test_holds_a_resolved_immutable_layout():
     assert {layout, Parallelism(pp=2, partition=[5, 3], runtime="vllm")} == {layout}  # one key
     wide = Parallelism(pp=2, ep=16, nodes=4, redundant_experts=16)
     assert (wide.nnodes, wide.ranks_per_node, wide.node_ep_ranks(3)) == (8, 4, range(12, 16))
-    with pytest.raises(BadInput, match="node=4 is not a node of a stage: use 0 to 3"):
+    with pytest.raises(BadInput, match=r"node=4 is not in 0..3 \(nodes=4\)"):
         wide.node_ep_ranks(4)
     with pytest.raises(BadInput, match="partition='balanced' is chosen from the checkpoint"):
         Parallelism(pp=2, partition="balanced").sizes(8)

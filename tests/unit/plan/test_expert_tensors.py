@@ -12,17 +12,16 @@ import torch
 from safetensors.torch import save_file
 
 from qwen35_reshard.errors import BadInput
-from qwen35_reshard.model.experts import MoeLayer
-from qwen35_reshard.plan import experts as experts_module
-from qwen35_reshard.plan.experts import (
+from qwen35_reshard.model import experts as names_module
+from qwen35_reshard.model.experts import (
     ExpertTensor,
+    MoeLayer,
     expert_tensor,
     expert_tensors,
     experts_by_layer,
-    explode,
-    node_expert_tensors,
-    nodes_expert_tensors,
 )
+from qwen35_reshard.plan import experts as experts_module
+from qwen35_reshard.plan.experts import explode, node_expert_tensors, nodes_expert_tensors
 from qwen35_reshard.source.checkpoint import SourceTensor
 from qwen35_reshard.source.header import read_header
 
@@ -33,6 +32,7 @@ OTHER = "model.language_model.layers.5.mlp.experts."  # a per-expert layer
 
 def test_module_examples_run():
     assert doctest.testmod(experts_module).failed == 0
+    assert doctest.testmod(names_module).failed == 0
 
 
 def source_tensors(path) -> dict[str, SourceTensor]:

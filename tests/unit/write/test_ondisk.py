@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from qwen35_reshard import make_plan, read_checkpoint
+from qwen35_reshard import Parallelism, make_plan, read_checkpoint
 from qwen35_reshard.format.jsonio import dumps
 from qwen35_reshard.write.manifest import ManifestDraft, stage_manifest
 
@@ -79,15 +79,18 @@ def test_a_manifest_without_tensors():
     assert ManifestDraft(head, ()).encode({}) == dumps({**head, "tensors": {}})
 
 
-def test_a_written_stage_manifest_has_the_fields_its_reader_decodes_in_one_pass(make_checkpoint):
+@pytest.mark.parametrize("ep", [1, 4])
+def test_a_written_stage_manifest_has_the_fields_its_reader_decodes_in_one_pass(make_checkpoint, ep):
     """The reader decodes a manifest of exactly STAGE_FIELDS in one typed pass (any other field
-    sends it down the exact, slower path): the writer writes exactly those, in that order."""
+    sends it down the exact, slower path): the writer writes exactly those, in that order (a
+    node's "node" entry only in a node's)."""
     from qwen35_reshard.format.manifest import STAGE_FIELDS
     from qwen35_reshard.stage.manifest import decode_stage_manifest
 
-    plan = make_plan(read_checkpoint(make_checkpoint(layout="per_expert_fp8")), pp=2, runtime="vllm")
+    ckpt = read_checkpoint(make_checkpoint(layout="per_expert_fp8"))
+    plan = make_plan(ckpt, Parallelism(pp=2, runtime="vllm", ep=ep, nodes=2 if ep > 1 else 1))
     stage = plan.stages[1]
     raw = stage_manifest(plan, stage, b"{}", {}).encode(dict.fromkeys(t.name for t in stage.tensors))
-    assert tuple(json.loads(raw)) == STAGE_FIELDS
+    assert tuple(json.loads(raw)) == tuple(f for f in STAGE_FIELDS if ep > 1 or f != "node")
     assert decode_stage_manifest(raw) == json.loads(raw) | {"tensors": decode_stage_manifest(raw)["tensors"]}
     assert decode_stage_manifest(raw.replace(b'"format"', b'"formats"', 1)) is None
