@@ -247,38 +247,45 @@ def measure(shape: str, work: Path, args: argparse.Namespace, trees: list[Tree],
             for name in METHODS:
                 a, b = (median(times[(cache, label, name)]) for label in ("after", "before"))
                 print(f"- {cache}, {name}: after/before {a / b:.2f}x")
-    _check_cost(times, caches, trees[0].label, size, info["tensors"])
+    _check_cost(times, cpu, caches, trees[0].label, size, info["tensors"])
 
 
-def _check_cost(times: dict, caches: list[str], label: str, size: int, tensors: int) -> None:
+def _check_cost(times: dict, cpu: dict, caches: list[str], label: str, size: int, tensors: int) -> None:
     """Where the check cannot hide behind the copy: its cost with no spare core, measured, and
-    what follows for a GPU node from this machine's digest speed."""
+    what follows for a GPU node from the check's CPU per GB measured here."""
     from qwen35_reshard.format.digest import TENSOR_DIGEST
 
     rate = _digest_rate()
-    per_gb = 1e9 / rate
     print(
-        f"\nWhere the check costs more than the copy: it needs a core at {rate / 1e9:.0f} GB/s "
-        f"({TENSOR_DIGEST}, one thread here: {per_gb * 1e3:.0f} ms of a core per GB) beside the copy, and "
-        "hides behind it while a core is free for it."
+        f"\nWhere the check costs more than the copy: {TENSOR_DIGEST} hashes {rate / 1e9:.0f} GB/s on one "
+        "thread here from memory; through its own mapping of the page cache (each page mapped again "
+        "beside the copy's) it costs the CPU below. It hides behind the copy while a core is free for it."
     )
+    per_gb = 0.0
     for cache in caches:
         off = median(times[(cache, label, "shim unchecked")])
         busy = median(times[(cache, label, "checked no spare core")])
         second = median(times[(cache, label, "2nd worker checked")])
+        first = median(times[(cache, label, "shim checked")])
+        extra = median(cpu[(cache, label, "shim checked")]) - median(cpu[(cache, label, "shim unchecked")])
+        per_gb = max(per_gb, extra / size * 1e9)
         print(
-            f"- this machine, {cache}, {size / 1e9:.2f} GB, {tensors:,} tensors: with no spare core (the "
-            f"copying thread hashes too) the check adds {busy - off:+.3f} s ({busy / off:.2f}x unchecked); "
-            f"a 2nd worker of the node, whose bytes the 1st checked: {second / off:.2f}x unchecked."
+            f"- this machine ({os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}), {cache}, "
+            f"{size / 1e9:.2f} GB, {tensors:,} tensors: the check's CPU {extra:+.2f} s "
+            f"({extra / size * 1e9:.2f} s per GB); the node's first worker {first / off:.2f}x unchecked, "
+            f"with no spare core (the copying thread hashes too) {busy / off:.2f}x ({busy - off:+.3f} s), a "
+            f"2nd worker of the node, whose bytes the 1st checked, {second / off:.2f}x."
         )
     print(
         f"- a GPU node (64+ cores, 8 workers with TP=8, NVMe at ~7 GB/s, or 25+ GB/s striped): each byte "
         f"is hashed once per node, by whichever worker reaches its file first, in at most 8 threads for "
-        f"the node (QWEN35_RESHARD_HASH_THREADS): a 100 GB stage costs ~{100 * per_gb:.0f} core-seconds "
-        f"in all, spread over those threads, while its disk needs 4-15 s to read it: hidden. It "
-        f"shows only where no core is free beside the copies (every core pinned to a worker's own "
-        f"threads): then ~{10 * per_gb:.1f} s per 10 GB on the worker's copying thread, as in the "
-        "no-spare-core row; QWEN35_RESHARD_VERIFY_LOAD=0 if the files are checked elsewhere."
+        f"the node (QWEN35_RESHARD_HASH_THREADS): at {per_gb:.2f} s per GB a 100 GB stage costs "
+        f"~{100 * per_gb:.0f} core-seconds in all, ~{100 * per_gb / 8:.1f} s over those threads, while "
+        f"its disk needs 4-15 s to read it: hidden. It shows where no core is free beside the "
+        f"copies (every core pinned to a worker's own threads), or from a warm page cache on a node "
+        f"with one or two cores a worker: then up to ~{10 * per_gb:.1f} s per 10 GB on the worker's "
+        "copying thread, as in the no-spare-core row; QWEN35_RESHARD_VERIFY_LOAD=0 if the files are "
+        "checked elsewhere."
     )
 
 

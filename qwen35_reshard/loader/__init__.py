@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import logging
 import os
-import struct
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from operator import attrgetter
 from pathlib import Path
 
 from ..bulk import collector_paused
@@ -32,13 +32,17 @@ from ..format.digest import SHA256
 from ..format.dtypes import DTYPES
 from ..format.names import INDEX_NAME, RUN_MANIFEST, STAGE_MANIFEST, stage_dir_rank, stage_dirname
 from ..model.runtimes import launch_env, runtime_of
-from ..stage.digestpool import Mismatch, Range
+from ..stage.digestpool import Mismatch, Range, ranges_of
 from ..stage.findings import REBUILD, REPAIR, Finding, tensor_digest_finding
 from ..stage.manifest import StageManifest, StageTensor
 from ..stage.nodechecks import NodeChecks
 from ..stage.reader import RunRecord, read_run_record, read_stage
 from ..units import format_bytes, plural
 from .checks import FileChanged, LoadCheck
+from .mapping import Changed as _Changed
+from .mapping import Readahead as _Readahead
+from .mapping import mapped as _mapped
+from .mapping import tensor_at as _tensor_at
 
 VERIFY_LOAD_ENV = "QWEN35_RESHARD_VERIFY_LOAD"  # 0: loads do not hash (checked elsewhere)
 
@@ -277,8 +281,10 @@ class Stage:
         recorded sha256; where some have none (blocks shared with the source when split, or a
         shard read in place), the whole file against the file's, if recorded; else nothing."""
         algorithm = self.manifest.digest
-        if all(t.digest is not None for t in tensors):
-            return [Range(t.name, t.offset, t.nbytes, t.digest, algorithm) for t in tensors]
+        digests = list(map(attrgetter(algorithm), tensors))  # StageTensor's field of that name
+        if None not in digests:
+            columns = (map(_NAME, tensors), map(_OFFSET, tensors), map(_NBYTES, tensors))
+            return ranges_of(*columns, digests, algorithm)
         layout = self.manifest.layouts.get(file)
         if layout is not None and layout.sha256 is not None:  # the Hub's LFS sha256 of the shard
             return [Range(None, 0, self.manifest.files[file], layout.sha256, SHA256)]
@@ -290,7 +296,7 @@ class Stage:
         unchecked = [
             t
             for file, tensors in by_file.items()
-            if not (ranges[file] and ranges[file][0].key is None)  # not checked as a whole file
+            if len(ranges[file]) < len(tensors) and not (ranges[file] and ranges[file][0].key is None)
             for t in tensors
             if t.digest is None
         ]
@@ -346,80 +352,6 @@ def load_checked(env: Mapping[str, str] | None = None) -> bool:
     """
     value = (os.environ if env is None else env).get(VERIFY_LOAD_ENV, "")
     return value.strip().lower() not in ("0", "false", "no", "off")
-
-
-class _Changed(Exception):
-    """A data file is no longer the one validated when the stage was opened."""
-
-
-def _mapped(torch: object, fd: int, path: Path, size: int, header: bytes) -> object:
-    """The file open as ``fd`` (at ``path``) as one memory-mapped, copy-on-write byte storage,
-    once its size and header bytes are checked to be those validated when the stage was opened
-    (``size`` bytes, ``header`` the JSON after the 8-byte length): every offset comes from that
-    header.
-
-    What safetensors' reader does for framework="pt" (``UntypedStorage.from_file``, shared=False),
-    without its per-tensor cost: see :func:`_tensor_at`. torch maps a path: on Linux the
-    descriptor's own (``/proc/self/fd/N`` opens the same file even once ``path`` names
-    another), so what is mapped is what was checked and what the load check hashes. Raises
-    OSError or _Changed.
-    """
-    found = os.fstat(fd).st_size
-    if found != size:
-        raise _Changed(f"is {found} bytes, not {size}")
-    if os.pread(fd, 8 + len(header), 0) != struct.pack("<Q", len(header)) + header:
-        raise _Changed("has another header")
-    own = f"/proc/self/fd/{fd}"
-    mapped = own if os.path.exists(own) else str(path)
-    return torch.UntypedStorage.from_file(mapped, shared=False, nbytes=size)
-
-
-def _tensor_at(torch: object, storage: object, offset: int, dtype: object, shape: tuple[int, ...]) -> object:
-    """The tensor of ``dtype`` and ``shape`` whose bytes start at ``offset`` of ``storage``: a
-    view, no copy.
-
-    Why not ``safe_open(...).get_tensor``: it slices the storage, wraps the slice and views it
-    as the dtype and then the shape, four calls back into torch per tensor, which cost more
-    than copying a small tensor (a 397B FP8 stage has ~47,000 of them). ``set_`` makes the
-    view in one call where the offset is a multiple of the item size (always in files this
-    tool writes; safetensors' reference writer aligns them too); elsewhere the storage is
-    sliced first, as safetensors does.
-    """
-    size = dtype.itemsize
-    if offset % size:
-        return torch.empty(0, dtype=dtype).set_(storage[offset:], 0, shape)
-    return torch.empty(0, dtype=dtype).set_(storage, offset // size, shape)
-
-
-class _Readahead:
-    """Ask the kernel to read a file ahead of the tensors being copied out of its mapping.
-
-    Page faults on a memory map read little at a time; requesting the next ``WINDOW`` bytes in
-    advance (``posix_fadvise(WILLNEED)``, which starts the reads without waiting for them) lets
-    the storage work while the caller copies the tensor before. A hint only: where it is not
-    available, nothing changes.
-    """
-
-    WINDOW = 64 << 20
-
-    def __init__(self, path: Path, start: int, stop: int) -> None:
-        """Read ahead within ``[start, stop)``, the bytes of the file's tensors being read."""
-        self.fd = os.open(path, os.O_RDONLY) if hasattr(os, "posix_fadvise") else None
-        self.ahead = start  # bytes of the file already requested
-        self.stop = stop
-
-    def through(self, end: int) -> None:
-        """Make sure the file is requested up to ``WINDOW`` bytes past ``end``."""
-        if self.fd is not None and self.ahead < min(end + self.WINDOW, self.stop):
-            start, self.ahead = self.ahead, min(end + 2 * self.WINDOW, self.stop)
-            os.posix_fadvise(self.fd, start, self.ahead - start, os.POSIX_FADV_WILLNEED)
-
-    def __enter__(self) -> _Readahead:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
 
 
 def _no_stage_dir(root: Path, given: str, pp_rank: int) -> str:
@@ -511,3 +443,6 @@ def open_stage(path: str | os.PathLike[str], pp_rank: int | None = None) -> Stag
     if found.problems:
         raise StageError(found.problems[0].text)
     return Stage(path=root, display=display, manifest=m, headers={f: h.raw for f, h in found.headers.items()})
+
+
+_NAME, _OFFSET, _NBYTES = attrgetter("name"), attrgetter("offset"), attrgetter("nbytes")

@@ -29,8 +29,9 @@ class FileChanged(Exception):
 class LoadCheck:
     """Checks the ranges of each data file a load goes through, each byte once per node.
 
-    Call :meth:`feed` for every file in load order, :meth:`reached` as the reader goes and
-    :meth:`finish` before the last tensor; a context manager (releases threads, locks and
+    Call :meth:`feed` for every file in load order, ``reached(offset)`` as the reader goes
+    (:meth:`DigestPool.reached <..stage.digestpool.DigestPool.reached>`: mismatches found since
+    the last call) and :meth:`finish` before the last tensor; a context manager (releases threads, locks and
     descriptors).
     """
 
@@ -38,9 +39,15 @@ class LoadCheck:
         """``ranges``: what to hash of each data file, by file name; ``node``: the node's
         record, None to hash every range here."""
         self._ranges = ranges
-        self._node = node
         want = min(cores(), WORKER_THREADS)
-        self._pool = DigestPool(node.take_threads(want) if node is not None else want)
+        try:
+            threads = node.take_threads(want) if node is not None else want
+        except OSError:  # a record directory that refuses locks (not the node's memory): on our own
+            node.close()
+            node, threads = None, want
+        self._node = node
+        self._pool = DigestPool(threads)
+        self.reached = self._pool.reached  # called once per tensor: no call of its own in between
         # file name -> (path, fd, size, identity when opened, claim or None)
         self._files: dict[str, tuple[Path, int, int, tuple, Claim | None]] = {}
 
@@ -48,14 +55,13 @@ class LoadCheck:
         """The reader opened data ``file`` at ``path`` as ``fd`` (kept open until :meth:`close`;
         the file mapped is the one this descriptor names) and goes through it next."""
         ranges = self._ranges[file]
-        claim = self._node.claim(fd, _expected(ranges)) if self._node is not None and ranges else None
+        try:
+            claim = self._node.claim(fd, _expected(ranges)) if self._node is not None and ranges else None
+        except OSError:  # the record cannot be used for this file: checked here
+            claim = None
         self._files[file] = (path, fd, size, identity(fd), claim)
         mine = claim is None or claim.state == MINE
         self._pool.feed(path, fd, ranges if mine else [], size)
-
-    def reached(self, offset: int) -> list[Mismatch]:
-        """The reader is at ``offset`` of the file fed last: mismatches found since the last call."""
-        return self._pool.reached(offset)
 
     def finish(self) -> list[Mismatch]:
         """Every range checked, here or by another loader of the node: the mismatches.

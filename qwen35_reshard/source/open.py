@@ -13,7 +13,7 @@ from ..format.names import CACHE_REPO_PREFIX, COMMIT, INDEX_NAME, SINGLE_FILE_NA
 from .hub.cache import HubSettings, inside, read_ref
 from .hub.store import open_hub
 from .remote.checkpoint import read_remote_checkpoint
-from .remote.store import Store, Traffic
+from .remote.store import Store
 from .s3.store import is_s3_uri, open_s3
 
 if TYPE_CHECKING:
@@ -52,14 +52,12 @@ def cache_repo_snapshot(path: Path, revision: str | None) -> Path | None:
     return snapshot
 
 
-def open_model(
-    model: str, settings: HubSettings, *, traffic: Traffic | None = None
-) -> tuple[Checkpoint, Store | None]:
+def open_model(model: str, settings: HubSettings) -> tuple[Checkpoint, Store | None]:
     """MODEL as the user wrote it: a local checkpoint directory, a cache repo folder
     (``models--org--name``, resolved through ``refs/``), the ``model.safetensors`` of a
     single-file checkpoint (read as its directory), a Hub repo id or an ``s3://bucket/prefix``
     URI. Returns the checkpoint and, for a repo id or a URI, its store (the pinned repo or the
-    listed location; None for local sources), its requests and bytes counted in ``traffic``."""
+    listed location; None for local sources), which counts the run's requests and bytes."""
     from .checkpoint import read_checkpoint
 
     if is_s3_uri(model):
@@ -68,9 +66,7 @@ def open_model(
                 f"{model}: {param('revision')} applies to a Hub repo id; an object-storage URI is read as "
                 "its objects are now"
             )
-        store: Store = open_s3(
-            model, streams=settings.streams, user_agent=settings.user_agent, traffic=traffic
-        )
+        store: Store = open_s3(model, streams=settings.streams, user_agent=settings.user_agent)
         return read_remote_checkpoint(store), store
 
     path = Path(model)
@@ -85,7 +81,7 @@ def open_model(
             )
         return read_checkpoint(snapshot or path), None
     if is_repo_id(model):
-        store = open_hub(model, settings, traffic)
+        store = open_hub(model, settings)
         return read_remote_checkpoint(store), store
     raise BadInput(
         f"{model}: not a directory, a Hugging Face Hub repo id (org/name) or an s3://bucket/prefix URI; "

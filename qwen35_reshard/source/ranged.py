@@ -81,13 +81,13 @@ class HttpTransport:
 
     ``headers`` (the Hub's, with the token if any) go to each URL's own origin only.
     ``raise_for_status(response)`` turns the Hub's error answers into exceptions
-    (huggingface_hub's ``hf_raise_for_status``). ``counter.add(nbytes)``, when given, is told
-    every body byte received. ``read_timeout`` (default:
-    :func:`.remote.engine.read_timeout_setting`) bounds each wait for the server, so a stalled
-    answer becomes :class:`Transient` (huggingface_hub's shared client waits forever). The CDN
-    address a redirect names is kept per address asked (one request per read instead of two),
-    shared by every transport of the process (planning's and the copy's), and asked again once
-    expired.
+    (huggingface_hub's ``hf_raise_for_status``). ``counter``, when given, is told every request
+    sent (``counter.request()``) and every body byte received (``counter.add(nbytes)``).
+    ``read_timeout`` (default: :func:`.remote.engine.read_timeout_setting`) bounds each wait for
+    the server, so a stalled answer becomes :class:`Transient` (huggingface_hub's shared client
+    waits forever). The CDN address a redirect names is kept per address asked (one request per
+    read instead of two), shared by every transport of the process (planning's and the copy's),
+    and asked again once expired.
     """
 
     _locations: dict[str, str] = {}  # address asked -> the CDN address of its last redirect
@@ -139,6 +139,8 @@ class HttpTransport:
             # Another origin (the CDN a redirect names) gets no credentials: only who is asking.
             sent = self._headers if same_origin else _agent_only(self._headers)
             headers = {**sent, "Range": f"bytes={begin}-{end - 1}", "Accept-Encoding": "identity"}
+            if self._counter is not None:
+                self._counter.request()
             try:
                 request = self._session.build_request("GET", url, headers=headers, timeout=self._timeout)
                 response = self._session.send(request, stream=True, follow_redirects=False)

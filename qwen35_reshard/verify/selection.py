@@ -70,6 +70,7 @@ def report_missing(
     report.unbuilt = [r for r in report.missing_stages if r not in complete]
     here = sorted(present & set(range(pp or 0)))
     names = ", ".join(map(name_of, here))
+    nodes = name_of is not stage_dirname  # an expert-parallel split's: checked by index (--rank G)
     only = shlex.join(["qwen35-reshard", "verify", display, *(a for r in here for a in ("--rank", str(r)))])
     for rank in report.missing_stages:
         name = name_of(rank)
@@ -83,6 +84,7 @@ def report_missing(
         elif asked is None and here:
             why = f"build it, or check only the stages here ({names}): {only}"
         else:
-            why = f"build it with the split's command (--rank {rank})"
+            why = f"build it with the split's command ({'--node' if nodes else '--rank'} {rank})"
         split = f" of this pp={pp} split" if pp is not None else ""
+        split = f" of this split's {pp} node directories" if nodes and pp is not None else split
         report.findings.append(Finding(MISSING, f"{display}/{name}{split} is missing: {why}", stage=name))

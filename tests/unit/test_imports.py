@@ -45,7 +45,7 @@ LAYERS = [
                   "stage.digestpool", "stage.nodechecks"]),
     (7, "verify", ["verify", "verify.report", "verify.rundir", "verify.stagedir", "verify.source",
                    "verify.selection", "verify.check"]),
-    (7, "loader", ["loader", "loader.checks"]),
+    (7, "loader", ["loader", "loader.checks", "loader.mapping"]),
     (7, "write", ["write", "write.claims", "write.durability", "write.journal", "write.datafile",
                   "write.assemble", "write.assess", "write.sources", "write.provenance", "write.outdir",
                   "write.finish", "write.stageclaims",

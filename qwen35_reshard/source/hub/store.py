@@ -233,13 +233,12 @@ class HubStore(Store):
         return path
 
 
-def open_hub(repo_id: str, settings: HubSettings, traffic: Traffic | None = None) -> HubStore:
+def open_hub(repo_id: str, settings: HubSettings) -> HubStore:
     """Pin ``repo_id`` at ``settings.revision`` (default ``main``) to its commit.
 
     Args:
         repo_id: ``org/name``.
         settings: how to reach the Hub (revision, token, endpoint, cache, offline, ...).
-        traffic: what counts the run's requests and bytes.
 
     Returns:
         The repo as a store, pinned to the commit.
@@ -254,7 +253,7 @@ def open_hub(repo_id: str, settings: HubSettings, traffic: Traffic | None = None
     from huggingface_hub import HfApi
 
     revision = settings.revision or "main"
-    probe = HubStore(repo_id, revision, "0" * 40, settings, traffic)
+    probe = HubStore(repo_id, revision, "0" * 40, settings)
     if not COMMIT.fullmatch(revision):
         # huggingface_hub falls back on the cache's ref (offline, or the Hub unreachable),
         # which it reads as it finds it: checked here first, read by no one if damaged.

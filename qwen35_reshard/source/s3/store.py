@@ -333,9 +333,7 @@ class S3Store(Store):
         return store_error(e, self.where, self.clients.endpoint, what=what)
 
 
-def open_s3(
-    uri: str, *, streams: int | None = None, user_agent: str | None = None, traffic: Traffic | None = None
-) -> S3Store:
+def open_s3(uri: str, *, streams: int | None = None, user_agent: str | None = None) -> S3Store:
     """List ``s3://bucket/prefix`` (its top level): the objects and their ETags. ``user_agent``
     is appended to every request's User-Agent (a server's rank, in the store's logs).
 
@@ -343,7 +341,6 @@ def open_s3(
         uri: ``s3://bucket/prefix``.
         streams: ranged reads in flight (None: ``QWEN35_RESHARD_STREAMS``, else the default).
         user_agent: appended to the User-Agent.
-        traffic: what counts the run's requests and bytes.
 
     Returns:
         The listed location, pinned by its objects' ETags.
@@ -362,7 +359,7 @@ def open_s3(
     clients = make_clients(where, streams=n, user_agent=user_agent)
     objects: dict[str, RemoteObject] = {}
     start = where.key("")
-    traffic = traffic if traffic is not None else Traffic()
+    traffic = Traffic()
     try:
         pages = clients.listing.get_paginator("list_objects_v2").paginate(
             Bucket=where.bucket, Prefix=start, Delimiter="/"

@@ -19,10 +19,13 @@ from support.remote import SHARD, hub_engine
 
 class Counter:
     def __init__(self):
-        self.bytes = 0
+        self.bytes = self.requests = 0
 
     def add(self, n):
         self.bytes += n
+
+    def request(self):
+        self.requests += 1
 
 
 def test_one_request_per_range_and_the_cdn_address_is_kept(served):
@@ -33,6 +36,7 @@ def test_one_request_per_range_and_the_cdn_address_is_kept(served):
     spans = [(100, 50_000), (60_000, 200_000), (200_000, 200_001)]
     assert [e.read(f, a, b) for a, b in spans] == [data[a:b] for a, b in spans]
     assert counter.bytes == sum(b - a for a, b in spans)
+    assert counter.requests == 4  # the redirect counts: it is a request
     log = hub.log
     # The first range goes through /resolve (302), the others straight to the CDN.
     assert [(x.origin, x.status) for x in log] == [("hub", 302)] + [("cdn", 206)] * 3
