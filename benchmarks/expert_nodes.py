@@ -37,7 +37,10 @@ import json, sys, time
 import qwen35_reshard
 from qwen35_reshard import make_plan, read_checkpoint
 from qwen35_reshard.errors import ReshardError
-from qwen35_reshard.model.parallelism import Parallelism
+try:
+    from qwen35_reshard.model.parallelism import Parallelism
+except ImportError:  # a tree from before the layout object: stages only
+    Parallelism = None
 model, runtime, layouts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 ckpt = read_checkpoint(model)
 out = {"file": qwen35_reshard.__file__, "whole": sum(t.nbytes for t in ckpt.tensors.values()),
@@ -45,7 +48,10 @@ out = {"file": qwen35_reshard.__file__, "whole": sum(t.nbytes for t in ckpt.tens
 for pp, ep, nodes in layouts:
     t0 = time.perf_counter()
     try:
-        plan = make_plan(ckpt, Parallelism(pp=pp, runtime=runtime, ep=ep, nodes=nodes))
+        if Parallelism is None and (ep, nodes) != (1, 1):
+            raise ReshardError("this tree has no expert parallelism")
+        layout = Parallelism(pp=pp, runtime=runtime, ep=ep, nodes=nodes) if Parallelism else None
+        plan = make_plan(ckpt, layout) if layout else make_plan(ckpt, pp=pp, runtime=runtime)
     except ReshardError as e:
         out["layouts"].append({"layout": [pp, ep, nodes], "refused": str(e)})
         continue
