@@ -98,11 +98,16 @@ def header_ends(model: Path) -> dict[str, int]:
 
 
 def is_data(e: LogEntry, ends: dict[str, int]) -> bool:
-    """Whether the answer carried tensor data: a whole shard, or a range past its header."""
+    """Whether the answer carried tensor data: a whole shard, or a range past its header. A range
+    from byte 0 is a header read (qwen35-reshard reads a header's first 64 KiB at once: tensor
+    bytes it does not use, while planning), not the data's start."""
     if e.method != "GET" or e.sent <= 0 or e.file not in ends:
         return False
     m = _RANGE_START.match(e.range or "")
-    return m is None or int(m.group(1)) >= ends[e.file] or int(m.group(1)) + e.sent > ends[e.file]
+    if m is None:
+        return True
+    start = int(m.group(1))
+    return start >= ends[e.file] or 0 < start < ends[e.file] < start + e.sent
 
 
 def fetch(argv: list[str], *, tree: Tree, hub: HubServer, node: Path, ends: dict[str, int]) -> Fetch:

@@ -188,7 +188,7 @@ def _mend(e: CacheEntry) -> str:
 
 
 def _name(e: CacheEntry) -> str:
-    return f"{e.model}@{e.revision[:12]} {e.key} pp{e.stage}"
+    return f"{e.model}@{e.revision[:12]} {e.key} {e.path.name}"
 
 
 HEADINGS = ("MODEL", "REVISION", "RUNTIME", "PARTITION", "STAGE", "SIZE", "LAST USED", "COMPLETE", "HELD BY")
@@ -199,7 +199,7 @@ def _table(entries: list[CacheEntry], out: object) -> None:
     for e in entries:
         held = ", ".join(u.describe() if u is not None else "unknown" for u in e.users) or "-"
         rows.append((
-            e.model, e.revision[:12], e.runtime, ",".join(map(str, e.partition)), f"pp{e.stage}",
+            e.model, e.revision[:12], e.runtime, ",".join(map(str, e.partition)), e.path.name,
             format_bytes(e.size), _ago(e.last_used), "yes" if e.complete else "no", held,
         ))  # fmt: skip
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

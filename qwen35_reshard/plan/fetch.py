@@ -32,6 +32,34 @@ def needed_of(
     return needed
 
 
+def needed_bytes(plan: Plan) -> dict[str, int]:
+    """Per source shard, the data bytes the plan's selected stages read from it, each byte once:
+    a tensor two stages share counts once, and an expert cut from a fused tensor counts its own
+    range (it names no checkpoint tensor, so a count by name would miss it). Pure.
+
+    Args:
+        plan: the plan.
+
+    Returns:
+        File name -> bytes, for every shard a selected stage reads.
+    """
+    ranges: dict[str, set[tuple[int, int]]] = {}
+    for stage in plan.selected:
+        for t in stage.tensors:
+            ranges.setdefault(t.source.file, set()).add((t.source.offset, t.source.offset + t.source.nbytes))
+    return {file: _union_size(spans) for file, spans in ranges.items()}
+
+
+def _union_size(spans: Iterable[tuple[int, int]]) -> int:
+    """Bytes covered by ``[start, end)`` spans, overlaps counted once."""
+    total, reach = 0, -1
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
 def stage_summary(plan: Plan, fetches: dict[str, ShardFetch]) -> list[dict]:
     """Per stage built: bytes of its tensors that come over the network and from the cache,
     and how each source shard it reads is fetched. Pure."""
@@ -58,6 +86,7 @@ def fetch_report(plan: Plan, fetcher: RemoteFetcher) -> dict:
     """The ``fetch`` section of the summary: what this process fetched against the whole
     checkpoint, how each shard came, and per stage built the bytes fetched and from the cache."""
     traffic = fetcher.traffic
+    data = needed_bytes(plan)
     return {
         "repo_id": fetcher.repo.repo_id,
         "commit": fetcher.repo.commit,
@@ -65,8 +94,8 @@ def fetch_report(plan: Plan, fetcher: RemoteFetcher) -> dict:
         "requests": traffic.requests,
         "checkpoint_bytes": fetcher.checkpoint_bytes,
         "shard_bytes_to_fetch": sum(
-            s.size if s.how == FETCH_WHOLE else s.needed
-            for s in fetcher.fetches.values()
+            s.size if s.how == FETCH_WHOLE else data[f]
+            for f, s in fetcher.fetches.items()
             if s.how != FETCH_CACHE
         ),
         "shards": {f: s.how for f, s in fetcher.fetches.items()},

@@ -32,10 +32,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..errors import ReshardError, StageError
-from ..format.names import STAGE_MANIFEST
+from ..format.names import STAGE_MANIFEST, node_dirname
 from ..loader import Stage, is_split, open_stage
 from ..model.parallelism import Parallelism
 from ..model.runtimes import runtime_of
+from ..stage.reader import RunRecord, read_run_record
 from .eprank import RankExperts, ep_nodes, rank_view
 from .terms import for_operator, operator_terms
 
@@ -103,7 +104,7 @@ def rank_stage(
         # A stage directory is opened as itself, so that a wrong rank is told which directory is its own.
         given = None if (Path(model) / STAGE_MANIFEST).is_file() else pp_rank
         with operator_terms(split=True):
-            stage = open_stage(model, pp_rank=given)
+            stage = split_stage(model, pp_rank, experts) if given is not None else open_stage(model)
     else:
         from .unsplit import for_server  # the writer's side, only where a stage is built
 
@@ -124,6 +125,40 @@ def rank_stage(
             model, layout, rank=pp_rank, node=node, revision=commit or revision, token=token, log=log
         )
     stage.check(pp_size=pp_size, start_layer=start, end_layer=end, pp_rank=pp_rank, runtime=runtime)
+    return stage
+
+
+def split_stage(model: str, pp_rank: int, experts: RankExperts | None) -> Stage:
+    """Pipeline rank ``pp_rank``'s directory of the split ``model``: its stage (``ppN``), or
+    for an expert-parallel split the directory of the node that hosts the rank's EP rank
+    (``pp{r}-node{k}``, ``node{k}``), the split's EP layout (its run record) checked against
+    the server's: the EP size and redundant experts, and the rank among the node's.
+
+    Raises:
+        ReshardError: the split's EP layout is not the server's, or its directory is damaged.
+    """
+    root = Path(model)
+    run = read_run_record(root, model)
+    split = run.identity if isinstance(run, RunRecord) else None
+    if split is None or split.ep == 1:
+        return open_stage(model, pp_rank=pp_rank)
+    served = "without expert parallelism" if experts is None else (
+        f"with expert parallelism {experts.ep} and {experts.redundant} redundant experts"
+    )
+    if experts is None or (experts.ep, experts.redundant) != (split.ep, split.redundant_experts):
+        raise StageError(
+            f"{model} was split for expert parallelism {split.ep} over {split.nodes} node(s) per stage with "
+            f"{split.redundant_experts} redundant experts, but the server runs {served}: launch it with "
+            f"{split.ep} EP ranks per stage and {split.redundant_experts} redundant experts, or split again"
+        )
+    node = experts.ep_rank // (split.ep // split.nodes)
+    stage = open_stage(root / node_dirname(pp_rank, node, split.pp))
+    record = stage.manifest.node
+    if record is None or record.node != node or experts.ep_rank not in record.ep_ranks:
+        raise StageError(
+            f"{stage.display} is not the directory of node {node} of pipeline stage {pp_rank}, which hosts "
+            f"EP rank {experts.ep_rank}; it was copied to the wrong place: split again"
+        )
     return stage
 
 

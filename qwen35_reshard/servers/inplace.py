@@ -3,7 +3,7 @@ source shards' own memory maps (no copy), each shard's header read again and che
 
 Under expert parallelism a rank reads only its node's slice of the stage: every tensor that is
 not a routed expert's, and its node's experts as per-expert tensors named by global id, each a
-byte range of the source tensor (:func:`qwen35_reshard.plan.experts.node_expert_tensors`), placed
+byte range of the source tensor (:mod:`qwen35_reshard.plan.nodedirs`), placed
 as the server places them (:mod:`qwen35_reshard.model.experts`). The servers load per-expert
 tensors by global id whatever the checkpoint's own layout (fused or per-expert).
 """
@@ -15,10 +15,8 @@ from dataclasses import replace
 
 from ..format.names import CLONE
 from ..loader import Stage, StageError
-from ..model.experts import expert_placement
 from ..model.parallelism import Parallelism
-from ..model.schema import text_config
-from ..plan.experts import node_expert_tensors
+from ..plan.nodedirs import node_dirs
 from ..plan.planner import stage_tensors
 from ..source.checkpoint import Checkpoint, SourceTensor, downloaded_sha256, source_identity
 from ..source.header import read_header
@@ -33,22 +31,15 @@ def pipeline_only(layout: Parallelism) -> Parallelism:
 def node_tensors(
     ckpt: Checkpoint, layout: Parallelism, stage: Sequence[SourceTensor], node: int
 ) -> list[SourceTensor]:
-    """Of a pipeline stage's tensors ``stage``, node ``node``'s (``layout.nodes`` per stage): its
-    experts by the placement of ``layout.runtime`` over the EP group.
+    """Of a pipeline stage's tensors ``stage``, node ``node``'s: what the split's node directory
+    holds (:func:`qwen35_reshard.plan.nodedirs.node_dirs`).
 
     Raises:
         ReshardError: a layout the server would refuse for this model, a fused tensor that
             cannot be cut per expert.
     """
-    text = text_config(ckpt.config)
-    placement = expert_placement(
-        layout.runtime, num_experts=int(text["num_experts"]), ep=layout.ep,
-        redundant=layout.redundant_experts, location=layout.expert_location, num_layers=ckpt.num_layers,
-    )
-    block = (ckpt.config.get("quantization_config") or {}).get("weight_block_size") or [None]
-    return node_expert_tensors(
-        stage, lambda moe: placement.node_experts(moe, node, layout.nodes), scale_block=block[0]
-    )
+    dirs = node_dirs(ckpt, replace(layout, pp=1, partition=None), {0: list(stage)})
+    return next(tensors for what, tensors, _ in dirs if what.node == node)
 
 
 def stage_layers(partition: Sequence[int], rank: int) -> tuple[int, int]:

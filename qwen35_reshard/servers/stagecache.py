@@ -7,6 +7,9 @@ revision and split settings, each with the stages the servers of this node built
     CACHE/local/<fingerprint>/<runtime>-pp<N>-<partition>/pp<rank>/          (a local directory, copied)
     CACHE/s3/<bucket>/<prefix>/<listing>/<runtime>-pp<N>-<partition>/pp<rank>/   (object storage)
 
+Under expert parallelism the key names the EP layout too (``...-ep<E>-n<nodes>``) and an entry is
+a node's directory of its stage (``pp<rank>-node<k>``, ``node<k>`` without PP).
+
 An entry is one stage directory. What a server holds (it records itself while it runs:
 :func:`~..write.claims.in_use`), or a start builds (the stage's claim), is never removed.
 """
@@ -19,6 +22,7 @@ import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import takewhile
 from pathlib import Path
 
 from ..errors import BadInput, param
@@ -30,6 +34,8 @@ from ..format.names import (
     LAST_USED,
     LOCK,
     STAGE_MANIFEST,
+    is_split_dirname,
+    node_dir_of,
     stage_dir_rank,
 )
 from ..stage.manifest import stage_is_complete
@@ -38,7 +44,9 @@ from ..verify.report import VerifyReport
 from ..write import claims
 from .unsplit import LOCAL_DIRNAME, S3_DIRNAME, stage_cache_root
 
-CACHE_KEY = re.compile(r"[a-z]+-pp[0-9]+(-[0-9]+)+")  # what :func:`~.unsplit.cache_key` makes
+# What :func:`~.unsplit.cache_key` makes: runtime, pp, partition, and under expert parallelism
+# the EP size and nodes, redundant experts and the initial location's digest.
+CACHE_KEY = re.compile(r"[a-z]+-pp[0-9]+(-[0-9]+)+(-ep[0-9]+-n[0-9]+(-r[0-9]+)?(-loc[0-9a-f]+)?)?")
 
 
 @dataclass(frozen=True)
@@ -64,7 +72,13 @@ class CacheEntry:
 
     @property
     def partition(self) -> tuple[int, ...]:
-        return tuple(int(n) for n in self.key.split("-")[2:])
+        return tuple(int(n) for n in takewhile(str.isdigit, self.key.split("-")[2:]))
+
+    @property
+    def node(self) -> int | None:
+        """The node of the stage, for a node's directory (expert parallelism); else None."""
+        found = node_dir_of(self.path)
+        return None if found is None else found[1]
 
     def to_dict(self) -> dict:
         """The entry as JSON-ready data."""
@@ -75,6 +89,7 @@ class CacheEntry:
             "runtime": self.runtime,
             "partition": list(self.partition),
             "stage": self.stage,
+            "node": self.node,
             "size": self.size,
             "last_used": self.last_used,
             "complete": self.complete,
@@ -118,7 +133,8 @@ def cache_entries(cache: str | os.PathLike[str] | None = None) -> list[CacheEntr
         for model, revision, revision_dir in runs:
             for run in _dirs(revision_dir):
                 for stage_dir in _dirs(run):
-                    rank = stage_dir_rank(stage_dir)
+                    node = node_dir_of(stage_dir)
+                    rank = stage_dir_rank(stage_dir) if node is None else node[0]
                     if rank is not None:
                         found.append(_entry(stage_dir, model, revision, run.name, rank, now))
     return found
@@ -325,7 +341,7 @@ def _server_now(root: Path) -> int:
 def _prune_empty(run: Path, root: Path) -> None:
     """Delete the run directory once no stage is left in it (its own records with it), then
     its revision's and model's directories once empty."""
-    if any(stage_dir_rank(p) is not None or p.name == LOCK for p in run.iterdir()):
+    if any(is_split_dirname(p.name) or p.name == LOCK for p in run.iterdir()):
         return  # stages left, or a start deciding what to build there
     shutil.rmtree(run)
     for parent in (run.parent, run.parent.parent):

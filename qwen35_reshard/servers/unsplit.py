@@ -38,6 +38,8 @@ huggingface/qwen35-stages``); ``QWEN35_RESHARD_STAGE_COPY=1`` asks for ``copy``.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -47,10 +49,11 @@ from pathlib import Path
 from ..api import reshard
 from ..bulk import collector_paused, return_freed_memory
 from ..errors import ReshardError
-from ..format.names import CACHE_REPO_PREFIX, STAGE_MANIFEST, stage_dirname
+from ..format.names import CACHE_REPO_PREFIX, STAGE_MANIFEST, node_dirname, stage_dirname
 from ..loader import Stage, StageError, open_stage
 from ..model.parallelism import Parallelism
 from ..model.runtimes import runtime_of
+from ..plan.nodes import Nodes
 from ..source.checkpoint import source_identity
 from ..source.hub.cache import HubSettings
 from ..source.hub.store import open_hub
@@ -59,7 +62,7 @@ from ..source.s3.store import is_s3_uri, open_s3
 from ..write.claims import in_use
 from ..write.journal import set_aside
 from ..write.options import WriteOptions
-from .inplace import in_place_stage, pipeline_only, resolved, stage_layers
+from .inplace import in_place_stage, resolved, stage_layers
 from .terms import STAGE_CACHE_ENV, cache_error, for_operator
 
 STAGE_COPY_ENV = "QWEN35_RESHARD_STAGE_COPY"
@@ -115,9 +118,24 @@ def copy_asked(env: Mapping[str, str] | None = None) -> bool:
 
 
 def cache_key(layout: Parallelism) -> str:
-    """The split's layout (its partition resolved) as a directory name: ``vllm-pp2-5-3``."""
-    partition = layout.partition
-    return f"{layout.runtime}-pp{layout.pp}-{'-'.join(map(str, partition))}"
+    """The split's layout (its partition resolved) as a directory name: ``vllm-pp2-5-3``; under
+    expert parallelism its EP size and nodes, redundant experts and SGLang's initial location
+    too (``sglang-pp2-5-3-ep16-n2-r16-loc3f2a...``): a node of another EP layout holds other
+    experts.
+
+    Example:
+        >>> cache_key(Parallelism(pp=2, runtime="vllm", partition=(5, 3), ep=4, nodes=2))
+        'vllm-pp2-5-3-ep4-n2'
+    """
+    key = f"{layout.runtime}-pp{layout.pp}-{'-'.join(map(str, layout.partition))}"
+    if layout.expert_parallel:
+        key += f"-ep{layout.ep}-n{layout.nodes}"
+        if layout.redundant_experts:
+            key += f"-r{layout.redundant_experts}"
+        if layout.init_expert_location is not None:
+            rows = json.dumps(layout.init_expert_location, separators=(",", ":")).encode()
+            key += f"-loc{hashlib.sha256(rows).hexdigest()[:FINGERPRINT_CHARS]}"
+    return key
 
 
 def server_stage(
@@ -141,9 +159,8 @@ def server_stage(
             decoder layers per stage, as the server computed them.
         rank: the server's pipeline rank.
         node: under expert parallelism (``layout.ep``), the node of the stage whose experts the
-            rank loads: read in place from a local directory, only the node's slice. A stage of
-            the stage cache (a Hub repo, an ``s3://`` URI, ``copy``) is the whole stage, every
-            expert (built by the split's pipeline stages).
+            rank loads, the node's slice only: read in place, or the split's node directory
+            (``pp{r}-node{k}``, ``node{k}``) in the stage cache, keyed by the EP layout.
         revision, token: for a repo id (``revision`` also picks a cache folder's snapshot).
         cache: the stage cache (default :func:`stage_cache_root`).
         copy: a local directory's stage is built in the cache first rather than read in place.
@@ -170,7 +187,6 @@ def server_stage(
     root = Path(cache) if cache is not None else stage_cache_root()
     name = os.fspath(model)
     settings = HubSettings(revision=revision, token=token, user_agent=user_agent)
-    cached = pipeline_only(layout)  # what the stage cache holds: whole pipeline stages
     try:
         if is_s3_uri(name):
             listed = open_s3(name, user_agent=user_agent)
@@ -183,18 +199,16 @@ def server_stage(
             where, commit = listed.where, listed.commit
             out = root / S3_DIRNAME / where.bucket / (where.prefix or "_") / commit
             unpinned = replace(settings, revision=None)  # the listing pins the objects: their ETags
-            key = out / cache_key(cached)
-            served = _cached_or_built(name, key, cached, rank, hub=unpinned, commit=commit)
+            key = out / cache_key(layout)
+            served = _cached_or_built(name, key, layout, rank, node, hub=unpinned, commit=commit)
         elif is_repo_id(name):
             repo = open_hub(name, settings)
             out = root / f"{CACHE_REPO_PREFIX}{repo.repo_id.replace('/', '--')}" / repo.commit
             pinned = replace(settings, revision=repo.commit)
-            key = out / cache_key(cached)
-            served = _cached_or_built(name, key, cached, rank, hub=pinned, commit=repo.commit)
-        elif copy:
-            served = _from_local(name, settings, root, cached, rank, copy=True)
+            key = out / cache_key(layout)
+            served = _cached_or_built(name, key, layout, rank, node, hub=pinned, commit=repo.commit)
         else:
-            served = _from_local(name, settings, root, layout, rank, node=node)
+            served = _from_local(name, settings, root, layout, rank, node=node, copy=copy)
     except ReshardError as e:  # in the operator's terms; a StageError of this rank says so already
         said = for_operator(e)
         raise StageError(said if isinstance(e, StageError) else f"pipeline rank {rank}: {said}") from e
@@ -259,7 +273,7 @@ def _from_local(
     out = root / LOCAL_DIRNAME / fingerprint / cache_key(layout)
     source = os.fspath(ckpt.root)
     del ckpt  # the split reads the checkpoint again: not held twice
-    return _built_from_local(source, out, layout, rank)
+    return _built_from_local(source, out, layout, rank, node)
 
 
 def _cached_or_built(
@@ -267,6 +281,7 @@ def _cached_or_built(
     out: Path,
     layout: Parallelism,
     rank: int,
+    node: int,
     *,
     hub: HubSettings,
     commit: str,
@@ -277,15 +292,16 @@ def _cached_or_built(
     (a data file a load found damaged and set aside, or one deleted) is REPAIRED: the split
     run again keeps its intact files and fetches the rest."""
     how, fetched, stage = FETCHED, 0, None
-    if (out / stage_dirname(rank) / STAGE_MANIFEST).is_file():
+    dirname = _dirname(layout, rank, node)
+    if (out / dirname / STAGE_MANIFEST).is_file():
         try:
-            stage, how = _open_in_use(out, rank), CACHED
+            stage, how = _open_in_use(out, dirname), CACHED
         except StageError:
             how = REPAIRED
     if stage is None:
-        result = reshard(model, out, layout, ranks=[rank], hub=hub)
+        result = reshard(model, out, layout, hub=hub, **_only(layout, rank, node))
         fetched = (result.fetch or {}).get("fetched_bytes", 0)
-        stage = _open_in_use(out, rank)
+        stage = _open_in_use(out, dirname)
     recorded = stage.manifest.source.get("commit")
     if recorded != commit:  # the key names the commit: only a moved directory
         raise StageError(
@@ -295,7 +311,7 @@ def _cached_or_built(
     return ServedStage(stage, how, model, out, fetched)
 
 
-def _built_from_local(model: str, out: Path, layout: Parallelism, rank: int) -> ServedStage:
+def _built_from_local(model: str, out: Path, layout: Parallelism, rank: int, node: int) -> ServedStage:
     """The stage of the local checkpoint ``model`` in the cache's run directory ``out``, always
     through the split (``reshard(..., ranks=[rank])``), never opened on sight: the key (the
     source's fingerprint: layout and headers, no tensor bytes) is shared by every checkpoint of
@@ -303,21 +319,36 @@ def _built_from_local(model: str, out: Path, layout: Parallelism, rank: int) -> 
     source is unchanged (its files' stamps, else their bytes hashed) and replaces one built
     from other bytes (``overwrite``: the cache is ours, a server user cannot pass it); several
     ranks share one build by the concurrent-build rules."""
-    result = reshard(model, out, layout, ranks=[rank], write=WriteOptions(overwrite=True))
-    built = result.written is not None and rank in result.written.built
-    stage = _served_from_cache(_open_in_use(out, rank), f"copies it again from {model}")
+    result = reshard(model, out, layout, write=WriteOptions(overwrite=True), **_only(layout, rank, node))
+    index = rank * layout.nodes + node if layout.expert_parallel else rank
+    built = result.written is not None and index in result.written.built
+    opened = _open_in_use(out, _dirname(layout, rank, node))
+    stage = _served_from_cache(opened, f"copies it again from {model}")
     return ServedStage(stage, BUILT if built else CACHED, model, out)
 
 
-def _open_in_use(out: Path, rank: int) -> Stage:
-    """Stage ``rank`` of the cache's run directory ``out``, recorded as used by this server
-    while it runs (so that ``qwen35-reshard cache rm`` leaves it:
+def _dirname(layout: Parallelism, rank: int, node: int) -> str:
+    """The directory of the rank's stage (``ppN``) or, under expert parallelism, of its node."""
+    return node_dirname(rank, node, layout.pp) if layout.expert_parallel else stage_dirname(rank)
+
+
+def _only(layout: Parallelism, rank: int, node: int) -> dict[str, object]:
+    """What :func:`~qwen35_reshard.api.reshard` builds of the split for this rank: its stage, or
+    its node's directory (the servers' node rank among ``pp * nodes``)."""
+    if layout.expert_parallel:
+        return {"node": Nodes(node_rank=rank * layout.nodes + node)}
+    return {"ranks": [rank]}
+
+
+def _open_in_use(out: Path, dirname: str) -> Stage:
+    """The directory ``dirname`` (a stage's, a node's) of the cache's run directory ``out``,
+    recorded as used by this server while it runs (so that ``qwen35-reshard cache rm`` leaves it:
     :func:`~qwen35_reshard.write.claims.in_use`; not where the cache is read-only) BEFORE it is
     opened: ``cache rm`` looks for users once more just before it deletes, so no stage this
     server opened can be deleted under it."""
     with contextlib.suppress(OSError):
-        in_use(out / stage_dirname(rank))
-    return open_stage(out, pp_rank=rank)
+        in_use(out / dirname)
+    return open_stage(out / dirname)
 
 
 def _served_from_cache(stage: Stage, again: str) -> Stage:
@@ -373,8 +404,7 @@ def for_server(
         log(
             f"qwen35-stages: {model}: expert parallelism {layout.ep} over {layout.nodes} node(s) per stage "
             f"({layout.runtime}'s placement, {layout.redundant_experts} redundant): this is node {node}, "
-            f"EP ranks [{ranks.start}, {ranks.stop}); a local directory is read in place, the node's experts "
-            "only; a stage fetched into the stage cache holds every expert"
+            f"EP ranks [{ranks.start}, {ranks.stop}): it loads that node's experts only"
         )
     try:
         served = server_stage(

@@ -191,6 +191,39 @@ def test_hub_fetches_only_its_stage_once_and_keys_the_cache(tmp_path, hub, model
     assert other["digests"] == split([1, 3, 2, 2], 1)
 
 
+def test_hub_node_slice_is_the_splits_node_directory_keyed_by_the_ep_layout(tmp_path, hub, model):
+    """Under expert parallelism (ep=4 over 2 nodes per stage) a rank builds its node's directory
+    of its stage in the stage cache, keyed by the EP layout: byte for byte the split's own
+    ``pp1-node1``; the next start fetches nothing; another node count is another entry."""
+    spec = {"model": REPO, "rank": 1, "ep": 4, "nodes": 2, "node": 1}
+    first = serve(tmp_path, spec, hub=hub)
+    assert first.get("how") == "fetched", first
+    commit = next(iter(hub.state.repos[REPO].files))
+    key = "sglang-pp4-2-2-2-2-ep4-n2"
+    assert first["where"] == str(tmp_path / "stages" / "models--Qwen--Tiny" / commit / key)
+    assert first["path"] == str(Path(first["where"]) / "pp1-node1")
+    d = tmp_path / "split"
+    qwen35_reshard.reshard(model, d, pp=4, runtime="sglang", partition=PARTITION, ep=4, nodes=2)
+    node_dir = qwen35_reshard.open_stage(d / "pp1-node1")
+    assert first["digests"] == {
+        name: hashlib.sha256(t.contiguous().view(-1).view(torch_uint8()).numpy()).hexdigest()
+        for name, t in node_dir.iter_weights()
+    }
+    assert not any(n.endswith(("experts.gate_up_proj", "experts.down_proj")) for n in first["digests"])
+    from qwen35_reshard.servers.stagecache import cache_entries
+
+    (entry,) = cache_entries(tmp_path / "stages")  # listed (cache ls, rm, verify) as its node's
+    assert (entry.key, entry.stage, entry.node, entry.partition) == (key, 1, 1, tuple(PARTITION))
+
+    hub.clear_log()
+    again = serve(tmp_path, spec, hub=hub)
+    assert again["how"] == "cached" and again["digests"] == first["digests"]
+    assert safetensors_bytes(hub) == 0
+    other = serve(tmp_path, {**spec, "nodes": 4, "node": 2}, hub=hub)
+    assert other["how"] == "fetched" and other["where"].endswith("sglang-pp4-2-2-2-2-ep4-n4")
+    assert other["path"].endswith("pp1-node2") and other["digests"] != first["digests"]
+
+
 def flip_a_byte(path: Path) -> str:
     """Flip one byte of the middle tensor of the safetensors file ``path``; that tensor's name."""
     header = read_header(path)

@@ -26,6 +26,7 @@ import pytest
 import torch
 from test_sglang_loading import require_sglang_python, run_worker, save_checkpoint
 
+import qwen35_reshard
 from qwen35_reshard.servers.eprank import EP_NODES_ENV
 from qwen35_reshard.servers.sglang import UNSPLIT_ENV
 
@@ -59,9 +60,13 @@ def results(sources):
     python = require_sglang_python()
     root = sources["fused"].parents[1]
     common = {"kind": "load", "source": str(sources["fused"]), "mtp_source": False, "mtp_kept": False}
+    split = root / "out"  # an expert-parallel split: one directory per node
+    qwen35_reshard.reshard(sources["fused"], split, pp=1, runtime="sglang", ep=4, nodes=NODES)
     cases = [{**common, "id": "per_expert-stock", "stock": True, "split": str(sources["per_expert"])},
              {**common, "id": "unsplit-node", "unsplit": True, "split": str(sources["fused"])}]
-    jobs = [{"pp": 1, "rank": 0, "ep": ep, "ep_rank": r, "partition": None, "cases": cases,
+    split_cases = [{**common, "id": "split-node", "split": str(split)}]
+    jobs = [{"pp": 1, "rank": 0, "ep": ep, "ep_rank": r, "partition": None,
+             "cases": cases + (split_cases if ep == 4 else []),
              "layout": f"ep{ep}-{r}", "result": str(root / f"result-ep{ep}-{r}.json")}
             for ep in EP_SIZES for r in range(ep)]
     env = {UNSPLIT_ENV: "1", EP_NODES_ENV: str(NODES)}
@@ -108,3 +113,19 @@ def test_unsplit_checkpoint_each_rank_reads_only_its_nodes_experts(results, ep):
         held = {int(n.split(".experts.")[1].split(".")[0]) for n in names}
         assert held == placement(ep).node_experts(0, node, NODES)  # its node's experts, no others
         assert not any(n.endswith(("experts.gate_up_proj", "experts.down_proj")) for n in got["stage_names"])
+
+
+def test_split_each_rank_loads_its_nodes_directory(results, sources):
+    """A split made with ``ep=4, nodes=2`` (``OUT/node0``, ``OUT/node1``) given to SGLang as the
+    model path: each rank opens the directory of the node that hosts its EP rank and loads
+    exactly what SGLang's own loader gives it from the whole checkpoint."""
+    ep, per_node = 4, 4 // NODES
+    for ep_rank in range(ep):
+        got = results["split-node", f"ep{ep}-{ep_rank}", 0]
+        assert got["loader"] == "Qwen35StagesLoader"
+        assert_loaded_as_whole(got, ep, ep_rank)
+        node = ep_rank // per_node
+        names = [n for n in got["stage_names"] if ".mlp.experts." in n]
+        assert {int(n.split(".experts.")[1].split(".")[0]) for n in names} == placement(ep).node_experts(
+            0, node, NODES
+        )

@@ -45,8 +45,7 @@ def world(tmp_path_factory):
     with torch.no_grad():  # large enough noise that greedy decoding does not settle on one token
         for _, p in sorted(model.named_parameters()):
             p.add_((torch.randn(p.shape, generator=g) * 0.2).to(p.dtype))
-    sources = {"per_expert": root / "per_expert", "fused": root / "fused"}
-    model.save_pretrained(sources["per_expert"], max_shard_size="200KB")
+    sources = {"fused": root / "fused"}  # the layout Qwen3.5 BF16 releases ship
     model.save_pretrained(sources["fused"], max_shard_size="200KB", save_original_format=False)
     return {"python": python, "sources": sources, "root": root}
 
@@ -103,12 +102,37 @@ def compare(got: dict, reference: dict) -> tuple[int, int]:
     return params, experts
 
 
-def test_per_expert_checkpoint_loads_each_ranks_experts_by_global_id(world, reference):
-    got = ep_run(world, world["sources"]["per_expert"])
+def test_node_directory_loads_with_the_stock_loader(world, reference, tmp_path):
+    """A split for the EP group on one node (``ep=2, nodes=1``): ``OUT/node0`` holds every expert
+    per expert by global id; vLLM's stock loader given that directory loads every rank's every
+    parameter and expert as from the whole fused checkpoint."""
+    import qwen35_reshard
+
+    qwen35_reshard.reshard(world["sources"]["fused"], tmp_path / "out", pp=1, runtime="vllm", ep=EP, nodes=1)
+    node_dir = tmp_path / "out" / "node0"
+    assert not any(n.endswith("experts.gate_up_proj") for n in qwen35_reshard.open_stage(node_dir).names)
+    got = ep_run(world, node_dir)
     params, experts = compare(got, reference)
     assert got["tokens"] == reference["tokens"]
-    print(f"per-expert checkpoint, stock loader, TP=2 EP: {params} parameters and {experts} "
-          f"(layer, expert) pairs over {EP} ranks equal to the fused checkpoint's")
+    print(f"node directory (per-expert by global id), stock loader, TP=2 EP: {params} parameters and "
+          f"{experts} (layer, expert) pairs over {EP} ranks equal to the fused checkpoint's")
+
+
+def test_split_each_rank_loads_its_nodes_directory(world, reference, tmp_path):
+    """A split for the EP group over two nodes (``OUT/node0``, ``OUT/node1``) through the load
+    format: each rank opens the directory of the node that hosts its EP rank, and loads what the
+    stock loader loads from the whole checkpoint; the same tokens."""
+    import qwen35_reshard
+
+    out = tmp_path / "out"
+    qwen35_reshard.reshard(world["sources"]["fused"], out, pp=1, runtime="vllm", ep=EP, nodes=2)
+    got = ep_run(world, out, LOAD_FORMAT)
+    params, experts = compare(got, reference)
+    assert got["tokens"] == reference["tokens"]
+    for node in range(2):
+        assert f"qwen35-stages: pipeline rank 0 loads {out / f'node{node}'} (" in got["log"], tail(got)
+    print(f"EP split over 2 nodes through {LOAD_FORMAT}, TP=2 EP: {params} parameters and {experts} "
+          f"(layer, expert) pairs over {EP} ranks equal to the stock whole-checkpoint load")
 
 
 def test_unsplit_directory_each_rank_reads_only_its_nodes_experts(world, reference):

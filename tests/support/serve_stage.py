@@ -5,6 +5,8 @@ or ``STAGEERROR <message>`` (opening or loading the stage) and exit 3. Used by t
 
     python serve_stage.py '{"model": ..., "runtime": "vllm", "partition": [2, 2, 2, 2], "rank": 1}'
 
+``"ep"``, ``"nodes"`` and ``"node"``: expert parallelism, the rank's node of its stage.
+
 ``"hold": SECONDS`` keeps it running that long after RESULT, as a server serving the stage.
 ``"stop_after_open": true`` stops the process (SIGSTOP) once its stage is opened, for a test
 to act there and SIGCONT it.
@@ -39,8 +41,9 @@ def main() -> int:
     try:
         served = server_stage(
             spec["model"],
-            Parallelism(len(spec["partition"]), spec["runtime"], tuple(spec["partition"])),
-            rank=spec["rank"],
+            Parallelism(len(spec["partition"]), spec["runtime"], tuple(spec["partition"]),
+                        ep=spec.get("ep", 1), nodes=spec.get("nodes", 1)),
+            rank=spec["rank"], node=spec.get("node", 0),
             revision=spec.get("revision"), token=spec.get("token"), copy=spec.get("copy", False),
             user_agent=spec.get("user_agent"),
         )

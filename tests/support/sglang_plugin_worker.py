@@ -165,7 +165,7 @@ def run_job(job: dict) -> None:
             # An unsplit checkpoint's stage is the one the plugin built or opened for this rank.
             if case.get("stock"):  # not a split: SGLang's own loader
                 out["stage_names"] = None
-            elif case.get("unsplit"):
+            elif case.get("unsplit") or job.get("ep", 1) > 1:  # the stage the plugin chose
                 out["stage_names"] = plugin._stages[case["split"]].names
             else:
                 out["stage_names"] = loader.open_stage(case["split"], pp_rank=rank).names

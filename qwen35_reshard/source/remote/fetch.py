@@ -28,7 +28,6 @@ class ShardFetch:
     file: str
     how: str  # FETCH_CACHE, FETCH_WHOLE (every tensor of it) or FETCH_RANGES
     size: int  # the file's size
-    needed: int  # data bytes of it that the stages built need (each tensor once)
 
 
 def fetch_plan(ckpt: Checkpoint, needed: dict[str, set[str]], cached: set[str]) -> dict[str, ShardFetch]:
@@ -44,7 +43,7 @@ def fetch_plan(ckpt: Checkpoint, needed: dict[str, set[str]], cached: set[str]) 
     out = {}
     for file, names in sorted(needed.items()):
         how = FETCH_CACHE if file in cached else FETCH_WHOLE if len(names) == in_file[file] else FETCH_RANGES
-        out[file] = ShardFetch(file, how, ckpt.file_sizes[file], sum(ckpt.tensors[n].nbytes for n in names))
+        out[file] = ShardFetch(file, how, ckpt.file_sizes[file])
     return out
 
 
