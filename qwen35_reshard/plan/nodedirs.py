@@ -99,12 +99,14 @@ def node_dirs(
     dirs = []
     for stage in range(layout.pp):
         sources = stage_tensors[stage]
-        found = {w.layer for w in expert_tensors([t.name for t in sources]) if w is not None}
+        parsed = expert_tensors([t.name for t in sources])  # once per stage, for all its nodes
+        found = {w.layer for w in parsed if w is not None}
         layers = sorted(found, key=lambda m: (m.mtp, m.index))  # decoder layers, then MTP's
         held = [
             {m: placement.node_experts(m, node, layout.nodes) for m in layers} for node in range(layout.nodes)
         ]
-        cut = nodes_expert_tensors(sources, [experts.__getitem__ for experts in held], scale_block=block)
+        experts_of = [experts.__getitem__ for experts in held]
+        cut = nodes_expert_tensors(sources, experts_of, scale_block=block, parsed=parsed)
         for node, (experts, tensors) in enumerate(zip(held, cut, strict=True)):
             what = NodeExperts(
                 stage,

@@ -6,7 +6,10 @@ from __future__ import annotations
 import pytest
 
 from qwen35_reshard import BadInput, Parallelism, make_plan, read_checkpoint
+from qwen35_reshard.model import experts as names_module
 from qwen35_reshard.model.experts import expert_placement, expert_tensor
+from qwen35_reshard.plan import experts as cutting
+from qwen35_reshard.plan import nodedirs
 from qwen35_reshard.plan.fetch import needed_by
 
 
@@ -97,3 +100,19 @@ def test_ranks_pick_node_directories(ckpts):
 def test_layouts_the_server_refuses_are_refused(ckpts, layout, message):
     with pytest.raises(BadInput, match=message.replace("(", r"\(").replace(")", r"\)")):
         make_plan(ckpts["fused"], layout)
+
+
+def test_each_stages_expert_names_are_parsed_once(ckpts, monkeypatch):
+    # A parse of every name costs 0.3 s at the 397B shape: one per stage, however many nodes.
+    parsed: list[int] = []
+
+    def counting(tensor_names):
+        tensor_names = list(tensor_names)
+        parsed.append(len(tensor_names))
+        return names_module.expert_tensors(tensor_names)
+
+    monkeypatch.setattr(nodedirs, "expert_tensors", counting)
+    monkeypatch.setattr(cutting, "expert_tensors", counting)
+    layout = Parallelism(pp=2, runtime="vllm", ep=4, nodes=2)
+    plan = make_plan(ckpts["fused"], layout)
+    assert len(plan.stages) == 4 and len(parsed) == 2 and all(parsed)
