@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import textwrap
 from pathlib import Path
@@ -46,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     if not module.BEFORE:
         print(f"error: --before: {name} measures this tree only (see its --help)", file=sys.stderr)
         return 2
+    # A run stopped by `timeout` or `kill` still removes the worktree (its `finally`).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     with worktree(opts.before) as old:
         print(f"before: {opts.before} in {old}; after: {here.path}", flush=True)
         return module.main(rest, [here, Tree("before", Path(old))])
