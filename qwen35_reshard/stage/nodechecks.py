@@ -28,7 +28,6 @@ themselves when none came (a damaged file, or a checker that died).
 
 from __future__ import annotations
 
-import fcntl
 import os
 import stat
 import tempfile
@@ -36,6 +35,11 @@ import time
 from pathlib import Path
 
 from ..format.digest import XXH128, hexdigest
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no record, each loader checks everything itself
+    fcntl = None  # type: ignore[assignment]
 
 CHECKED_DIR_ENV = "QWEN35_RESHARD_CHECKED_DIR"  # the node's record directory (default: see node_dir)
 HASH_THREADS_ENV = "QWEN35_RESHARD_HASH_THREADS"  # the node's hashing threads (default: see node_threads)
@@ -151,8 +155,9 @@ class NodeChecks:
 
     @classmethod
     def open(cls) -> NodeChecks | None:
-        """The node's record, or None where there is no private directory for it."""
-        directory = node_dir()
+        """The node's record, or None where there is no private directory for it (or no
+        ``flock``)."""
+        directory = node_dir() if fcntl is not None else None
         return None if directory is None else cls(directory)
 
     def take_threads(self, want: int, budget: int | None = None) -> int:
