@@ -203,7 +203,25 @@ def _uneven(server: str, num_experts: int, redundant: int, ep: int) -> BadInput:
 
 def check_nodes(ep: int, nodes: int) -> None:
     """Refuse a node count that does not split the EP group evenly (each node runs ``ep/nodes``
-    ranks: vLLM's ``--data-parallel-size-local``, SGLang's GPUs per node)."""
+    ranks: vLLM's ``--data-parallel-size-local``, SGLang's GPUs per node).
+
+    Args:
+        ep: EP ranks in the group.
+        nodes: nodes the group spans.
+
+    Returns:
+        None: ``nodes`` splits the group evenly.
+
+    Raises:
+        BadInput: one line naming ``nodes`` (below 1) or ``ep`` and ``nodes`` (uneven).
+
+    Example:
+        >>> check_nodes(32, 4)
+        >>> check_nodes(32, 3)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        qwen35_reshard.errors.BadInput: ep=32 does not divide evenly over nodes=3: ...
+    """
     if nodes < 1:
         raise BadInput(f"{param('nodes', nodes)} must be at least 1")
     if ep % nodes:
@@ -215,6 +233,17 @@ def check_nodes(ep: int, nodes: int) -> None:
 
 def node_ranks(ep: int, nodes: int, node: int) -> range:
     """The EP ranks node ``node`` of ``nodes`` runs: ``[node*ep/nodes, (node+1)*ep/nodes)``.
+
+    Args:
+        ep: EP ranks in the group.
+        nodes: nodes the group spans.
+        node: the node, 0 to ``nodes - 1``.
+
+    Returns:
+        Its EP ranks, contiguous.
+
+    Raises:
+        BadInput: as :func:`check_nodes`, or ``node`` out of range.
 
     Example:
         >>> node_ranks(32, 4, 1)
@@ -234,6 +263,16 @@ def read_expert_location(value: str) -> list[list[int]] | None:
 
     Refused: a ``.pt`` file (never unpickled: convert it to JSON), and ``logical_count``, from
     which SGLang computes a placement with its EPLB algorithm at start (not reproduced here).
+
+    Args:
+        value: the flag's value, as given to SGLang.
+
+    Returns:
+        The map's rows (one per decoder layer), or None for ``trivial``.
+
+    Raises:
+        BadInput: one line naming ``init_expert_location``: unreadable, not JSON, a ``.pt``
+            file, ``logical_count``, or keys other than ``physical_to_logical_map``.
 
     Example:
         >>> read_expert_location('{"physical_to_logical_map": [[1, 0], [0, 1]]}')
@@ -341,6 +380,12 @@ def expert_tensor(name: str) -> ExpertTensor | None:
     Decoder layers are parsed by model/names.py (``model.language_model.layers.N.`` or
     ``model.layers.N.``), MTP's as ``mtp.layers.K.``.
 
+    Args:
+        name: a tensor name.
+
+    Returns:
+        What the name says, or None for a tensor that is no routed expert's.
+
     Raises:
         BadInput: a name under ``mlp.experts.`` that is neither form (the servers load neither).
 
@@ -355,11 +400,24 @@ def expert_tensor(name: str) -> ExpertTensor | None:
 
 def expert_tensors(tensor_names: Sequence[str]) -> list[ExpertTensor | None]:
     """:func:`expert_tensor` of each name, at once: one regex pass of model/names.py over all
-    of them, then a few string operations per name (~1 s per million names). Parse a stage's
-    names once and hand the result to :func:`node_expert_tensors` for each of its nodes.
+    of them, then a few string operations per name (~1.7 s per million names). Parse a stage's
+    names once and hand the result to
+    :func:`~qwen35_reshard.plan.experts.nodes_expert_tensors` (``parsed=``) for all its nodes.
+
+    Args:
+        tensor_names: tensor names, e.g. a stage's.
+
+    Returns:
+        :func:`expert_tensor` of each name, in their order.
 
     Raises:
         BadInput: as :func:`expert_tensor`.
+
+    Example:
+        >>> [w and (w.expert, w.heavy) for w in expert_tensors(
+        ...     ["lm_head.weight", "model.layers.1.mlp.experts.4.down_proj.weight",
+        ...      "model.layers.1.mlp.experts.4.down_proj.weight_scale_inv"])]
+        [None, (4, True), (4, False)]
     """
     tensor_names = list(tensor_names)
     keys, roles = names.classify_all(tensor_names)
@@ -412,7 +470,22 @@ def _index(text: str) -> int | None:
 
 def experts_by_layer(tensors: Mapping[str, object]) -> dict[MoeLayer, set[int]]:
     """The per-expert ids found under each MoE layer of ``tensors`` (names), for a check that
-    a node holds every expert it must (the servers notice no missing local expert)."""
+    a node holds every expert it must (the servers notice no missing local expert).
+
+    Args:
+        tensors: a mapping keyed by tensor name (a manifest's or an index's tensors).
+
+    Returns:
+        MoE layer -> the experts with a packed weight there (scales alone do not count).
+
+    Raises:
+        BadInput: as :func:`expert_tensor`.
+
+    Example:
+        >>> experts_by_layer({"mtp.layers.0.mlp.experts.7.up_proj.weight": 0,
+        ...                   "mtp.layers.0.mlp.experts.2.up_proj.weight_scale_inv": 0})
+        {MoeLayer(index=0, mtp=True): {7}}
+    """
     found: dict[MoeLayer, set[int]] = {}
     for what in expert_tensors(list(tensors)):
         if what is not None and what.expert is not None and what.heavy:

@@ -106,7 +106,12 @@ class Parallelism:
         return self.ep // self.nodes
 
     def node_ep_ranks(self, node: int) -> range:
-        """The EP ranks node ``node`` of a stage (0 to ``nodes - 1``) hosts."""
+        """The EP ranks node ``node`` of a stage (0 to ``nodes - 1``) hosts.
+
+        Example:
+            >>> Parallelism(pp=2, ep=16, nodes=4).node_ep_ranks(3)
+            range(12, 16)
+        """
         return node_ranks(self.ep, self.nodes, node)
 
     def sizes(self, num_layers: int) -> list[int]:
@@ -137,6 +142,18 @@ class Parallelism:
 def layout_of(layout: Parallelism | None, **given: object) -> Parallelism:
     """``layout``, or the one the keyword arguments ``given`` build (those not None): a library
     call takes either, never both, so that one object carries the layout everywhere.
+
+    Args:
+        layout: the caller's layout object, or None.
+        **given: the caller's separate layout parameters (``pp=``, ``runtime=``, ...); None
+            means not given.
+
+    Returns:
+        The layout.
+
+    Raises:
+        BadInput: neither given (naming ``pp``), both given (naming them), or a ``layout``
+            that is no :class:`Parallelism`; as :class:`Parallelism` for bad values.
 
     Example:
         >>> layout_of(None, pp=4, runtime="vllm", partition=None).runtime

@@ -164,6 +164,20 @@ def explode(
     scales) and ``scale_block`` (rows per block) to dividing ``I``: a block straddling gate and
     up cannot be cut.
 
+    Args:
+        tensor: a fused ``experts.gate_up_proj`` / ``experts.down_proj`` (``_scale_inv``) tensor.
+        experts: the global expert ids to cut, in the order wanted.
+        scale_block: rows of one scale block; needed for a fused ``gate_up_proj_scale_inv``.
+        weight: the fused weight a ``gate_up_proj_scale_inv`` scales.
+
+    Returns:
+        Per expert, its projections (gate then up, or down) as source tensors: the fused
+        tensor's file and dtype, each a byte range of it.
+
+    Raises:
+        BadInput: a shape that is not ``[experts, rows, columns]``, an expert out of range, or
+            gate and up halves that cannot be cut apart.
+
     Example:
         >>> from qwen35_reshard.source.checkpoint import SourceTensor
         >>> t = SourceTensor("model.layers.0.mlp.experts.gate_up_proj", "a.safetensors", "BF16",

@@ -53,12 +53,30 @@ class NodeExperts:
 
 
 def layer_label(layer: MoeLayer) -> str:
-    """``layers.N`` for decoder layer N, ``mtp.layers.K`` for MTP layer K (as a manifest records them)."""
+    """``layers.N`` for decoder layer N, ``mtp.layers.K`` for MTP layer K (as a manifest records them).
+
+    Args:
+        layer: a MoE layer.
+
+    Returns:
+        Its label.
+
+    Example:
+        >>> layer_label(MoeLayer(0, mtp=True))
+        'mtp.layers.0'
+    """
     return f"mtp.layers.{layer.index}" if layer.mtp else f"layers.{layer.index}"
 
 
 def placement_of(ckpt: Checkpoint, layout: Parallelism) -> ExpertPlacement:
     """The server's placement of ``layout``'s EP group over ``ckpt``'s routed experts.
+
+    Args:
+        ckpt: the checkpoint (its config gives ``num_experts`` and the layer count).
+        layout: the layout (runtime, ``ep``, redundant experts, SGLang's expert location).
+
+    Returns:
+        The :class:`~qwen35_reshard.model.experts.ExpertPlacement`.
 
     Raises:
         BadInput: a model without routed experts, or a layout the server refuses (naming
@@ -91,8 +109,21 @@ def node_dirs(
         layout: an expert-parallel layout.
         stage_tensors: every pipeline stage's tensors, in source order (the planner's placement).
 
+    Returns:
+        Per node directory: its :class:`NodeExperts`, its tensors (fused experts cut per
+        expert), and for each tensor whether another directory holds it too.
+
     Raises:
         BadInput: as :func:`placement_of`, and a fused expert tensor that cannot be cut per expert.
+
+    Example:
+        >>> from qwen35_reshard import Parallelism, read_checkpoint
+        >>> from qwen35_reshard.plan.planner import stage_tensors
+        >>> ckpt = read_checkpoint(MODEL)
+        >>> layout = Parallelism(pp=1, ep=4, nodes=2)
+        >>> dirs = node_dirs(ckpt, layout, {0: stage_tensors(ckpt, Parallelism(pp=1), rank=0).tensors})
+        >>> [(what.dirname, list(what.ep_ranks), dict(what.experts)["layers.0"]) for what, _, _ in dirs]
+        [('node0', [0, 1], (0, 1)), ('node1', [2, 3], (2, 3))]
     """
     placement = placement_of(ckpt, layout)
     block = _scale_block(ckpt.config)

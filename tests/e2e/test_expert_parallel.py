@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections import Counter
@@ -180,6 +181,16 @@ def test_verify_names_a_nodes_missing_expert(make_checkpoint, tmp_path):
     (finding,) = [f for f in report.findings if f.tensor and "experts.3" in f.tensor]
     assert finding.tensor == "model.language_model.layers.2.mlp.experts.3.up_proj"
     assert "pp0-node1 lacks expert 3 of layers.2 (up_proj), which its EP ranks 2-3 load" in finding.message
+    # A node directory copied on its own (`hf download --include "pp0-node1/*"`), no run record
+    # beside it: checked from its manifest's recorded layout, as a copied stage directory is.
+    local = Path(shutil.copytree(tmp_path / "out" / "pp0-node1", tmp_path / "local" / "pp0-node1"))
+    alone = verify(local)
+    assert [s.stage for s in alone.stages] == ["pp0-node1"]
+    assert [f.tensor for f in alone.findings] == [finding.tensor]
+    assert "lacks expert 3 of layers.2 (up_proj)" in alone.findings[0].message
+    whole = Path(shutil.copytree(tmp_path / "out" / "pp1-node0", tmp_path / "local" / "pp1-node0"))
+    assert verify(whole).ok and verify(whole, ckpt.root).ok
+    assert main(["verify", str(local)]) == 1 and main(["verify", str(whole)]) == 0
 
 
 def test_a_node_from_the_hub_fetches_about_its_own_bytes(make_checkpoint, tmp_path):

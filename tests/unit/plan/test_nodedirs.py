@@ -3,6 +3,8 @@ its EP ranks' experts, per expert by global id (never a fused name beside them).
 
 from __future__ import annotations
 
+import doctest
+
 import pytest
 
 from qwen35_reshard import BadInput, Parallelism, make_plan, read_checkpoint
@@ -116,3 +118,10 @@ def test_each_stages_expert_names_are_parsed_once(ckpts, monkeypatch):
     layout = Parallelism(pp=2, runtime="vllm", ep=4, nodes=2)
     plan = make_plan(ckpts["fused"], layout)
     assert len(plan.stages) == 4 and len(parsed) == 2 and all(parsed)
+
+
+def test_module_examples_run(make_checkpoint):
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    for test in doctest.DocTestFinder().find(nodedirs, extraglobs={"MODEL": str(make_checkpoint())}):
+        runner.run(test)
+    assert runner.summarize(verbose=False).attempted >= 7 and runner.summarize(verbose=False).failed == 0

@@ -1,0 +1,68 @@
+"""A server rank given an expert-parallel split (servers/deployment.py ``split_stage``): the
+directory of the node hosting its EP rank, the split's EP layout checked against the server's."""
+
+from __future__ import annotations
+
+import pytest
+
+import qwen35_reshard
+from qwen35_reshard.errors import StageError
+from qwen35_reshard.servers.deployment import split_stage
+from qwen35_reshard.servers.eprank import RankExperts
+
+
+@pytest.fixture(scope="module")
+def split(make_checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ep-split") / "out"
+    qwen35_reshard.reshard(make_checkpoint(), out, pp=2, runtime="vllm", ep=4, nodes=2)
+    return out
+
+
+@pytest.mark.parametrize("ep_rank, node", [(0, 0), (1, 0), (2, 1), (3, 1)])
+def test_each_rank_opens_its_nodes_directory(split, ep_rank, node):
+    stage = split_stage(str(split), 1, RankExperts(ep_rank=ep_rank, ep=4))
+    assert stage.path == split / f"pp1-node{node}" and stage.rank == 1
+    assert ep_rank in stage.manifest.node.ep_ranks
+
+
+@pytest.mark.parametrize(
+    "experts, said",
+    [(None, "but the server runs without expert parallelism"),
+     (RankExperts(ep_rank=1, ep=2), "but the server runs with expert parallelism 2 and 0 redundant experts"),
+     (RankExperts(ep_rank=1, ep=4, redundant=4), "with expert parallelism 4 and 4 redundant experts")],
+    ids=["no-ep", "other-ep", "other-redundant"],
+)
+def test_a_split_for_another_ep_layout_is_refused(split, experts, said):
+    with pytest.raises(StageError, match="was split for expert parallelism 4 over 2 node") as e:
+        split_stage(str(split), 0, experts)
+    assert said in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_pipeline_split_opens_its_stage(make_checkpoint, tmp_path):
+    qwen35_reshard.reshard(make_checkpoint(), tmp_path / "out", pp=2, runtime="vllm")
+    stage = split_stage(str(tmp_path / "out"), 1, RankExperts(ep_rank=3, ep=4))  # every expert
+    assert stage.path == tmp_path / "out" / "pp1"
+
+
+@pytest.mark.parametrize("runtime", ["vllm", "sglang"])
+def test_a_node_read_in_place_is_the_splits_node_directory(make_checkpoint, tmp_path, runtime):
+    """An unsplit local checkpoint read in place for node k of stage r: the same tensors, byte
+    for byte, as the split's ``pp{r}-node{k}``."""
+    import torch
+
+    from qwen35_reshard.model.parallelism import Parallelism
+    from qwen35_reshard.servers.inplace import in_place_stage
+
+    model = make_checkpoint()
+    qwen35_reshard.reshard(model, tmp_path / "out", pp=2, runtime=runtime, ep=4, nodes=2)
+    ckpt = qwen35_reshard.read_checkpoint(model)
+    partition = qwen35_reshard.open_stage(tmp_path / "out" / "pp0-node0").partition  # the runtime's split
+    layout = Parallelism(pp=2, runtime=runtime, partition=tuple(partition), ep=4, nodes=2)
+
+    def raw(stage):
+        return {n: t.contiguous().view(-1).view(torch.uint8).tolist() for n, t in stage.iter_weights()}
+
+    for rank in range(2):
+        for node in range(2):
+            read = raw(in_place_stage(ckpt, layout, rank, node))
+            assert read == raw(qwen35_reshard.open_stage(tmp_path / "out" / f"pp{rank}-node{node}"))
