@@ -359,7 +359,7 @@ def delivery_costs(work: Path) -> None:
     whole = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
     mapped = memoryview(whole)
 
-    def faulted() -> None:  # what DigestPool does: its own mapping, MADV_WILLNEED per job
+    def faulted() -> None:  # what DigestPool did: its own mapping, MADV_WILLNEED per job
         with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as m, memoryview(m) as v:
             for at in range(0, size, job):
                 m.madvise(mmap.MADV_WILLNEED, at, min(job, size - at))
@@ -387,8 +387,8 @@ def delivery_costs(work: Path) -> None:
             hexdigest(TENSOR_DIGEST, mapped[at : at + job])
 
     ways = {
-        "own mapping, faulted page by page (MADV_WILLNEED per job): main": faulted,
-        "own mapping, MADV_POPULATE_READ per job": advised,
+        "own mapping, faulted page by page (MADV_WILLNEED per job): before": faulted,
+        "own mapping, MADV_POPULATE_READ per job: DigestPool": advised,
         "a mapping per job, MAP_POPULATE": populated,
         "os.preadv into a 4 MiB buffer": read,
         "the hash alone (bytes mapped before)": hash_only,
