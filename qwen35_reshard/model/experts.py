@@ -194,10 +194,11 @@ def expert_placement(
 
 def _uneven(server: str, num_experts: int, redundant: int, ep: int) -> BadInput:
     physical, need = num_experts + redundant, -num_experts % ep
+    # Numbers stand apart from the parameters: a server's operator reads a parameter as a phrase.
     return BadInput(
-        f"{server} needs the {num_experts} experts plus {param('redundant_experts', redundant)} to divide "
-        f"evenly over {param('ep', ep)} ({physical} do not); use {param('redundant_experts', need)} (or "
-        f"that plus a multiple of {ep}), or another {param('ep')}"
+        f"{server} needs its {physical} expert slots ({num_experts} experts plus {redundant} redundant) "
+        f"to divide evenly over {ep} expert-parallel ranks; set {param('redundant_experts')} to {need} "
+        f"(or that plus a multiple of {ep}), or change {param('ep')}"
     )
 
 

@@ -69,6 +69,8 @@ class Parallelism:
         object.__setattr__(self, "partition", _partition(self.partition, self.pp))
         _positive("ep", self.ep)
         _positive("nodes", self.nodes)
+        if self.nodes > 1 and self.ep == 1:
+            raise BadInput(f"{param('nodes')} spans an expert-parallel group: add {param('ep')}")
         check_nodes(self.ep, self.nodes)
         if not _is_int(self.redundant_experts) or self.redundant_experts < 0:
             raise BadInput(f"{param('redundant_experts')} must be 0 or more, got {self.redundant_experts!r}")

@@ -146,13 +146,13 @@ def test_nodes_built_apart_and_at_once_into_one_out(make_checkpoint, tmp_path):
     ("args", "message"),
     [
         (["--ep", "4", "--nodes", "3"], "error: --ep 4 does not divide evenly over --nodes 3"),
-        (["--ep", "3"], "error: SGLang needs the 4 experts plus --redundant-experts 0 to divide evenly"),
+        (["--ep", "3"], "error: SGLang needs its 4 expert slots (4 experts plus 0 redundant)"),
         (["--node", "1"], "error: --node picks a node directory of an expert-parallel split: add --ep"),
         (["--ep", "4", "--nodes", "2", "--node", "4"], "error: --node 4 is not a node of --pp x --nodes 4"),
         (["--ep", "4", "--node-rank", "1", "--nnodes", "4"], "error: with --ep, OUT has one directory per"),
         (["--ep", "4", "--node", "1", "--rank", "0"], "error: --node picks one node's directory: drop"),
         (["--ep", "4", "--init-expert-location", "x.pt"], "error: --init-expert-location x.pt: a .pt file"),
-        (["--nodes", "2"], "error: --ep 1 does not divide evenly over --nodes 2"),
+        (["--nodes", "2"], "error: --nodes spans an expert-parallel group: add --ep"),
     ],
 )
 def test_layouts_refused_in_one_line_naming_the_flag(make_checkpoint, tmp_path, capsys, args, message):

@@ -110,15 +110,35 @@ def read_timeout_setting() -> float:
         >>> read_timeout_setting()
         60.0
     """
-    raw = os.environ.get(READ_TIMEOUT_ENV, "").strip()
+    return seconds_setting(READ_TIMEOUT_ENV, READ_TIMEOUT)
+
+
+def seconds_setting(name: str, default: float) -> float:
+    """A duration read from the environment variable ``name``: ``default`` if unset or empty.
+
+    Args:
+        name: the environment variable (the operator's own parameter, named in the error).
+        default: the seconds when it is not set.
+
+    Returns:
+        A positive number of seconds.
+
+    Raises:
+        ReshardError: the setting is not a positive number (one line naming ``name``).
+
+    Example:
+        >>> seconds_setting("QWEN35_RESHARD_UNSET_EXAMPLE", 0.5)
+        0.5
+    """
+    raw = os.environ.get(name, "").strip()
     if not raw:
-        return READ_TIMEOUT
+        return default
     try:
         seconds = float(raw)
     except ValueError:
         seconds = 0.0
     if not seconds > 0:
-        raise BadInput(f"{READ_TIMEOUT_ENV}={raw!r}: set it to a positive number of seconds, e.g. 60")
+        raise BadInput(f"{name}={raw!r}: set it to a positive number of seconds, e.g. {default:g}")
     return seconds
 
 

@@ -39,7 +39,7 @@ from typing import NamedTuple
 from ...errors import ReshardError
 from ...format.names import partial_name, process_token
 from ..header import MAX_HEADER_BYTES
-from .engine import FetchEngine, RemoteFile, RetryPolicy, Transport, streams_setting
+from .engine import FetchEngine, RemoteFile, RetryPolicy, Transport, seconds_setting, streams_setting
 
 # First wait before retrying a failed request (doubled each time, up to MAX_RETRY_WAIT s).
 RETRY_WAIT_ENV = "QWEN35_RESHARD_RETRY_WAIT"
@@ -79,11 +79,14 @@ class Traffic:
 def retry_policy() -> RetryPolicy:
     """The retries of every remote read (``QWEN35_RESHARD_RETRY_WAIT`` sets the first wait).
 
+    Raises:
+        ReshardError: ``QWEN35_RESHARD_RETRY_WAIT`` is not a positive number of seconds.
+
     Example:
         >>> retry_policy().retries
         5
     """
-    wait = float(os.environ.get(RETRY_WAIT_ENV, DEFAULT_RETRY_WAIT))
+    wait = seconds_setting(RETRY_WAIT_ENV, DEFAULT_RETRY_WAIT)
     return RetryPolicy(retries=RETRIES, wait=wait, max_wait=MAX_RETRY_WAIT)
 
 

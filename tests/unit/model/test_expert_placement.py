@@ -116,9 +116,9 @@ def refusal(call, *args, **kwargs) -> str:
 @pytest.mark.parametrize(
     ("kwargs", "flag", "words"),
     [
-        (dict(runtime="sglang", num_experts=10, ep=4), "--ep 4", "--redundant-experts 2"),
-        (dict(runtime="sglang", num_experts=8, ep=4, redundant=2), "--redundant-experts 2", "divide evenly"),
-        (dict(runtime="vllm", num_experts=10, ep=4, redundant=1), "--ep 4", "EPLB"),
+        (dict(runtime="sglang", num_experts=10, ep=4), "change --ep", "set --redundant-experts to 2"),
+        (dict(runtime="sglang", num_experts=8, ep=4, redundant=2), "--redundant-experts to 0", "evenly"),
+        (dict(runtime="vllm", num_experts=10, ep=4, redundant=1), "change --ep", "EPLB"),
         (
             dict(runtime="vllm", num_experts=8, ep=1, redundant=2),
             "--redundant-experts 2",
@@ -190,3 +190,18 @@ def test_a_pt_location_is_refused_without_being_opened(tmp_path):
 def test_location_values_sglang_would_not_take_are_refused(value, words):
     line = refusal(read_expert_location, value)
     assert words in line and "--init-expert-location" in line
+
+
+def test_an_uneven_group_reads_as_a_sentence_on_the_command_line_and_to_an_operator():
+    from qwen35_reshard.cli.flags import FLAGS
+    from qwen35_reshard.servers.terms import for_operator
+
+    with pytest.raises(BadInput) as e:
+        expert_placement("sglang", num_experts=4, ep=3, redundant=0)
+    assert e.value.render(FLAGS) == (
+        "SGLang needs its 4 expert slots (4 experts plus 0 redundant) to divide evenly over "
+        "3 expert-parallel ranks; set --redundant-experts to 2 (or that plus a multiple of 3), or change --ep"
+    )
+    assert for_operator(e.value).endswith(
+        "set the redundant experts to 2 (or that plus a multiple of 3), or change the expert-parallel size"
+    )

@@ -32,7 +32,7 @@ def test_examples_run():
         ({"pp": 2, "partition": [4, 0]}, "partition='4,0': every stage needs", "--partition 4,0"),
         ({"ep": 0}, "ep must be at least 1", "--ep must"),
         ({"ep": 8, "nodes": 3}, "ep=8 does not divide evenly over nodes=3", "--ep 8 does not divide evenly"),
-        ({"nodes": 2}, "ep=1 does not divide evenly over nodes=2", "over --nodes 2"),
+        ({"nodes": 2}, "nodes spans an expert-parallel group: add ep", "--nodes spans an expert-parallel"),
         ({"redundant_experts": -1}, "redundant_experts must be 0 or more", "--redundant-experts must"),
         ({"redundant_experts": 4}, "redundant_experts are slots of an expert-parallel group", "add --ep"),
         (

@@ -94,8 +94,8 @@ def test_ranks_pick_node_directories(ckpts):
 @pytest.mark.parametrize(
     ("layout", "message"),
     [
-        (Parallelism(ep=3), "SGLang needs the 4 experts plus redundant_experts=0 to divide evenly over ep=3"),
-        (Parallelism(ep=4, runtime="vllm", redundant_experts=2), "vLLM's EPLB needs the 4 experts plus"),
+        (Parallelism(ep=3), "SGLang needs its 4 expert slots (4 experts plus 0 redundant) to divide"),
+        (Parallelism(ep=4, runtime="vllm", redundant_experts=2), "vLLM's EPLB needs its 6 expert slots"),
         (Parallelism(ep=2, init_expert_location=((0, 1, 2, 3),)), "one row per decoder layer (8), got 1"),
     ],
 )

@@ -21,6 +21,7 @@ from qwen35_reshard.source.remote.engine import (
     streams_setting,
 )
 from qwen35_reshard.source.remote.parts import split
+from qwen35_reshard.source.remote.store import RETRY_WAIT_ENV, retry_policy
 
 from support.remote import SHARD
 
@@ -94,6 +95,15 @@ def test_the_streams_setting(monkeypatch):
         streams_setting(None)
     with pytest.raises(BadInput, match="streams must be at least 1"):
         streams_setting(0)
+
+
+@pytest.mark.parametrize("raw", ["soon", "0", "-1"])
+def test_a_retry_wait_that_is_not_a_positive_number_is_one_line_naming_it(monkeypatch, raw):
+    monkeypatch.setenv(RETRY_WAIT_ENV, raw)
+    with pytest.raises(BadInput, match=f"{RETRY_WAIT_ENV}='{raw}': set it to a positive number of seconds"):
+        retry_policy()
+    monkeypatch.setenv(RETRY_WAIT_ENV, "0.25")
+    assert retry_policy().wait == 0.25
 
 
 def in_flight(log, at):
