@@ -258,8 +258,10 @@ def _check_cost(times: dict, cpu: dict, caches: list[str], label: str, size: int
     rate = _digest_rate()
     print(
         f"\nWhere the check costs more than the copy: {TENSOR_DIGEST} hashes {rate / 1e9:.0f} GB/s on one "
-        "thread here from memory; through its own mapping of the page cache (each page mapped again "
-        "beside the copy's) it costs the CPU below. It hides behind the copy while a core is free for it."
+        "thread here from memory, and getting a warm file's bytes to it costs little more (--digests: "
+        "the ways measured). The CPU below is what the check adds to the whole load, the copy's own "
+        "threads (torch copies on every core) waiting for the core the hashing takes included. It "
+        "hides behind the copy while a core is free for it."
     )
     per_gb = 0.0
     for cache in caches:
@@ -341,6 +343,75 @@ def digest_speeds() -> None:
         print(f"\nnot installed, not measured: {', '.join(missing)} (pip install {' '.join(missing)})")
 
 
+def delivery_costs(work: Path) -> None:
+    """The ways considered of getting a page-cached file's bytes to the hasher, in 16 MB jobs as
+    ``stage.digestpool`` hashes them: CPU seconds per GB of one thread (median of 7, the ways
+    interleaved), the file warm; the hash alone (the file mapped and faulted in before) is the floor."""
+    import mmap
+
+    from qwen35_reshard.format.digest import TENSOR_DIGEST, hexdigest
+
+    path, job = work / "delivery.bin", 16 << 20
+    path.write_bytes(os.urandom(1 << 20) * 512)
+    fd = os.open(path, os.O_RDONLY)
+    size = os.fstat(fd).st_size
+    buf = memoryview(bytearray(4 << 20))
+    whole = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+    mapped = memoryview(whole)
+
+    def faulted() -> None:  # what DigestPool did: its own mapping, MADV_WILLNEED per job
+        with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as m, memoryview(m) as v:
+            for at in range(0, size, job):
+                m.madvise(mmap.MADV_WILLNEED, at, min(job, size - at))
+                hexdigest(TENSOR_DIGEST, v[at : at + job])
+
+    def advised() -> None:  # the same, MADV_POPULATE_READ per job: its page table filled in one call
+        with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as m, memoryview(m) as v:
+            for at in range(0, size, job):
+                m.madvise(22, at, min(job, size - at))
+                hexdigest(TENSOR_DIGEST, v[at : at + job])
+
+    def populated() -> None:  # one mapping per job, MAP_POPULATE
+        flags = mmap.MAP_SHARED | mmap.MAP_POPULATE
+        for at in range(0, size, job):
+            n = min(job, size - at)
+            with mmap.mmap(fd, n, flags, mmap.PROT_READ, offset=at) as m, memoryview(m) as v:
+                hexdigest(TENSOR_DIGEST, v)
+
+    def read() -> None:  # preadv into one reused 4 MiB buffer: a memcpy, no page table
+        for at in range(0, size, len(buf)):
+            hexdigest(TENSOR_DIGEST, buf[: os.preadv(fd, [buf], at)])
+
+    def hash_only() -> None:
+        for at in range(0, size, job):
+            hexdigest(TENSOR_DIGEST, mapped[at : at + job])
+
+    ways = {
+        "own mapping, faulted page by page (MADV_WILLNEED per job): before": faulted,
+        "own mapping, MADV_POPULATE_READ per job: DigestPool": advised,
+        "a mapping per job, MAP_POPULATE": populated,
+        "os.preadv into a 4 MiB buffer": read,
+        "the hash alone (bytes mapped before)": hash_only,
+    }
+    try:
+        pages.warm([path])
+        hash_only()
+        cpu: dict[str, list[float]] = {name: [] for name in ways}
+        for r in range(7):
+            for name in list(ways)[r % len(ways) :] + list(ways)[: r % len(ways)]:
+                c0 = time.thread_time()
+                ways[name]()
+                cpu[name].append(time.thread_time() - c0)
+    finally:
+        mapped.release()
+        whole.close()
+        os.close(fd)
+        path.unlink()
+    print(f"\n### Getting a warm file's bytes to {TENSOR_DIGEST}, {size >> 20} MB, one thread, median of 7\n")
+    rows = [[way, f"{median(c) / size * 1e9:.3f}", f"{size / median(c) / 1e9:.1f}"] for way, c in cpu.items()]
+    print(table(["way", "CPU s per GB", "GB/s"], rows))
+
+
 def main(argv: list[str], trees: list[Tree]) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks loader", description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="large,many", help="large, many (see above) or tiny (a check)")
@@ -368,6 +439,7 @@ def main(argv: list[str], trees: list[Tree]) -> int:
         )
         if args.digests:
             digest_speeds()
+            delivery_costs(work)
         for shape in args.shapes.split(","):
             measure(shape, work, args, trees, caches)
     finally:

@@ -147,6 +147,8 @@ class ReshardResult:
         if self.node is not None:
             doc["node"] = self.node.to_dict()
         doc.update(run_manifest(self.plan, complete=self.complete))
+        if self.plan.layout.expert_parallel:  # what the printed launch line says beside the partition
+            doc["server_flags"] = self.plan.layout.server_flags()
         if self.plan.unchecked:
             doc["unchecked_quantization"] = {
                 "method": self.plan.unchecked,

@@ -33,14 +33,18 @@ def title_layout(plan: Plan) -> str:
 
 def node_launch_lines(plan: Plan, out: str) -> list[tuple[str, str]]:
     """Where each node's server finds its weights: its own directory, read by the stock loader
-    (it lists exactly the node's tensors)."""
+    (it lists exactly the node's tensors), and the EP flags the directories were cut for (a
+    server started with others places experts its directory does not hold)."""
     layout, per = plan.layout, plan.layout.nodes
     nodes = layout.nnodes
     where = f"{out}/pp$((G / {per}))-node$((G % {per}))" if layout.pp > 1 else f"{out}/node$G"
+    given = layout.init_expert_location is not None
+    loc = " (LOC: the --init-expert-location file this split was given)" if given else ""
     return [
         (
             f"node G = 0..{nodes - 1} (the servers' --node-rank of --nnodes {nodes}) serves its own "
             "directory with the server's stock loader, expert parallel over its stage's nodes:",
             where,
-        )
+        ),
+        (f"with exactly these expert-parallel flags{loc}:", layout.server_flags()),
     ]

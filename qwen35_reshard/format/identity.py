@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .jsonio import is_uint
+from .jsonio import dumps_text, is_uint
 
 _EP_FIELDS = frozenset({"ep", "nodes", "redundant_experts", "expert_location"})
 
@@ -81,3 +83,15 @@ def describe_differences(old: RunIdentity, new: RunIdentity) -> str:
 
     differ = old.differences(new)
     return ", ".join(f"{k} {show(k, a)} -> {show(k, b)}" for k, a, b in differ) or "no setting differs"
+
+
+def location_sha256(rows: Sequence[Sequence[int]] | None) -> str | None:
+    """What identifies SGLang's initial expert location in a run identity (``expert_location``):
+    the sha256 of its rows as the stage manifests record them (None: the trivial location). The
+    writer records it and a server compares its own ``--init-expert-location`` with it: one digest.
+
+    Example:
+        >>> location_sha256(None) is None, location_sha256([[1, 0]]) == location_sha256(((1, 0),))
+        (True, True)
+    """
+    return None if rows is None else hashlib.sha256(dumps_text([list(r) for r in rows]).encode()).hexdigest()

@@ -140,6 +140,33 @@ class Parallelism:
         """The environment assignment that makes the server use exactly this layout's split."""
         return launch_env(self.runtime, self.sizes(num_layers))
 
+    def server_flags(self) -> str:
+        """The server flags an expert-parallel split's node directories were cut for ('' without
+        expert parallelism): a server started with other EP settings places other experts, which
+        its node's directory does not hold. ``"$LOC"`` stands for the ``init_expert_location``
+        file this split was given (SGLang reads the same JSON). Flag names as the servers spell
+        them (SGLang 0.5.23 ``--ep-size`` within ``--tp-size``, ``ep_size * moe_dp_size <=
+        tp_size``; vLLM 0.32.0 ``ep = dp * tp``, EPLB's ``num_redundant_experts``).
+
+        Example:
+            >>> Parallelism(ep=4, nodes=2, redundant_experts=4).server_flags()
+            '--tp-size 4 --ep-size 4 --ep-num-redundant-experts 4'
+            >>> Parallelism(ep=4, nodes=2, runtime="vllm").server_flags()
+            '--enable-expert-parallel --data-parallel-size 4 --data-parallel-size-local 2'
+        """
+        ep, spare = self.ep, self.redundant_experts
+        if not self.expert_parallel:
+            return ""
+        if self.runtime == SGLANG:
+            flags = [f"--tp-size {ep} --ep-size {ep}"]
+            flags += [f"--ep-num-redundant-experts {spare}"] if spare else []
+            flags += ['--init-expert-location "$LOC"'] if self.init_expert_location is not None else []
+            return " ".join(flags)
+        flags = [f"--enable-expert-parallel --data-parallel-size {ep}"]
+        flags += [f"--data-parallel-size-local {self.ranks_per_node}"]
+        flags += [f"""--enable-eplb --eplb-config '{{"num_redundant_experts":{spare}}}'"""] if spare else []
+        return " ".join(flags)
+
 
 def layout_of(layout: Parallelism | None, **given: object) -> Parallelism:
     """``layout``, or the one the keyword arguments ``given`` build (those not None): a library

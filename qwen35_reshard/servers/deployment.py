@@ -31,7 +31,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from ..errors import ReshardError, StageError
+from ..errors import ReshardError, StageError, param
+from ..format.identity import location_sha256
 from ..format.names import STAGE_MANIFEST, node_dirname
 from ..loader import Stage, is_split, open_stage
 from ..model.parallelism import Parallelism
@@ -132,7 +133,8 @@ def split_stage(model: str, pp_rank: int, experts: RankExperts | None) -> Stage:
     """Pipeline rank ``pp_rank``'s directory of the split ``model``: its stage (``ppN``), or
     for an expert-parallel split the directory of the node that hosts the rank's EP rank
     (``pp{r}-node{k}``, ``node{k}``), the split's EP layout (its run record) checked against
-    the server's: the EP size and redundant experts, and the rank among the node's.
+    the server's: the EP size, redundant experts and initial expert location (by the digest the
+    split's identity records), and the rank among the node's.
 
     Raises:
         ReshardError: the split's EP layout is not the server's, or its directory is damaged.
@@ -142,14 +144,21 @@ def split_stage(model: str, pp_rank: int, experts: RankExperts | None) -> Stage:
     split = run.identity if isinstance(run, RunRecord) else None
     if split is None or split.ep == 1:
         return open_stage(model, pp_rank=pp_rank)
-    served = "without expert parallelism" if experts is None else (
-        f"with expert parallelism {experts.ep} and {experts.redundant} redundant experts"
-    )
-    if experts is None or (experts.ep, experts.redundant) != (split.ep, split.redundant_experts):
+    # The location decides which experts a node holds as much as the sizes do (SGLang places by
+    # its rows): a trivial split opened under another location would serve the wrong experts.
+    location = None if experts is None else location_sha256(_location(experts.location))
+    if experts is None or (experts.ep, experts.redundant, location) != (
+        split.ep, split.redundant_experts, split.expert_location
+    ):
+        served = "without expert parallelism" if experts is None else (
+            f"with expert parallelism {experts.ep}, {experts.redundant} redundant experts and "
+            f"{_placement(location)}"
+        )
         raise StageError(
             f"{model} was split for expert parallelism {split.ep} over {split.nodes} node(s) per stage with "
-            f"{split.redundant_experts} redundant experts, but the server runs {served}: launch it with "
-            f"{split.ep} EP ranks per stage and {split.redundant_experts} redundant experts, or split again"
+            f"{split.redundant_experts} redundant experts and {_placement(split.expert_location)}, but the "
+            f"server runs {served}: launch it with {split.ep} EP ranks per stage, {split.redundant_experts} "
+            f"redundant experts and {_placement(split.expert_location)}, or split again"
         )
     node = experts.ep_rank // (split.ep // split.nodes)
     stage = open_stage(root / node_dirname(pp_rank, node, split.pp))
@@ -278,6 +287,12 @@ def _location(given: str | None) -> tuple[tuple[int, ...], ...] | None:
 
     rows = read_expert_location(given)
     return None if rows is None else tuple(tuple(row) for row in rows)
+
+
+def _placement(digest: str | None) -> str:
+    """An initial expert location as a message names it: trivial, or its digest's start."""
+    where = "trivial" if digest is None else f"sha256 {digest[:12]}"
+    return f"{param('init_expert_location')} {where}"
 
 
 def _partition_view(partition: object, var: str | None, name: str) -> str:

@@ -38,8 +38,6 @@ huggingface/qwen35-stages``); ``QWEN35_RESHARD_STAGE_COPY=1`` asks for ``copy``.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -49,6 +47,7 @@ from pathlib import Path
 from ..api import reshard
 from ..bulk import collector_paused, return_freed_memory
 from ..errors import ReshardError
+from ..format.identity import location_sha256
 from ..format.names import CACHE_REPO_PREFIX, STAGE_MANIFEST, node_dirname, stage_dirname
 from ..loader import Stage, StageError, open_stage
 from ..model.parallelism import Parallelism
@@ -133,8 +132,7 @@ def cache_key(layout: Parallelism) -> str:
         if layout.redundant_experts:
             key += f"-r{layout.redundant_experts}"
         if layout.init_expert_location is not None:
-            rows = json.dumps(layout.init_expert_location, separators=(",", ":")).encode()
-            key += f"-loc{hashlib.sha256(rows).hexdigest()[:FINGERPRINT_CHARS]}"
+            key += f"-loc{location_sha256(layout.init_expert_location)[:FINGERPRINT_CHARS]}"
     return key
 
 

@@ -12,8 +12,8 @@ How many threads: the caller's (the loader takes them from the node's budget,
 ``stage.nodechecks``); none hashes every range in the reader's thread.
 
 The reader says how far it got (:meth:`DigestPool.reached`): ranges are handed to the
-threads up to ``AHEAD`` bytes ahead of it (asked of the kernel with ``MADV_WILLNEED``, so
-cold reads start before either reader faults on them), and the reader waits for ranges
+threads up to ``AHEAD`` bytes ahead of it (a thread brings its job's bytes in at once,
+:func:`populate`, so cold reads start before the reader faults on them), and the reader waits for ranges
 more than ``BEHIND`` behind it, so the pages both read are still cached when the slower one
 gets there, whatever the file's size. Between those points a call costs one comparison:
 the reader calls it once per tensor.
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import sys
 from collections import deque
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -43,6 +44,34 @@ JOB_RANGES = 2048  # and at most this many (a stage of small tensors has tens of
 # reader (who then waits for the GIL) for no parallelism; alone it costs ~1 us a tensor.
 SMALL = 16 << 10
 THREAD_NAME = "qwen35-reshard-digest"
+# madvise(2) advice 22 on Linux since 5.14 (include/uapi/asm-generic/mman-common.h); Python 3.11's
+# mmap module does not name it. None off Linux, where 22 may mean something else.
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22 if sys.platform == "linux" else None)
+
+
+def populate(mapped: mmap.mmap, start: int, stop: int) -> bool:
+    """Bring bytes ``[start, stop)`` of ``mapped`` into memory and into its page table in one
+    call, before they are hashed: ``MADV_POPULATE_READ`` (Linux >= 5.14). Faulting them in page
+    by page as the hash reads costs ~0.007 CPU-s per GB more here, a fifth of xxh3-128's own
+    0.032 (``python -m benchmarks loader --digests``, the table of ways to get the bytes to the
+    hasher). Elsewhere (an older kernel refuses it: EINVAL) the bytes are only asked for ahead
+    (``MADV_WILLNEED``, which does not wait) and faulted in as the hash reads them.
+
+    Returns:
+        Whether the page table was filled in one call.
+    """
+    if stop <= start:
+        return False
+    aligned = start - start % mmap.PAGESIZE
+    if MADV_POPULATE_READ is not None:
+        try:
+            mapped.madvise(MADV_POPULATE_READ, aligned, stop - aligned)
+            return True
+        except OSError:
+            pass
+    if hasattr(mmap, "MADV_WILLNEED"):
+        mapped.madvise(mmap.MADV_WILLNEED, aligned, stop - aligned)
+    return False
 
 
 class Range(NamedTuple):
@@ -206,10 +235,7 @@ class _Job:
 
     def check(self) -> list[Mismatch]:
         """Hash each range; those whose digest is not the recorded one."""
-        first, last = self.ranges[0].offset, self.ranges[-1].offset + self.ranges[-1].nbytes
-        aligned = first - first % mmap.PAGESIZE
-        if hasattr(mmap, "MADV_WILLNEED") and last > aligned:
-            self.mapped.madvise(mmap.MADV_WILLNEED, aligned, last - aligned)
+        populate(self.mapped, self.ranges[0].offset, self.ranges[-1].offset + self.ranges[-1].nbytes)
         with memoryview(self.mapped) as view:
             return [
                 Mismatch(self.path, key)

@@ -12,7 +12,7 @@ from itertools import chain, repeat
 
 from .._version import __version__
 from ..bulk import field_getters
-from ..format.identity import RunIdentity
+from ..format.identity import RunIdentity, location_sha256
 from ..format.jsonio import dumps_text, json_string
 from ..format.manifest import RUN_FORMAT, STAGE_FORMAT, TENSOR_FIELDS
 from ..format.names import CLONE, TOOL
@@ -39,12 +39,6 @@ def run_identity(plan: Plan) -> RunIdentity:
         redundant_experts=plan.layout.redundant_experts,
         expert_location=location_sha256(plan.layout.init_expert_location),
     )
-
-
-def location_sha256(rows: tuple[tuple[int, ...], ...] | None) -> str | None:
-    """What identifies SGLang's initial expert location in a run identity: the sha256 of its
-    rows as the stage manifests record them (None: the trivial location)."""
-    return None if rows is None else hashlib.sha256(dumps_text([list(r) for r in rows]).encode()).hexdigest()
 
 
 def node_entry(plan: Plan, stage: StagePlan) -> dict:

@@ -257,3 +257,27 @@ def test_sglangs_initial_expert_location_places_and_is_recorded(make_checkpoint,
     location.write_text(json.dumps({"physical_to_logical_map": rows}))
     assert main([*args, str(model), str(out)]) == 2
     assert "other settings (expert_location" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "flags"),
+    [
+        (["--runtime", "sglang", "--redundant-experts", "4"],
+         "--tp-size 4 --ep-size 4 --ep-num-redundant-experts 4"),
+        (
+            ["--runtime", "vllm", "--redundant-experts", "4"],
+            "--enable-expert-parallel --data-parallel-size 4 --data-parallel-size-local 2 "
+            """--enable-eplb --eplb-config '{"num_redundant_experts":4}'""",
+        ),
+    ],
+    ids=["sglang", "vllm"],
+)
+def test_the_launch_line_names_the_ep_flags_the_nodes_were_cut_for(
+    make_checkpoint, tmp_path, capsys, args, flags
+):
+    model, out = make_checkpoint(layout="fused"), tmp_path / "out"
+    assert main(["--pp", "2", "--ep", "4", "--nodes", "2", *args, str(model), str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "with exactly these expert-parallel flags:" in printed and f"  {flags}\n" in printed, printed
+    assert main(["--pp", "2", "--ep", "4", "--nodes", "2", *args, "--json", str(model), str(out)]) == 0
+    assert json.loads(capsys.readouterr().out)["server_flags"] == flags

@@ -65,3 +65,53 @@ def test_a_whole_file_digest(tmp_path):
         pool.feed(path, fd, [Range(None, 0, 5000, "0" * 64, SHA256)], 5000)
         assert pool.reached(0) + pool.finish() == [Mismatch(path, None)]
     os.close(fd)
+
+
+def _resident(path) -> int:
+    """Bytes of the mappings of ``path`` that are in this process's page table (smaps Rss)."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        if line[0] in "0123456789abcdef" and "-" in line.split()[0]:
+            inside = line.rstrip().endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1]) * 1024
+    return total
+
+
+def _kernel_at_least(major: int, minor: int) -> bool:
+    release = os.uname().release.split(".")
+    return (int(release[0]), int(release[1].split("-")[0])) >= (major, minor)
+
+
+def test_populate_fills_the_page_table_in_one_call_where_the_kernel_can(tmp_path):
+    import mmap
+    import sys
+
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(64 * mmap.PAGESIZE))
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        fast = digestpool.populate(m, 5, 40 * mmap.PAGESIZE + 3)  # unaligned, as ranges are
+        if sys.platform == "linux" and _kernel_at_least(5, 14):
+            assert fast, "MADV_POPULATE_READ refused on a kernel that has it"
+            assert _resident(path) >= 41 * mmap.PAGESIZE
+        assert not digestpool.populate(m, 7, 7)  # nothing to bring in
+
+
+def test_populate_falls_back_where_the_advice_is_refused(tmp_path, monkeypatch):
+    import mmap
+
+    monkeypatch.setattr(digestpool, "MADV_POPULATE_READ", -1)  # EINVAL, as from a kernel before 5.14
+    path = tmp_path / "f"
+    data = os.urandom(8 * mmap.PAGESIZE)
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            assert not digestpool.populate(m, 0, len(data))
+        good = Range("good", 0, len(data), hexdigest(XXH128, data), XXH128)
+        bad = Range("bad", 0, len(data), hexdigest(XXH128, bytes(len(data))), XXH128)
+        with DigestPool(1) as pool:  # and the pool still checks
+            pool.feed(path, fd, [good, bad], len(data))
+            assert pool.finish() == [Mismatch(path, "bad")]
+    finally:
+        os.close(fd)

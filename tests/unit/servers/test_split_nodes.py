@@ -3,12 +3,15 @@ directory of the node hosting its EP rank, the split's EP layout checked against
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 import qwen35_reshard
 from qwen35_reshard.errors import StageError
 from qwen35_reshard.servers.deployment import split_stage
 from qwen35_reshard.servers.eprank import RankExperts
+from qwen35_reshard.servers.terms import for_operator
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +31,8 @@ def test_each_rank_opens_its_nodes_directory(split, ep_rank, node):
 @pytest.mark.parametrize(
     "experts, said",
     [(None, "but the server runs without expert parallelism"),
-     (RankExperts(ep_rank=1, ep=2), "but the server runs with expert parallelism 2 and 0 redundant experts"),
-     (RankExperts(ep_rank=1, ep=4, redundant=4), "with expert parallelism 4 and 4 redundant experts")],
+     (RankExperts(ep_rank=1, ep=2), "but the server runs with expert parallelism 2, 0 redundant experts"),
+     (RankExperts(ep_rank=1, ep=4, redundant=4), "with expert parallelism 4, 4 redundant experts")],
     ids=["no-ep", "other-ep", "other-redundant"],
 )
 def test_a_split_for_another_ep_layout_is_refused(split, experts, said):
@@ -66,3 +69,48 @@ def test_a_node_read_in_place_is_the_splits_node_directory(make_checkpoint, tmp_
         for node in range(2):
             read = raw(in_place_stage(ckpt, layout, rank, node))
             assert read == raw(qwen35_reshard.open_stage(tmp_path / "out" / f"pp{rank}-node{node}"))
+
+
+@pytest.fixture(scope="module")
+def located(make_checkpoint, tmp_path_factory):
+    """SGLang splits of 4 experts over EP 2 (one node each): trivially placed, and placed by
+    loc.json (every layer's slots [3, 2, 1, 0]: node 0 holds experts 3 and 2, not 0 and 1)."""
+    root = tmp_path_factory.mktemp("ep-located")
+    loc = root / "loc.json"
+    loc.write_text(json.dumps({"physical_to_logical_map": [[3, 2, 1, 0]] * 8}))
+    model = make_checkpoint()
+    layout = dict(pp=1, runtime="sglang", ep=2, nodes=2)
+    qwen35_reshard.reshard(model, root / "trivial", **layout)
+    rows = tuple((3, 2, 1, 0) for _ in range(8))
+    qwen35_reshard.reshard(model, root / "loc", **layout, init_expert_location=rows)
+    return root, str(loc)
+
+
+@pytest.mark.parametrize("split_as, server_as", [("trivial", "loc"), ("loc", "trivial")])
+def test_a_split_for_another_initial_expert_location_is_refused(located, split_as, server_as):
+    root, loc = located
+    experts = RankExperts(ep_rank=0, ep=2, location=loc if server_as == "loc" else "trivial")
+    with pytest.raises(StageError) as e:
+        split_stage(str(root / split_as), 0, experts)
+    said = for_operator(e.value, split=True)
+    assert "the initial expert placement" in said and "\n" not in said, said
+    assert "launch it with 2 EP ranks per stage, 0 redundant experts and the initial expert placement" in said
+
+
+@pytest.mark.parametrize("split_as, location", [("trivial", None), ("trivial", "trivial"), ("loc", "loc")])
+def test_a_split_for_the_servers_initial_expert_location_opens(located, split_as, location):
+    root, loc = located
+    experts = RankExperts(ep_rank=0, ep=2, location=loc if location == "loc" else location)
+    stage = split_stage(str(root / split_as), 0, experts)
+    assert stage.path == root / split_as / "node0"
+
+
+def test_the_stage_cache_key_carries_the_initial_expert_location():
+    from qwen35_reshard.format.identity import location_sha256
+    from qwen35_reshard.model.parallelism import Parallelism
+    from qwen35_reshard.servers.unsplit import cache_key
+
+    rows = tuple((3, 2, 1, 0) for _ in range(8))
+    trivial = Parallelism(pp=1, runtime="sglang", partition=(8,), ep=2, nodes=2)
+    placed = Parallelism(pp=1, runtime="sglang", partition=(8,), ep=2, nodes=2, init_expert_location=rows)
+    assert cache_key(placed) == cache_key(trivial) + f"-loc{location_sha256(rows)[:16]}"
