@@ -114,3 +114,28 @@ def test_the_stage_cache_key_carries_the_initial_expert_location():
     trivial = Parallelism(pp=1, runtime="sglang", partition=(8,), ep=2, nodes=2)
     placed = Parallelism(pp=1, runtime="sglang", partition=(8,), ep=2, nodes=2, init_expert_location=rows)
     assert cache_key(placed) == cache_key(trivial) + f"-loc{location_sha256(rows)[:16]}"
+
+
+def test_a_node_read_in_place_under_a_location_holds_the_locations_experts(make_checkpoint, located):
+    """The unsplit path places by the server's location too: node 0 of loc.json holds experts 3
+    and 2 of every layer, as the split made with it does."""
+    import torch
+
+    from qwen35_reshard.model.parallelism import Parallelism
+    from qwen35_reshard.servers.inplace import in_place_stage
+
+    root, _ = located
+    split = qwen35_reshard.open_stage(root / "loc" / "node0")
+    rows = split.manifest.node.expert_location
+    layout = Parallelism(pp=1, runtime="sglang", partition=tuple(split.partition), ep=2, nodes=2,
+                         init_expert_location=rows)  # fmt: skip
+    ckpt = qwen35_reshard.read_checkpoint(make_checkpoint())
+    read = dict(in_place_stage(ckpt, layout, 0, 0).iter_weights())
+    assert split.manifest.node.experts["layers.0"] == (2, 3)
+    layer0 = "language_model.layers.0.mlp.experts."
+    held = {n.split(layer0)[1].split(".")[0] for n in read if layer0 in n}
+    assert held == {"2", "3"}, held
+    def raw(t):
+        return t.contiguous().view(-1).view(torch.uint8).tolist()
+
+    assert {n: raw(t) for n, t in read.items()} == {n: raw(t) for n, t in split.iter_weights()}
