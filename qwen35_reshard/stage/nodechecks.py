@@ -12,7 +12,8 @@ stage reading the same shard in place checks other ranges). Any write through th
 moves the file's change time (no call sets it back), a replaced file is another inode: either
 gives another key, so another check. Timestamps are coarse (a kernel tick), so a file changed
 within :data:`RACY_SECONDS` before its check began is not recorded (git's "racy" rule: a
-write in the same tick as the one the check saw would keep the timestamps). A record is
+write in the same tick as the one the check saw would keep the timestamps); on a filesystem
+that keeps whole seconds, within that plus :data:`COARSE_SECONDS` (:func:`racy_margin`). A record is
 trusted for :data:`TRUSTED_FOR` seconds, the start of one server's workers, not for later
 starts (the page cache may be dropped and bytes read again from the disk), and never across a
 reboot (``/dev/shm`` is memory). Only the user's own private directory is trusted: another
@@ -45,6 +46,9 @@ CHECKED_DIR_ENV = "QWEN35_RESHARD_CHECKED_DIR"  # the node's record directory (d
 HASH_THREADS_ENV = "QWEN35_RESHARD_HASH_THREADS"  # the node's hashing threads (default: see node_threads)
 TRUSTED_FOR = 600.0  # seconds a check counts for the node's other loaders: one start's workers
 RACY_SECONDS = 0.1  # a kernel tick is at most 10 ms (HZ=100); the margin is ten of them
+# A filesystem that keeps whole seconds (ext3, NFSv2, ...) or two (FAT's modification time)
+# gives every time of a file 0 ns: a write up to 2 s after the time seen keeps it.
+COARSE_SECONDS = 2.0
 # A node's hashing threads: xxh3-128 hashes ~30 GB/s a thread (format.digest), so 8 outrun the
 # memory bandwidth of the copies of every worker of a GPU node; more only take cores from them.
 NODE_THREADS_MAX = 8
@@ -97,6 +101,21 @@ def node_dir() -> Path | None:
     return path
 
 
+def racy_margin(checked: Identity) -> float:
+    """How long before a check began its file must have last changed for the check to be
+    recorded: :data:`RACY_SECONDS`, plus :data:`COARSE_SECONDS` where the file's times are whole
+    seconds (a coarse filesystem: a write within its granularity would keep the identity).
+
+    Example:
+        >>> racy_margin((1, 2, 3, 1_700_000_000_123_456_789, 1_700_000_000_123_456_789))
+        0.1
+        >>> racy_margin((1, 2, 3, 1_700_000_000_000_000_000, 1_700_000_000_000_000_000))
+        2.1
+    """
+    coarse = checked[3] % 1_000_000_000 == 0 or checked[4] % 1_000_000_000 == 0
+    return RACY_SECONDS + (COARSE_SECONDS if coarse else 0.0)
+
+
 class Claim:
     """A loader's standing on one file: :data:`TRUSTED` (checked by another loader, nothing to
     do), :data:`MINE` (locked: this loader checks it and records the verdict) or :data:`OTHERS`
@@ -112,7 +131,8 @@ class Claim:
         """The file was checked and found intact, and ``now`` is its identity after: record the
         verdict (unless the file changed, or changed too recently to tell), release the lock."""
         changed_at = max(self.checked[3], self.checked[4]) / 1e9
-        if self._fd is not None and now == self.checked and changed_at < self.started - RACY_SECONDS:
+        settled = changed_at < self.started - racy_margin(self.checked)
+        if self._fd is not None and now == self.checked and settled:
             text = f"checked {time.time()!r}\n".encode()
             os.ftruncate(self._fd, 0)
             os.pwrite(self._fd, text, 0)

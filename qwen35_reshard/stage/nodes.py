@@ -3,6 +3,7 @@ the stage reader checks the rest of a stage (one checker behind verify and the l
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from ..errors import ReshardError
@@ -14,6 +15,7 @@ from .findings import DIFFERENT, MISSING, REBUILD, Finding
 from .manifest import StageManifest
 
 ROUTER = "mlp.gate.weight"  # a MoE layer's router, relative to its layer: every MoE layer has one
+_MTP_ROUTER = re.compile(r"mtp\.layers\.[0-9]+\." + re.escape(ROUTER))
 
 
 def split_dirs(run_dir: Path) -> list[Path]:
@@ -84,7 +86,10 @@ def expert_problems(
             held.setdefault((w.layer, w.expert), set()).add(w.part.partition(".")[0])
     lm = schema.language_model_prefix(config)
     prefixes = {f"layers.{i}": f"{lm}layers.{i}." for i in range(m.start_layer, m.end_layer)}
-    prefixes |= {label: f"{label}." for label in n.experts if label.startswith("mtp.")}
+    # MTP layers from the stage's own routers, as decoder layers from its range: a manifest that
+    # leaves one out must not leave its experts unchecked.
+    mtp = {name.removesuffix(f".{ROUTER}") for name in m.tensors if _MTP_ROUTER.fullmatch(name)}
+    prefixes |= {label: f"{label}." for label in sorted(mtp | {x for x in n.experts if x.startswith("mtp.")})}
     # Every MoE layer of the stage (its router is there), and every one the manifest records.
     moe = [label for label, p in prefixes.items() if f"{p}{ROUTER}" in m.tensors]
     problems = []

@@ -69,7 +69,8 @@ def _documented(section: str) -> set[str]:
 def test_json_page_names_the_fields_the_documents_have(tiny, tmp_path):
     """Every field the --json documents have is on docs/json.md, and every field there is in some
     document (``fetch``: a Hub source only, run by tests/e2e/test_hub.py; ``unchecked_quantization``:
-    an unknown quantization method only, run by tests/unit/model/test_quant.py)."""
+    an unknown quantization method only, run by tests/unit/model/test_quant.py; ``server_flags``:
+    ``--ep`` only, run by tests/e2e/test_expert_parallel.py)."""
     import json
     import subprocess
 
@@ -89,7 +90,7 @@ def test_json_page_names_the_fields_the_documents_have(tiny, tmp_path):
     seen = set().union(*split)
     assert split[-1]["status"] == "error" and "node" in split[2] and "balanced" in split[1]
     assert seen <= _documented("`split` and `plan`")
-    assert _documented("`split` and `plan`") - seen == {"fetch", "unchecked_quantization"}
+    assert _documented("`split` and `plan`") - seen == {"fetch", "unchecked_quantization", "server_flags"}
     report = doc("verify", tmp_path / "out")
     assert set(report) == _documented("`verify`")
 

@@ -98,13 +98,7 @@ class RemoteFile:
 
 def read_timeout_setting() -> float:
     """Seconds a read may go without a byte: ``QWEN35_RESHARD_READ_TIMEOUT`` if set, else
-    :data:`READ_TIMEOUT`.
-
-    Returns:
-        A positive number of seconds.
-
-    Raises:
-        ReshardError: the setting is not a positive number.
+    :data:`READ_TIMEOUT`; refused as :func:`seconds_setting` says.
 
     Example:
         >>> read_timeout_setting()
@@ -114,27 +108,18 @@ def read_timeout_setting() -> float:
 
 
 def seconds_setting(name: str, default: float) -> float:
-    """A duration read from the environment variable ``name``: ``default`` if unset or empty.
-
-    Args:
-        name: the environment variable (the operator's own parameter, named in the error).
-        default: the seconds when it is not set.
-
-    Returns:
-        A positive number of seconds.
+    """A duration from the environment variable ``name`` (``default`` if unset or empty).
 
     Raises:
-        ReshardError: the setting is not a positive number (one line naming ``name``).
+        ReshardError: not a positive number of seconds (one line naming ``name``).
 
     Example:
         >>> seconds_setting("QWEN35_RESHARD_UNSET_EXAMPLE", 0.5)
         0.5
     """
     raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
     try:
-        seconds = float(raw)
+        seconds = float(raw) if raw else default
     except ValueError:
         seconds = 0.0
     if not seconds > 0:

@@ -26,6 +26,13 @@ GAP_BYTES = 1 << 20
 MIN_PART_BYTES = 4 << 20
 MAX_PART_BYTES = 64 << 20
 PARTS_PER_STREAM = 4
+# The last parts in the queue are cut smaller (to about the bytes left after them over the
+# streams, no less than TAIL_PART_BYTES), so that the streams run out of work together: with
+# parts all of one size, each stream's last part ends up to a part's time apart (0.4 s for a
+# 4 MiB part at 10 MB/s: a quarter of a 100 MB stage's fetch, measured on the paced Hub), the
+# link idling meanwhile. 1 MiB: a request's wait (30 ms at 10 MB/s) is then a quarter of its
+# part's time, paid on a few parts only (see docs/development/benchmarks-log.md).
+TAIL_PART_BYTES = 1 << 20
 
 
 class Part(NamedTuple):
@@ -119,4 +126,32 @@ def plan_parts(runs: dict[str, list[tuple[int, int]]], streams: int) -> dict[str
     """
     joined = {f: coalesce(r) for f, r in runs.items()}
     size = part_size(sum(b - a for r in joined.values() for a, b in r), streams)
-    return {f: split(f, r, size) for f, r in joined.items()}
+    return even_tail({f: split(f, r, size) for f, r in joined.items()}, streams)
+
+
+def even_tail(parts: dict[str, list[Part]], streams: int) -> dict[str, list[Part]]:
+    """``parts`` (per file, in the order queued) with each part near the end of the queue cut
+    into pieces of about the bytes from its start to the end over ``streams`` (at least
+    :data:`TAIL_PART_BYTES`): guided self-scheduling, so that every stream has work until the
+    last bytes, whose parts are small. The bytes covered are the same.
+
+    Args:
+        parts: per file, its parts in the order the engine takes them.
+        streams: requests in flight at once.
+
+    Returns:
+        The same files in the same order, the tail's parts cut smaller.
+
+    Example:
+        >>> [p.end - p.start for p in even_tail({"a": [Part("a", 0, 8 << 20)]}, 4)["a"]]
+        [2097152, 2097152, 2097152, 2097152]
+    """
+    left = sum(p.end - p.start for ps in parts.values() for p in ps)
+    out: dict[str, list[Part]] = {}
+    for file, ps in parts.items():
+        out[file] = []
+        for p in ps:
+            target = max(TAIL_PART_BYTES, -(-left // streams))
+            left -= p.end - p.start
+            out[file] += split(file, [(p.start, p.end)], target) if p.end - p.start > target else [p]
+    return out

@@ -264,3 +264,33 @@ def test_the_node_budget_of_hashing_threads_is_shared_by_its_loaders(out, monkey
     with pytest.raises(DamagedStage):
         _load(out)
     assert sizes[1] >= 1
+
+
+@pytest.mark.parametrize(
+    ("nanos", "after", "recorded"),
+    [(0, 1.0, False), (0, 2.5, True), (123_456_789, 0.5, True)],
+    ids=["coarse-within-its-granularity", "coarse-settled", "fine-settled"],
+)
+def test_a_file_changed_within_a_coarse_filesystems_granularity_is_not_recorded(
+    tmp_path, monkeypatch, nanos, after, recorded
+):
+    """A filesystem of whole-second times (ext3, FAT's two seconds) keeps a file's times through a
+    write up to its granularity later: a check that began 1 s after the time seen could have
+    missed a write and must not be trusted by the node's other loaders."""
+    monkeypatch.setenv("QWEN35_RESHARD_CHECKED_DIR", str(tmp_path / "node"))
+    data = tmp_path / "data"
+    data.write_bytes(b"x" * 64)
+    when = int(time.time()) - 10
+    checks = NodeChecks.open()
+    fd = os.open(data, os.O_RDONLY)
+    try:
+        claim = checks.claim(fd, "expected")
+        assert claim.state == "mine"
+        # The identity a coarse filesystem gives: both times whole seconds (or fine ones).
+        seen = (*claim.checked[:3], when * 10**9 + nanos, when * 10**9 + nanos)
+        claim.checked, claim.started = seen, when + nanos / 1e9 + after
+        claim.record(seen)
+        assert (checks.claim(fd, "expected").state == "trusted") is recorded
+    finally:
+        os.close(fd)
+        checks.close()

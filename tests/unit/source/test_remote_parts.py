@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 import random
 
 import pytest
@@ -10,8 +11,10 @@ from qwen35_reshard.source.remote.parts import (
     GAP_BYTES,
     MAX_PART_BYTES,
     MIN_PART_BYTES,
+    TAIL_PART_BYTES,
     Part,
     coalesce,
+    even_tail,
     part_size,
     plan_parts,
     split,
@@ -65,3 +68,48 @@ def test_plan_parts_sizes_parts_for_all_files_together():
     assert parts["b"] == [Part("b", 0, 300)]  # one request across a 100-byte gap
     sizes = {p.end - p.start for p in parts["a"]}
     assert max(sizes) <= part_size(big + 300, 8) and len(parts["a"]) >= 8
+
+
+def finish_spread(parts: list[Part], streams: int, rate: float = 10e6, wait: float = 0.03) -> float:
+    """Seconds between the first and the last stream running out of work, the engine's streams
+    taking ``parts`` in order (each costs ``wait`` then its bytes at ``rate``)."""
+    free = [0.0] * streams
+    for p in parts:
+        heapq.heappush(free, heapq.heappop(free) + wait + (p.end - p.start) / rate)
+    return max(free) - min(free)
+
+
+def test_the_queues_last_parts_are_small_so_the_streams_end_together():
+    # One node's stage of the paced benchmark (~104 MB over 8 streams): 4 MiB parts left the
+    # link idle for up to a part's time (0.4 s at 10 MB/s) while the last parts finished.
+    total, streams = 104_000_000, 8
+    before = split("a", [(0, total)], part_size(total, streams))
+    parts = plan_parts({"a": [(0, total)]}, streams)["a"]
+    sizes = [p.end - p.start for p in parts]
+    assert sizes[0] == before[0].end - before[0].start  # the bulk as before
+    assert all(TAIL_PART_BYTES // 2 <= n <= 2 * TAIL_PART_BYTES for n in sizes[-streams:])
+    assert finish_spread(before, streams) > 0.4
+    assert finish_spread(parts, streams) <= TAIL_PART_BYTES / 10e6 + 0.03
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_even_tail_covers_the_same_bytes_in_the_same_order(seed):
+    rng = random.Random(seed)
+    parts: dict[str, list[Part]] = {}
+    for f in "abcd"[: rng.randint(1, 4)]:
+        at, ps = 0, []
+        for _ in range(rng.randint(1, 5)):
+            at += rng.randint(0, 3 << 20)
+            n = rng.randint(1, 6 << 20)
+            ps.append(Part(f, at, at + n))
+            at += n
+        parts[f] = ps
+    out = even_tail(parts, rng.randint(1, 16))
+    assert list(out) == list(parts)
+    for f, ps in parts.items():
+        spans = [(p.start, p.end) for p in out[f]]
+        assert coalesce(spans, gap=0) == coalesce([(p.start, p.end) for p in ps], gap=0)
+        assert [p.start for p in out[f]] == sorted(p.start for p in out[f])  # offset order kept
+        small = {(p.start, p.end) for p in ps if p.end - p.start <= TAIL_PART_BYTES}
+        assert small <= {(p.start, p.end) for p in out[f]}  # a small part is never cut
+        assert all(p.end - p.start >= TAIL_PART_BYTES // 2 for p in out[f] if (p.start, p.end) not in small)
