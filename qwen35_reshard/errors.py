@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 # What json.loads raises for bytes it cannot load: JSONDecodeError and UnicodeDecodeError (both
 # ValueErrors), ValueError for an integer past Python's 4300-digit limit, RecursionError for
@@ -66,15 +65,27 @@ AGAIN = advice("rerun", "run the same command again")
 ELSEWHERE = advice("elsewhere", "choose another directory")
 
 
-@dataclass(frozen=True)
 class Audience:
     """Who reads a message, in their terms: ``flags`` spells each :func:`param` (a CLI's
     flags, a server's settings), ``advice`` words each kind of :func:`advice` (what a server
     operator does is not what a command-line user does). Anything not mapped is said as the
-    library says it."""
+    library says it.
 
-    flags: Mapping[str, str] = field(default_factory=dict)
-    advice: Mapping[str, str] = field(default_factory=dict)
+    A plain class, not a dataclass: this module loads before the command line's Ctrl-C handler
+    is installed (``cli.main``), so it imports only what the interpreter's start already has
+    (``dataclasses`` pulls in ``copy``, ``inspect``, ...: tests/e2e/test_no_traceback.py).
+    """
+
+    __slots__ = ("flags", "advice")
+
+    def __init__(
+        self, flags: Mapping[str, str] | None = None, advice: Mapping[str, str] | None = None
+    ) -> None:
+        self.flags: Mapping[str, str] = dict(flags or {})
+        self.advice: Mapping[str, str] = dict(advice or {})
+
+    def __repr__(self) -> str:
+        return f"Audience(flags={self.flags!r}, advice={self.advice!r})"
 
 
 class ReshardError(ValueError):
