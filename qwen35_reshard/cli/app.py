@@ -204,7 +204,7 @@ def _group(version: Version = False) -> None:
 def split(
     model: Model,
     out: Annotated[Path, typer.Argument(metavar="OUT", help="output directory", show_default=False)],
-    pp: Pp,
+    pp: Pp = None,
     runtime: RuntimeOpt = Runtime.sglang,
     partition: Partition = None,
     gpu_memory: GpuMemory = None,
@@ -301,7 +301,7 @@ def split(
 @app.command(epilog=_PLAN_EXAMPLES)
 def plan(
     model: Model,
-    pp: Pp,
+    pp: Pp = None,
     out: Annotated[
         Path | None,
         typer.Argument(

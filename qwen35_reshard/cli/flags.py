@@ -91,7 +91,12 @@ Model = Annotated[
         show_default=False,
     ),
 ]
-Pp = Annotated[int, typer.Option("--pp", metavar="N", help="number of pipeline stages", show_default=False)]
+Pp = Annotated[
+    int | None,
+    typer.Option(
+        "--pp", metavar="N", help="number of pipeline stages (1 with --ep alone)", show_default=False
+    ),
+]
 RuntimeOpt = Annotated[
     Runtime, typer.Option("--runtime", help="server whose split and placement rules apply")
 ]
@@ -216,8 +221,13 @@ class ExpertArgs:
     init_expert_location: str | None
     node: str | None
 
-    def layout(self, pp: int, runtime: str, partition: str | None) -> Parallelism:
+    def layout(self, pp: int | None, runtime: str, partition: str | None) -> Parallelism:
         from ..model.experts import read_expert_location
+
+        if pp is None:  # expert parallelism alone is one stage; a pipeline split names its size
+            if self.ep == 1:
+                raise BadInput("--pp is needed: the number of pipeline stages, e.g. --pp 4")
+            pp = 1
 
         rows = None if self.init_expert_location is None else read_expert_location(self.init_expert_location)
         return Parallelism(pp, runtime, partition, self.ep, self.nodes, self.redundant_experts, rows)

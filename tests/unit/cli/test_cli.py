@@ -299,3 +299,13 @@ def test_model_may_name_the_file_of_a_single_file_checkpoint(tiny, tmp_path):
         p = cli("plan", "--pp", 2, path)
         assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
         assert p.stderr.count("\n") == 1 and p.stderr.startswith(f"error: {path}: ") and says in p.stderr
+
+
+def test_pp_is_one_with_ep_alone_and_needed_without_it(capsys, model):
+    """`--ep E --nodes N` alone is one pipeline stage (OUT/node{k}); without --ep, --pp is the split's
+    size and has no default: one line naming it."""
+    code, out, err = run_main(capsys, "plan", "--ep", 4, "--nodes", 2, model, "--json")
+    assert code == 0, err
+    assert [s["dir"] for s in json.loads(out)["stages"]] == ["node0", "node1"]
+    code, out, err = run_main(capsys, "plan", model)
+    assert code == 2 and err.strip() == "error: --pp is needed: the number of pipeline stages, e.g. --pp 4"
