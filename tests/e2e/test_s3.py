@@ -19,10 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from qwen35_reshard.source.remote.checkpoint import header_read
 from qwen35_reshard.source.remote.parts import GAP_BYTES
 
-from support.helpers import ROOT, digests, one_error_line
+from support.helpers import ROOT, digests, header_bytes, header_reads, one_error_line
 from support.s3_server import S3Server, bucket_key
 
 pytestmark = pytest.mark.slow  # real runs against a real server: seconds a case
@@ -69,20 +68,6 @@ def run(args, *, env, cache=None, check=True, popen=False):
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
     return proc
-
-
-def header_bytes(model: Path) -> dict[str, int]:
-    """Each shard's length prefix plus header, read with struct."""
-    out = {}
-    for p in sorted(model.glob("*.safetensors")):
-        with open(p, "rb") as f:
-            out[p.name] = 8 + struct.unpack("<Q", f.read(8))[0]
-    return out
-
-
-def header_reads(model: Path) -> dict[str, int]:
-    """What reading each shard's header costs: the tool's first read, or more for a longer header."""
-    return {f: max(n, header_read((model / f).stat().st_size)) for f, n in header_bytes(model).items()}
 
 
 def data_bytes(stage: Path) -> int:

@@ -47,7 +47,7 @@ from test_sglang_loading import CHECKPOINTS as BF16_CHECKPOINTS
 import qwen35_reshard
 from qwen35_reshard.format.digest import XXH128, hexdigest
 
-from support.helpers import SUPPORT, run_without
+from support.helpers import SUPPORT, header_reads, run_without
 from support.tiny_model import INDEX
 
 # Real model code in SGLang's environment, seconds to minutes a case.
@@ -336,7 +336,7 @@ def unsplit(tmp_path_factory, tiny):
                           and f"qwen35-stages/pp{rank}" in e.agent) for rank in (0, 1)}
         others = sum(e.sent for e in hub.log if e.file.endswith(".safetensors") and e.method == "GET"
                      and "qwen35-stages/pp" not in e.agent)
-    headers = sum(8 + int.from_bytes(f.read_bytes()[:8], "little") for f in source.glob("*.safetensors"))
+    headers = sum(header_reads(source).values())  # the tool's first read of each, or the longer header
     split_names = {(cid, rank): qwen35_reshard.open_stage(o, pp_rank=rank).names for rank in (0, 1)
                    for cid, o in (("repo", out), ("local", out), ("local-fp8", fp8_out))}
     return {"found": found, "sent": sent, "others": others, "headers": headers, "plan": plan,

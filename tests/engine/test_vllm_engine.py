@@ -38,7 +38,7 @@ from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
 import qwen35_reshard
 from qwen35_reshard.servers.vllm import LOAD_FORMAT
 
-from support.helpers import SUPPORT, partition_exchange
+from support.helpers import SUPPORT, header_reads, partition_exchange
 
 # The real vLLM engine in its environment, minutes a case.
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -255,13 +255,10 @@ def safetensors_sent(hub, agent: str | None = None, *, exclude: str | None = Non
 
 
 def pp2_plan_and_headers(source: Path) -> tuple[object, int]:
-    """The PP=2 vLLM plan of ``source`` and the bytes of its shards' length prefixes and headers."""
+    """The PP=2 vLLM plan of ``source`` and what reading its shards' headers costs (the tool's
+    first read of each, or more for a longer header)."""
     plan = qwen35_reshard.make_plan(qwen35_reshard.read_checkpoint(source), pp=2, runtime="vllm")
-    headers = 0
-    for f in source.glob("*.safetensors"):
-        with open(f, "rb") as fh:
-            headers += 8 + int.from_bytes(fh.read(8), "little")
-    return plan, headers
+    return plan, sum(header_reads(source).values())
 
 
 def test_pp2_from_a_repo_id_fetches_each_stage_once(world, reference, tmp_path):

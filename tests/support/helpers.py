@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from qwen35_reshard.source.remote.checkpoint import header_read
+
 ROOT = Path(__file__).resolve().parents[2]  # the repository
 SUPPORT = Path(__file__).resolve().parent  # the workers run as scripts from here
 CLI = Path(sys.executable).with_name("qwen35-reshard")  # the installed command
@@ -168,3 +170,17 @@ def other_weights(model: Path, dest: Path) -> Path:
     raw[8 + n : 8 + n + 64] = bytes(b ^ 0xFF for b in raw[8 + n : 8 + n + 64])
     shard.write_bytes(bytes(raw))
     return dest
+
+
+def header_bytes(model: Path) -> dict[str, int]:
+    """Each shard's length prefix plus header, read with struct."""
+    out = {}
+    for p in sorted(model.glob("*.safetensors")):
+        with open(p, "rb") as f:
+            out[p.name] = 8 + struct.unpack("<Q", f.read(8))[0]
+    return out
+
+
+def header_reads(model: Path) -> dict[str, int]:
+    """What reading each shard's header costs: the tool's first read, or more for a longer header."""
+    return {f: max(n, header_read((model / f).stat().st_size)) for f, n in header_bytes(model).items()}
