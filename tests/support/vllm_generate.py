@@ -33,6 +33,18 @@ import os
 import sys
 
 EP_PROBE_ENV = "QWEN35_RESHARD_TEST_VLLM_EP_PROBE"
+# The engine's settings for a tiny text-only model on CPU, shared with benchmarks/server_load.py.
+CPU_ENGINE = {
+    "language_model_only": True,
+    "skip_tokenizer_init": True,
+    "dtype": "bfloat16",  # the CPU Gated DeltaNet kernel needs bf16
+    "max_model_len": 64,
+    "max_num_seqs": 4,
+    "kv_cache_memory_bytes": 64 << 20,
+    # PP on the CPU worker needs the warm-up that eager mode skips; "eager" backend, no inductor.
+    "compilation_config": {"mode": 2, "backend": "eager"},
+    "seed": 0,
+}
 LOADED: dict = {}  # this process's rank, as loaded: see record_loaded
 
 
@@ -118,15 +130,7 @@ def main() -> None:
         pipeline_parallel_size=spec["pp"],
         tensor_parallel_size=spec.get("tp", 1),
         enable_expert_parallel=ep,
-        language_model_only=True,
-        skip_tokenizer_init=True,
-        dtype="bfloat16",  # the CPU Gated DeltaNet kernel needs bf16
-        max_model_len=64,
-        max_num_seqs=4,
-        kv_cache_memory_bytes=64 << 20,
-        # PP on the CPU worker needs the warm-up that eager mode skips; "eager" backend, no inductor.
-        compilation_config={"mode": 2, "backend": "eager"},
-        seed=0,
+        **CPU_ENGINE,
     )
     if ep:
         print("PARAMS " + json.dumps(llm.collective_rpc(loaded_on_rank)), flush=True)
