@@ -17,7 +17,7 @@ from ..model.parallelism import Parallelism
 from ..model.runtimes import RUNTIMES
 from ..plan.nodes import Nodes
 from ..plan.planner import DEFAULT_MAX_FILE_BYTES
-from ..source.remote.engine import DEFAULT_STREAMS, STREAMS_ENV
+from ..source.remote.settings import DEFAULT_STREAMS, STREAMS_ENV
 from ..units import parse_size
 from ..write.options import REFLINK_MODES
 

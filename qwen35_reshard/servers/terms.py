@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ..errors import Audience, ReshardError
 from ..loader import Stage
-from ..source.remote.engine import STREAMS_ENV
+from ..source.remote.settings import STREAMS_ENV
 from ..units import format_bytes
 
 STAGE_CACHE_ENV = "QWEN35_RESHARD_STAGE_CACHE"

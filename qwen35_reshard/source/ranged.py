@@ -27,7 +27,8 @@ from collections.abc import Callable, Iterator, Mapping
 from urllib.parse import urljoin, urlsplit
 
 from ..errors import HubError
-from .remote.engine import RemoteFile, Transient, read_timeout_setting
+from .remote.engine import RemoteFile, Transient
+from .remote.settings import read_timeout_setting
 
 # Status codes worth another try (as huggingface_hub retries them), and CDN answers that mean
 # "this signed address has expired: ask the Hub for a fresh one".
@@ -83,7 +84,7 @@ class HttpTransport:
     ``raise_for_status(response)`` turns the Hub's error answers into exceptions
     (huggingface_hub's ``hf_raise_for_status``). ``counter``, when given, is told every request
     sent (``counter.request()``) and every body byte received (``counter.add(nbytes)``).
-    ``read_timeout`` (default: :func:`.remote.engine.read_timeout_setting`) bounds each wait for
+    ``read_timeout`` (default: :func:`.remote.settings.read_timeout_setting`) bounds each wait for
     the server, so a stalled answer becomes :class:`Transient` (huggingface_hub's shared client
     waits forever). The CDN address a redirect names is kept per address asked (one request per
     read instead of two), shared by every transport of the process (planning's and the copy's),

@@ -62,6 +62,12 @@ class Repo:
     token: str | None = None
 
 
+def pace_piece(rate: float | None) -> int:
+    """How many bytes a paced answer writes at a time: 64 KiB, or what the rate sends in 20 ms
+    where that is less (4 KiB at least), so a small body is paced too rather than written at once."""
+    return min(64 * 1024, max(4096, int(rate / 50))) if rate else 64 * 1024
+
+
 @dataclass
 class LogEntry:
     origin: str  # "hub" or "cdn"
@@ -74,6 +80,10 @@ class LogEntry:
     started: float = 0.0  # when the request came in: the log is in this order
     agent: str = ""  # the User-Agent header: which process (or rank) asked
     ended: float = 0.0  # when the answer's last byte was sent: [started, ended) is in flight
+    # Just before the write that sent the answer's last byte: the client cannot have that byte
+    # sooner, so a request it sends once it has the answer starts after this however late the
+    # server's thread gets to record ``ended`` (on a busy machine, after that next request came).
+    answered: float = 0.0
 
     @property
     def file(self) -> str:
@@ -285,10 +295,28 @@ def _serve(owner: HubServer, origin: str) -> ThreadingHTTPServer:
     return server
 
 
+class _StampedWriter:
+    """The handler's socket writer, noting the time before each write (see ``LogEntry.answered``)."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner, self.last = inner, 0.0
+
+    def write(self, b: bytes) -> int:
+        self.last = time.monotonic()
+        return self.inner.write(b)
+
+    def flush(self) -> None:
+        self.inner.flush()
+
+
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     owner: HubServer
     origin: str
+
+    def setup(self) -> None:
+        super().setup()
+        self.wfile = _StampedWriter(self.wfile)
 
     def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - quiet
         pass
@@ -335,6 +363,7 @@ class _Handler(BaseHTTPRequestHandler):
             pass
         finally:
             ended = time.monotonic()
+            answered = self.wfile.last if self.wfile.last >= started else ended
             with self.owner.state.lock:
                 self.owner.state.log.append(
                     LogEntry(
@@ -348,6 +377,7 @@ class _Handler(BaseHTTPRequestHandler):
                         started,
                         self.headers.get("User-Agent", ""),
                         ended,
+                        answered,
                     )
                 )
             with self.owner.state.settled:
@@ -590,7 +620,7 @@ class _Handler(BaseHTTPRequestHandler):
                     ahead = self._sent / rate - (time.monotonic() - body_started)
                     if ahead > 0:
                         time.sleep(ahead)
-                chunk = f.read(min(left, 64 * 1024))
+                chunk = f.read(min(left, pace_piece(rate)))
                 if limit is not None and self._sent + len(chunk) > limit:
                     self.wfile.write(chunk[: limit - self._sent])
                     self._sent = limit

@@ -45,6 +45,7 @@ class Read:
     sent: int
     started: float
     ended: float
+    answered: float  # just before the server wrote the answer's last byte (hub_server.LogEntry)
 
 
 class Served:
@@ -99,17 +100,13 @@ class Served:
         (self.server.state.stopped if self.kind == "hub" else self.server.stopped).set()
 
     @property
-    def peak_in_flight(self) -> int:
-        return self.server.peak_in_flight
-
-    @property
     def log(self) -> list[Read]:
         """The shard's data reads, in the order they came in, once none is being answered."""
         if self.kind == "hub":
             entries = [e for e in self.server.log if e.origin == "cdn"]
         else:
             entries = sorted(self.server.gets(SHARD), key=lambda e: e.started)
-        return [Read(e.range, e.status, e.sent, e.started, e.ended) for e in entries]
+        return [Read(e.range, e.status, e.sent, e.started, e.ended, e.answered) for e in entries]
 
 
 def served_hub(model: Path):

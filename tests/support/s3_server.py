@@ -30,11 +30,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
+from .hub_server import pace_piece
+
 REGION = "us-east-1"
 _ALLOW_ALL = json.dumps(
     {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}
 )
-_PACE_CHUNK = 64 * 1024
 
 
 @dataclass
@@ -50,6 +51,7 @@ class S3Log:
     session_token: bool = False
     started: float = 0.0  # when the request came in
     ended: float = 0.0  # when its answer's last byte went out: [started, ended) is in flight
+    answered: float = 0.0  # just before its last piece was handed to the socket (hub_server.LogEntry)
 
     @property
     def key(self) -> str:
@@ -153,6 +155,7 @@ class _Paced:
     def _done(self, entry: S3Log) -> None:
         with self.owner.settled:
             entry.ended = time.monotonic()
+            entry.answered = entry.answered or entry.ended
             if not entry.path.startswith("/moto-api"):
                 self.owner.in_flight -= 1
             self.owner.settled.notify_all()
@@ -163,8 +166,9 @@ class _Paced:
         rate, started = self.owner.rate, time.monotonic()
         try:
             for chunk in body:
-                for i in range(0, len(chunk), _PACE_CHUNK if rate else max(len(chunk), 1)):
-                    piece = chunk[i : i + _PACE_CHUNK] if rate else chunk
+                step = pace_piece(rate)
+                for i in range(0, len(chunk), step if rate else max(len(chunk), 1)):
+                    piece = chunk[i : i + step] if rate else chunk
                     if cut is not None and entry.sent + len(piece) > cut.after:
                         yield piece[: cut.after - entry.sent]
                         entry.sent = cut.after
@@ -176,6 +180,7 @@ class _Paced:
                         ahead = entry.sent / rate - (time.monotonic() - started)
                         if ahead > 0:
                             time.sleep(ahead)
+                    entry.answered = time.monotonic()
                     yield piece
                     entry.sent += len(piece)
         finally:

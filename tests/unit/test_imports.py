@@ -34,9 +34,10 @@ LAYERS = [
     # One remote checkpoint reader (remote: the store protocol, the checkpoint, the fetch, the
     # engine) over stores (hub, s3): a store imports remote, never another store.
     (3, "source", ["source", "source.header", "source.checkpoint", "source.remote", "source.remote.parts",
-                   "source.remote.engine", "source.remote.store", "source.remote.checkpoint",
-                   "source.remote.fetch", "source.ranged", "source.hub", "source.hub.cache",
-                   "source.hub.http", "source.hub.store", "source.s3", "source.s3.store", "source.open"]),
+                   "source.remote.settings", "source.remote.engine", "source.remote.store",
+                   "source.remote.checkpoint", "source.remote.fetch", "source.ranged", "source.hub",
+                   "source.hub.cache", "source.hub.http", "source.hub.store", "source.s3", "source.s3.store",
+                   "source.open"]),
     (4, "plan", ["plan", "plan.layout", "plan.planner", "plan.capacity", "plan.balance", "plan.fetch",
                  "plan.nodes", "plan.experts", "plan.nodedirs"]),
     (5, "transfer", ["transfer", "transfer.reflink", "transfer.segments", "transfer.pages", "transfer.hasher",

@@ -19,7 +19,7 @@ same for every transport:
   finished after the cut (additive increase, multiplicative decrease): the server asked for
   fewer requests, and gets them, without the run failing. A ``Retry-After`` (seconds) is the
   least wait before asking again;
-- a read that stalls (no byte for :data:`READ_TIMEOUT` seconds) is a transient failure, and
+- a read that stalls (no byte for :data:`.settings.READ_TIMEOUT` seconds) is a transient failure, and
   :meth:`FetchEngine.close` never waits on the network: cleanup after Ctrl-C or another
   failure is prompt.
 """
@@ -28,61 +28,20 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from ...errors import AGAIN, BadInput, RemoteError, param
+from ...errors import AGAIN, RemoteError
 from .parts import Part
+from .settings import DEFAULT_STREAMS
 
-# huggingface_hub's snapshot_download fetches with 8 threads (max_workers=8): at least as
-# many streams, no more by default (too many streams can collapse a link's throughput:
-# huggingface_hub issue #4893).
-DEFAULT_STREAMS = 8
-STREAMS_ENV = "QWEN35_RESHARD_STREAMS"  # the servers' in-server fetch reads it (no CLI there)
 SLOW_DOWN_STATUS = (429, 503)  # "too many requests": fewer streams, then try again
-# Seconds without a byte before a read counts as stalled and is asked again from its first
-# missing byte. A live link delivers a chunk far more often (even 1 MB/s fills a 64 KiB chunk in
-# 0.07 s); a CDN under load may pause for seconds, so a minute is only ever a dead connection
-# (huggingface_hub's own downloads wait 10 s: HF_HUB_DOWNLOAD_TIMEOUT).
-READ_TIMEOUT = 60.0
-READ_TIMEOUT_ENV = "QWEN35_RESHARD_READ_TIMEOUT"  # shorter in tests of a stalled server
-
 log = logging.getLogger(__name__)
 
 Sink = Callable[[int, memoryview], None]
-
-
-def streams_setting(streams: int | None) -> int:
-    """The number of streams: ``streams`` if given, else ``QWEN35_RESHARD_STREAMS``, else
-    :data:`DEFAULT_STREAMS`.
-
-    Args:
-        streams: the caller's setting (None: not set).
-
-    Returns:
-        A positive number of streams.
-
-    Raises:
-        ReshardError: the setting is not a positive integer.
-
-    Example:
-        >>> streams_setting(4)
-        4
-    """
-    if streams is None:
-        raw = os.environ.get(STREAMS_ENV, "").strip()
-        if not raw:
-            return DEFAULT_STREAMS
-        if not raw.isdigit() or int(raw) < 1:
-            raise BadInput(f"{STREAMS_ENV}={raw!r}: set it to a positive number of streams, e.g. 8")
-        return int(raw)
-    if streams < 1:
-        raise BadInput(f"{param('streams')} must be at least 1, got {streams}")
-    return streams
 
 
 @dataclass(frozen=True)
@@ -94,37 +53,6 @@ class RemoteFile:
     name: str
     size: int
     identity: str | None = None
-
-
-def read_timeout_setting() -> float:
-    """Seconds a read may go without a byte: ``QWEN35_RESHARD_READ_TIMEOUT`` if set, else
-    :data:`READ_TIMEOUT`; refused as :func:`seconds_setting` says.
-
-    Example:
-        >>> read_timeout_setting()
-        60.0
-    """
-    return seconds_setting(READ_TIMEOUT_ENV, READ_TIMEOUT)
-
-
-def seconds_setting(name: str, default: float) -> float:
-    """A duration from the environment variable ``name`` (``default`` if unset or empty).
-
-    Raises:
-        ReshardError: not a positive number of seconds (one line naming ``name``).
-
-    Example:
-        >>> seconds_setting("QWEN35_RESHARD_UNSET_EXAMPLE", 0.5)
-        0.5
-    """
-    raw = os.environ.get(name, "").strip()
-    try:
-        seconds = float(raw) if raw else default
-    except ValueError:
-        seconds = 0.0
-    if not seconds > 0:
-        raise BadInput(f"{name}={raw!r}: set it to a positive number of seconds, e.g. {default:g}")
-    return seconds
 
 
 class Transient(Exception):
@@ -185,6 +113,7 @@ def read_range(
     policy: RetryPolicy,
     *,
     on_transient: Callable[[Transient], None] = lambda e: None,
+    before_retry: Callable[[], None] = lambda: None,
     cancelled: threading.Event | None = None,
 ) -> None:
     """Hand ``sink`` bytes ``[start, end)`` of ``file`` in order, each once, asking again from
@@ -198,6 +127,7 @@ def read_range(
         sink: ``sink(offset, chunk)`` for every chunk.
         policy: how often and when to try again.
         on_transient: told every transient failure before its backoff.
+        before_retry: called after the backoff, before asking again (may wait for a stream).
         cancelled: once set, stop (raising) between chunks or during a backoff wait.
 
     Raises:
@@ -245,6 +175,7 @@ def read_range(
             )
             if cancelled.wait(wait):
                 raise _Cancelled from e
+            before_retry()
 
 
 def log_retry(display: str, cause: str, wait: float, attempt: int, attempts: int) -> None:
@@ -407,6 +338,7 @@ class FetchEngine:
                         self._guarded(transfer.sink, stop),
                         self.policy,
                         on_transient=self._slow_down,
+                        before_retry=lambda: self._within_limit(stop),
                         cancelled=stop,
                     )
                     transfer.part_done(index)
@@ -448,6 +380,21 @@ class FetchEngine:
                 self._since_cut = 0
                 self.limit += 1
                 self._cond.notify_all()
+
+    def _within_limit(self, stop: threading.Event) -> None:
+        """Before a stream asks again: if more are in flight than the limit allows now (cut
+        since it started), give up its place and wait for one, as a part not yet started does:
+        a retry is a new request to a server that asked for fewer."""
+        with self._cond:
+            if self._active <= self.limit:
+                return
+            self._active -= 1
+            self._cond.notify_all()
+            while not stop.is_set() and self._active >= self.limit:
+                self._cond.wait()
+            if stop.is_set():
+                raise _Cancelled
+            self._active += 1
 
     def _slow_down(self, e: Transient) -> None:
         """Halve the streams in flight after a 429/503 (once per first backoff wait): no part

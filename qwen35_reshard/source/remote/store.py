@@ -39,7 +39,8 @@ from typing import NamedTuple
 from ...errors import ReshardError
 from ...format.names import partial_name, process_token
 from ..header import MAX_HEADER_BYTES
-from .engine import FetchEngine, RemoteFile, RetryPolicy, Transport, seconds_setting, streams_setting
+from .engine import FetchEngine, RemoteFile, RetryPolicy, Transport
+from .settings import seconds_setting, streams_setting
 
 # First wait before retrying a failed request (doubled each time, up to MAX_RETRY_WAIT s).
 RETRY_WAIT_ENV = "QWEN35_RESHARD_RETRY_WAIT"

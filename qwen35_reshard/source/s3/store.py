@@ -18,7 +18,8 @@ from urllib.parse import urlsplit
 from ...errors import AGAIN, BadInput, ObjectStoreError, ReshardError, param
 from ...format.names import TOOL_NAME
 from ..ranged import describe, redact, retry_after
-from ..remote.engine import RemoteFile, Transient, read_timeout_setting, streams_setting
+from ..remote.engine import RemoteFile, Transient
+from ..remote.settings import read_timeout_setting, streams_setting
 from ..remote.store import RemoteObject, Store, Traffic
 
 SCHEME = "s3://"
