@@ -282,6 +282,8 @@ def test_revision_is_resolved_once_and_pinned(hub, hf_home, model, tmp_path, loc
     run(["--pp", PP, "--rank", 1, "--revision", "v1", REPO, out], hub=hub, hf_home=hf_home)
     named = [e.path for e in hub.log if e.origin == "hub"]
     assert [p for p in named if "v1" in p] == [f"/api/models/{REPO}/revision/v1"]
+    # The commit and the file list in that one request (before: a second, /tree/<commit>).
+    assert [p for p in named if p.startswith("/api/")] == [f"/api/models/{REPO}/revision/v1"]
     assert all(commit in p for p in named if "/resolve/" in p or "/tree/" in p)
     manifest = json.loads((out / "pp1" / "reshard-stage.json").read_text())
     assert manifest["source"]["commit"] == commit and manifest["source"]["revision"] == "v1"
@@ -504,6 +506,17 @@ def test_interrupted_run_resumes_keeping_what_is_done(hub, hf_home, model, ref, 
     assert again == set()  # every shard by ranges, straight into the stage
 
 
+def test_a_hub_answering_5xx_falls_back_on_the_cached_commit(hub, hf_home, tmp_path, local_split):
+    """As huggingface_hub's resolve_revision does: the Hub down (5xx on resolving the revision,
+    every retry), the commit refs/main names, and what was kept for it, serve the run."""
+    run(["plan", "--pp", PP, REPO], hub=hub, hf_home=hf_home)
+    hub.add_fault(Fault(path=f"/api/models/{REPO}/revision/main", status=500, times=99))
+    hub.clear_log()
+    run(["--pp", PP, "--rank", 1, REPO, tmp_path / "out"], hub=hub, hf_home=hf_home)
+    same_as_local(tmp_path / "out" / "pp1", local_split / "pp1")
+    assert [e.status for e in hub.log if "/revision/" in e.path] == [500]
+
+
 def test_a_damaged_kept_file_list_is_fetched_again(hub, hf_home, tmp_path, local_split):
     run(["plan", "--pp", PP, REPO], hub=hub, hf_home=hf_home)
     kept = list(Path(hf_home).rglob("files.json"))
@@ -535,7 +548,6 @@ def test_5xx_and_429_on_every_request_are_retried_and_logged(hub, hf_home, model
     w503, w500 = sorted(whole)[:2]
     ranged = sorted(ranges)[0]
     hub.add_fault(Fault(path=f"/api/models/{REPO}/revision/main", status=503))
-    hub.add_fault(Fault(path=f"/api/models/{REPO}/tree/", status=500))  # huggingface_hub retries it
     hub.add_fault(Fault(path=r"/resolve/[0-9a-f]{40}/tokenizer\.json$", status=503))  # its HEAD
     hub.add_fault(Fault("config.json", status=502))
     hub.add_fault(Fault(ranged, status=429, ranged=True))  # its header, while planning

@@ -426,6 +426,7 @@ class _Handler(BaseHTTPRequestHandler):
         return commit
 
     def _revision_info(self, repo_id: str, rev: str) -> None:
+        blobs = parse_qs(urlsplit(self.path).query).get("blobs", [""])[0].lower() in ("1", "true")
         repo = self._repo(repo_id)
         if repo is None or (commit := self._commit(repo, rev)) is None:
             return
@@ -435,9 +436,23 @@ class _Handler(BaseHTTPRequestHandler):
             "sha": commit,
             "private": repo.private,
             "gated": "manual" if repo.gated else False,
-            "siblings": [{"rfilename": name} for name in sorted(repo.files[commit])],
+            "siblings": [
+                self._sibling(name, path, blobs) for name, path in sorted(repo.files[commit].items())
+            ],
         }
         self._json(body)
+
+    def _sibling(self, name: str, path: Path, blobs: bool) -> dict:
+        """A file as the Hub's model info lists it: its name, and with ``?blobs=true``
+        (huggingface_hub's ``files_metadata=True``) its size, blob id and LFS sha256."""
+        if not blobs:
+            return {"rfilename": name}
+        meta = self.owner._describe(path)
+        out = {"rfilename": name, "blobId": meta["oid"], "size": meta["size"]}
+        if meta["lfs"]:
+            lfs = meta["lfs"]
+            out["lfs"] = {"sha256": lfs["oid"], "size": lfs["size"], "pointerSize": lfs["pointerSize"]}
+        return out
 
     def _tree(self, repo_id: str, rev: str, sub: str | None) -> None:
         repo = self._repo(repo_id)

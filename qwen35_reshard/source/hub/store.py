@@ -8,9 +8,11 @@ from __future__ import annotations
 import errno
 import functools
 import json
+import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
+from urllib.parse import quote
 
 from ..._version import __version__
 from ...errors import JSON_ERRORS, BadInput, HubError, ReshardError
@@ -22,6 +24,7 @@ from ..remote.store import RETRIES, RemoteObject, Store, Traffic, write_kept
 from .cache import HubSettings, inside, read_ref
 from .http import Progress, retry_status, retrying, transport_cause
 
+log = logging.getLogger(__name__)
 LISTING_NAME = "files.json"  # kept beside the headers: the repo's files and sizes at the commit
 LFS_NAME = "lfs-sha256.json"  # kept with it: each LFS file's sha256, as the Hub names its blob
 # Failures of the local disk while huggingface_hub writes its cache: not the Hub's.
@@ -143,28 +146,23 @@ class HubStore(Store):
                 f"{self.describe()}: offline, and neither the kept file list ({self.folder / LISTING_NAME}) "
                 "nor a cached snapshot is there; plan it once with network access"
             )
-        from huggingface_hub import HfApi
-
-        api = HfApi(
-            endpoint=self.settings.endpoint,
-            library_name=TOOL_NAME,
-            library_version=__version__,
-            user_agent=self.settings.user_agent,
-        )
-
-        def fetch() -> list:
-            self.traffic.request()
-            return list(api.list_repo_tree(self.repo_id, revision=self.commit, token=self.settings.token))
-
         try:
-            entries = retrying(fetch, f"{self.describe()}: the file list")
+            _, objects = retrying(
+                lambda: revision_info(self, self.commit), f"{self.describe()}: the file list"
+            )
         except Exception as e:
             raise hub_error(e, self, what="the file list") from e
-        sizes = {e.path: e.size for e in entries if getattr(e, "size", None) is not None}
-        lfs = {e.path: e.lfs.sha256 for e in entries if getattr(e, "lfs", None) and is_sha256(e.lfs.sha256)}
+        self.keep_listing(objects)
+        return objects
+
+    def keep_listing(self, objects: dict[str, RemoteObject]) -> None:
+        """Keep ``objects``, the listing at this store's commit, in its folder (where a later
+        run, online or offline, reads it instead of asking again)."""
+        sizes = {n: o.size for n, o in objects.items()}
+        lfs = {n: o.sha256 for n, o in objects.items() if o.sha256 is not None}
         write_kept(self.folder / LFS_NAME, json.dumps(lfs, sort_keys=True).encode())
         write_kept(self.folder / LISTING_NAME, json.dumps(sizes, sort_keys=True).encode())
-        return {n: RemoteObject(s, self.commit, lfs.get(n)) for n, s in sizes.items()}
+        self._objects = objects
 
     def transport(self) -> Transport:
         """Checked ranged reads of ``/resolve/<commit>/<file>`` (redirects followed, the CDN
@@ -233,6 +231,52 @@ class HubStore(Store):
         return path
 
 
+def revision_info(repo: HubStore, revision: str) -> tuple[str, dict[str, RemoteObject]]:
+    """The commit ``revision`` of ``repo`` names and the repo's top-level files at it (sizes,
+    LFS sha256) in one request: the Hub's model info with ``blobs=true`` (what huggingface_hub's
+    ``model_info(files_metadata=True)`` asks), through huggingface_hub's session and error
+    mapping, without importing its ``HfApi`` (~0.06 s before the first request).
+
+    Raises:
+        Exception: huggingface_hub's error for the answer (``hf_raise_for_status``), or the
+            transport's.
+        HubError: an answer that names no commit.
+    """
+    from huggingface_hub import get_session
+    from huggingface_hub.utils import build_hf_headers, hf_raise_for_status
+
+    settings = repo.settings
+    headers = build_hf_headers(
+        token=settings.token,
+        library_name=TOOL_NAME,
+        library_version=__version__,
+        user_agent=settings.user_agent,
+    )
+    url = f"{repo.endpoint}/api/models/{repo.repo_id}/revision/{quote(revision, safe='')}"
+    repo.traffic.request()
+    answer = get_session().get(url, headers=headers, params={"blobs": True})
+    hf_raise_for_status(answer)
+    try:
+        info = answer.json()
+        commit = info["sha"]
+        files = [
+            (f["rfilename"], f.get("size"), (f.get("lfs") or {}).get("sha256")) for f in info["siblings"]
+        ]
+    except (*JSON_ERRORS, KeyError, TypeError, AttributeError):
+        commit, files = None, []
+    if not isinstance(commit, str) or not COMMIT.fullmatch(commit):
+        raise HubError(
+            f"{repo.repo_id}: the Hub's answer for revision {revision!r} names no commit with its files; "
+            "check HF_ENDPOINT (a mirror that serves the Hub's API) and try again"
+        )
+    top = [
+        (n, size, sha)
+        for n, size, sha in files
+        if isinstance(n, str) and "/" not in n and isinstance(size, int)
+    ]
+    return commit, {n: RemoteObject(size, commit, sha if is_sha256(sha) else None) for n, size, sha in top}
+
+
 def open_hub(repo_id: str, settings: HubSettings) -> HubStore:
     """Pin ``repo_id`` at ``settings.revision`` (default ``main``) to its commit.
 
@@ -250,41 +294,74 @@ def open_hub(repo_id: str, settings: HubSettings) -> HubStore:
         >>> open_hub("Qwen/Qwen3.5-35B-A3B", HubSettings()).describe()  # doctest: +SKIP
         'Qwen/Qwen3.5-35B-A3B@5b9807b3028a'
     """
-    from huggingface_hub import HfApi
-
     revision = settings.revision or "main"
     probe = HubStore(repo_id, revision, "0" * 40, settings)
-    if not COMMIT.fullmatch(revision):
-        # huggingface_hub falls back on the cache's ref (offline, or the Hub unreachable),
-        # which it reads as it finds it: checked here first, read by no one if damaged.
-        read_ref(probe.storage, revision)
-    api = HfApi(
-        endpoint=settings.endpoint,
-        library_name=TOOL_NAME,
-        library_version=__version__,
-        user_agent=settings.user_agent,
-    )
+    if COMMIT.fullmatch(revision):  # pinned already: its listing is kept, or asked for when needed
+        return HubStore(repo_id, revision, revision, settings)
+    # huggingface_hub falls back on the cache's ref (offline, or the Hub unreachable), which it
+    # reads as it finds it: checked here first, read by no one if damaged.
+    read_ref(probe.storage, revision)
+    if probe.offline:
+        commit, objects = _cached_revision(probe), None
+    else:
+        try:
+            commit, objects = retrying(lambda: _resolve(probe), f"{repo_id}: revision {revision!r}")
+        except Exception as e:
+            raise hub_error(e, probe, what=f"revision {revision!r}") from e
+    store = HubStore(repo_id, revision, commit, settings, probe.traffic)
+    if objects is not None:
+        store.keep_listing(objects)
+    return store
 
-    def ask() -> object:
-        probe.traffic.request()
-        return api.resolve_revision(
-            repo_id,
-            revision=revision,
-            cache_dir=settings.cache_dir,
-            local_files_only=probe.offline,
-            token=settings.token,
-        )
 
+def _resolve(probe: HubStore) -> tuple[str, dict[str, RemoteObject] | None]:
+    """The commit ``probe.revision`` names and the listing at it, in one request; where the Hub
+    cannot be reached (or answers 5xx), the cache's ref as huggingface_hub's
+    ``resolve_revision`` falls back on it (and no listing: the kept one, if any, is read)."""
     try:
-        resolved = retrying(ask, f"{repo_id}: revision {revision!r}")
+        commit, objects = revision_info(probe, probe.revision)
     except Exception as e:
-        raise hub_error(e, probe, what=f"revision {revision!r}") from e
+        status = getattr(getattr(e, "response", None), "status_code", None)
+        reachable = transport_cause(e) is None and not (isinstance(status, int) and status >= 500)
+        cached = None if reachable or isinstance(e, ReshardError) else read_ref(probe.storage, probe.revision)
+        if cached is None:
+            raise
+        log.warning(
+            "Could not reach the Hub (%s). Using cached commit hash for '%s'.", describe(e), probe.repo_id
+        )
+        return cached, None
+    _keep_ref(probe.storage, probe.revision, commit)
+    return commit, objects
+
+
+def _cached_revision(probe: HubStore) -> str:
+    """Offline: the commit the cache's ref names, through huggingface_hub (its own refusal)."""
+    from huggingface_hub import HfApi
+
+    api = HfApi(endpoint=probe.settings.endpoint, library_name=TOOL_NAME, library_version=__version__)
+    settings = probe.settings
+    resolved = api.resolve_revision(
+        probe.repo_id, revision=probe.revision, cache_dir=settings.cache_dir, local_files_only=True
+    )
     if not COMMIT.fullmatch(resolved.resolved):  # a ref changed since read_ref read it (never shown)
         raise HubError(
-            f"{probe.storage}: refs/{revision} is not one 40-hex commit id; the cache folder is damaged: "
-            "delete that file and run again with network access"
+            f"{probe.storage}: refs/{probe.revision} is not one 40-hex commit id; the cache folder is "
+            "damaged: delete that file and run again with network access"
         )
-    return HubStore(repo_id, revision, resolved.resolved, settings, probe.traffic)
+    return resolved.resolved
+
+
+def _keep_ref(storage: Path, revision: str, commit: str) -> None:
+    """``refs/<revision>`` of the Hugging Face cache naming ``commit``, as huggingface_hub's
+    ``resolve_revision`` keeps it (best effort: a read-only cache still plans); an offline run
+    and a cache repo folder given as MODEL resolve the revision there."""
+    ref = storage / "refs" / revision
+    try:
+        if not ref.is_file() or ref.read_text() != commit:
+            ref.parent.mkdir(parents=True, exist_ok=True)
+            write_kept(ref, commit.encode())
+    except OSError as e:
+        log.warning("Ignored error while caching commit hash for %s: %s", storage.name, e)
 
 
 def hub_error(e: BaseException, repo: HubStore, *, what: str) -> ReshardError:
