@@ -283,6 +283,12 @@ class HubServer:
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
+    # Connections waiting to be accepted. socketserver's default, 5, is no server's: a client
+    # opening a few dozen connections at once (a header read per shard) overflows it while this
+    # one thread accepts, and the kernel drops the SYNs past it (TcpExt ListenOverflows), each
+    # connection then waiting out TCP's 1 s retransmit: a stall the Hub's front never causes
+    # (nginx's default backlog is 511, Linux's somaxconn 4096).
+    request_queue_size = 512
 
     def handle_error(self, request: object, client_address: object) -> None:
         pass  # a client that hangs up (as the retry tests make it) is not the server's problem
