@@ -653,6 +653,15 @@ def test_verify_source_repo_on_a_node_without_the_shards(hub, hf_home, model, re
     assert json.loads(proc.stdout)["status"] == "error"
 
 
+def test_offline_with_no_cached_revision_is_one_line(hf_home, tmp_path):
+    """Offline, a repo the cache never saw: one line saying so, no traceback."""
+    out = tmp_path / "out"
+    proc = run(["--pp", PP, REPO, out], hub=None, hf_home=hf_home, env={"HF_HUB_OFFLINE": "1"}, check=False)
+    line = one_error_line(proc)
+    assert "offline" in line and "revision 'main'" in line
+    assert not out.exists()
+
+
 def test_offline_one_missing_file_is_named_in_the_singular(hub, hf_home, tmp_path):
     """ "lacks 1 file", not "lacks 1 files"."""
     run(["--pp", PP, "--hf-cache", REPO, tmp_path / "all"], hub=hub, hf_home=hf_home)

@@ -301,13 +301,13 @@ def open_hub(repo_id: str, settings: HubSettings) -> HubStore:
     # huggingface_hub falls back on the cache's ref (offline, or the Hub unreachable), which it
     # reads as it finds it: checked here first, read by no one if damaged.
     read_ref(probe.storage, revision)
-    if probe.offline:
-        commit, objects = _cached_revision(probe), None
-    else:
-        try:
+    try:
+        if probe.offline:
+            commit, objects = _cached_revision(probe), None
+        else:
             commit, objects = retrying(lambda: _resolve(probe), f"{repo_id}: revision {revision!r}")
-        except Exception as e:
-            raise hub_error(e, probe, what=f"revision {revision!r}") from e
+    except Exception as e:
+        raise hub_error(e, probe, what=f"revision {revision!r}") from e
     store = HubStore(repo_id, revision, commit, settings, probe.traffic)
     if objects is not None:
         store.keep_listing(objects)
