@@ -38,7 +38,7 @@ from ..stage.manifest import StageManifest, StageTensor
 from ..stage.nodechecks import NodeChecks
 from ..stage.reader import RunRecord, read_run_record, read_stage
 from ..units import format_bytes, plural
-from .checks import FileChanged, LoadCheck
+from .checks import FileChanged, LoadCheck, copy_threads
 from .mapping import Changed as _Changed
 from .mapping import Readahead as _Readahead
 from .mapping import mapped as _mapped
@@ -242,7 +242,7 @@ class Stage:
         # Checked in full before it is handed out: a caller that knows the count never resumes us.
         final = by_file[self.files[-1]][-1] if self.files else None
         # The caller's copy runs torch's threads: hashing threads only on the cores they leave.
-        copying = torch.get_num_threads()
+        copying = copy_threads(torch)
         with LoadCheck(ranges, NodeChecks.open(), copying) if checked else nullcontext() as check:
             for file in self.files:
                 path = self.path / file

@@ -12,9 +12,9 @@ identity unchanged since it was opened).
 a hashing thread beside them only takes turns with them (on 2 cores, the 0.56 GB stage loaded
 at 0.5x of ``safe_open`` with one, 0.7x with the hashing in the reader's thread between
 copies: ``python -m benchmarks loader``). So a loader takes hashing threads only on the cores
-torch leaves (a server that sets ``OMP_NUM_THREADS=1`` per worker, as vLLM's workers do,
-leaves the rest), at most :data:`~..stage.nodechecks.WORKER_THREADS`, within the node's
-budget.
+torch leaves (:func:`copy_threads`: all of them where the server's copy goes to a GPU; a server
+that sets ``OMP_NUM_THREADS=1`` per worker, as vLLM's workers do, leaves the rest), at most
+:data:`~..stage.nodechecks.WORKER_THREADS`, within the node's budget.
 """
 
 from __future__ import annotations
@@ -34,6 +34,22 @@ class FileChanged(Exception):
     def __init__(self, path: Path) -> None:
         super().__init__(str(path))
         self.path = path
+
+
+def copy_threads(torch: object) -> int:
+    """The threads the caller's copy of each tensor runs on: none of the CPU's intra-op threads
+    where CUDA is initialized (a server whose parameters are on a GPU copies host to device, one
+    transfer per tensor), else torch's intra-op threads (``torch.get_num_threads()``).
+
+    Example:
+        >>> import torch
+        >>> copy_threads(torch) == (0 if torch.cuda.is_initialized() else torch.get_num_threads())
+        True
+    """
+    cuda = getattr(torch, "cuda", None)
+    if cuda is not None and cuda.is_initialized():
+        return 0
+    return torch.get_num_threads()
 
 
 class LoadCheck:

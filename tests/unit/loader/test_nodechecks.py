@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -282,6 +283,20 @@ def test_the_node_budget_of_hashing_threads_is_shared_by_its_loaders(out, monkey
     with pytest.raises(DamagedStage):
         _load(out)
     assert sizes[2] == 0
+
+
+def test_a_copy_to_a_gpu_leaves_every_core_to_the_check():
+    """The copy's threads: torch's intra-op threads for a copy into CPU tensors; none where
+    CUDA is initialized (the server's parameters on a GPU: host-to-device copies)."""
+    import torch
+
+    assert checks.copy_threads(torch) == torch.get_num_threads()  # no GPU initialized here
+    for initialized, threads in ((True, 0), (False, 16)):
+        gpu_server = SimpleNamespace(
+            cuda=SimpleNamespace(is_initialized=lambda initialized=initialized: initialized),
+            get_num_threads=lambda: 16,
+        )
+        assert checks.copy_threads(gpu_server) == threads
 
 
 @pytest.mark.parametrize(
