@@ -27,6 +27,12 @@ before the timing (as ``load_weights`` copies into parameters):
   busy: what the check costs where it cannot hide behind the copy;
 - ``shim unchecked``: the same with ``QWEN35_RESHARD_VERIFY_LOAD=0``;
 - ``open_stage``: opening and checking the stage alone (manifest, index, config, headers).
+- ``bare copy``: every tensor copied from views made before the timing (their maps' page
+  tables filled): the copy alone, nothing opened, no page faults;
+- ``bare copy + hash``: the same, each tensor's bytes hashed (xxh3-128) in the copying thread
+  just before its copy: what reading every byte once more costs beside a copy on this machine
+  (memory bandwidth, not the hash's speed, is the limit when the copy has every core), the
+  least any check that reads the bytes adds; printed as the best a checked load can reach here.
 
 With ``--workers N`` each method runs in N processes at once on the same stage, as the N
 tensor-parallel workers of a node load it (the cache prepared once, the N started together): the
@@ -66,7 +72,7 @@ QUICK = ["--shapes", "tiny", "--rounds", "1"]
 BEFORE = True
 METHODS = (
     "safe_open", "shim checked", "shim unchecked", "2nd worker checked", "checked no spare core",
-    "open_stage",
+    "open_stage", "bare copy", "bare copy + hash",
 )  # fmt: skip
 
 # One round of every method in one tree: warms (or drops) the cache before each, times it.
@@ -110,10 +116,23 @@ def shim(checked, record="first", threads=None):
         dst[name].copy_(tensor); n += 1
     return n
 shim(True, record="second")  # the node whose first worker checked the stage, untimed
+import ctypes, xxhash
+views = {}  # every tensor viewed once, its map's page table filled: the bare copy's bytes
+for f in files:
+    with safe_open(f, framework="pt") as h:
+        views.update((name, h.get_tensor(name)) for name in h.keys())
+        [dst[name].copy_(views[name]) for name in h.keys()]
+def bare(hashing):
+    for name, t in views.items():
+        if hashing:  # each byte read once more, in the copying thread, just before it is copied
+            xxhash.xxh3_128_hexdigest((ctypes.c_char * t.nbytes).from_address(t.data_ptr()))
+        dst[name].copy_(t)
+    return len(views)
 methods = {"safe_open": safe, "shim checked": lambda: shim(True), "shim unchecked": lambda: shim(False),
            "2nd worker checked": lambda: shim(True, record="second"),
            "checked no spare core": lambda: shim(True, record="busy", threads=0),
-           "open_stage": lambda: len(loader.open_stage(out, pp_rank=rank))}
+           "open_stage": lambda: len(loader.open_stage(out, pp_rank=rank)),
+           "bare copy": lambda: bare(False), "bare copy + hash": lambda: bare(True)}
 def prepare():
     if cache == "cold":
         os.sync()
@@ -271,6 +290,15 @@ def _check_cost(times: dict, cpu: dict, caches: list[str], label: str, size: int
         first = median(times[(cache, label, "shim checked")])
         extra = median(cpu[(cache, label, "shim checked")]) - median(cpu[(cache, label, "shim unchecked")])
         per_gb = max(per_gb, extra / size * 1e9)
+        safe = median(times[(cache, label, "safe_open")])
+        bare_off, bare_on = (median(times[(cache, label, m)]) for m in ("bare copy", "bare copy + hash"))
+        least = bare_on - bare_off
+        print(
+            f"- {cache}: reading each byte once more beside the copy costs {least:+.3f} s here (bare copy "
+            f"{bare_off:.3f} s, with the hash {bare_on:.3f} s: {bare_off / bare_on:.2f}x): at best a checked "
+            f"load runs at {off / (off + least):.2f}x of an unchecked one, {safe / (off + least):.2f}x of "
+            f"safe_open; measured {off / first:.2f}x and {safe / first:.2f}x."
+        )
         print(
             f"- this machine ({os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}), {cache}, "
             f"{size / 1e9:.2f} GB, {tensors:,} tensors: the check's CPU {extra:+.2f} s "

@@ -38,7 +38,7 @@ from ..stage.manifest import StageManifest, StageTensor
 from ..stage.nodechecks import NodeChecks
 from ..stage.reader import RunRecord, read_run_record, read_stage
 from ..units import format_bytes, plural
-from .checks import FileChanged, LoadCheck
+from .checks import FileChanged, LoadCheck, copy_threads
 from .mapping import Changed as _Changed
 from .mapping import Readahead as _Readahead
 from .mapping import mapped as _mapped
@@ -173,18 +173,19 @@ class Stage:
         and header bytes are checked to be those validated by :func:`open_stage`, so every
         tensor has the manifest's dtype, shape and place.
 
-        The check: the same bytes are hashed beside the caller's copy, in threads taken from
-        the node's budget (:class:`~.stage.digestpool.DigestPool`), and compared with each
-        tensor's digest in the manifest (xxh3-128; sha256 in a stage written before
-        ``stage-v2``; or, where the stage records only its file's, the whole file's sha256).
-        Each file is hashed once per node: where another loader of the node (another worker of
-        the same server) checked the very same file moments ago, or is checking it now, its
-        verdict is used (``stage.nodechecks`` says when that is trusted). A tensor is
-        handed over before its hash is known, but the last one only once every hash is: a
-        damaged byte stops the iteration with :class:`~.errors.DamagedStage` before the caller's
-        load can finish, even one that stops after ``len(stage)`` tensors (``zip(stage.names,
-        ...)``) and never asks for more. Tensors the split shared with the source record no digest: loaded
-        unchecked, said in the log (``verify --source`` proves those).
+        The check: each tensor's bytes are hashed through the same map before it is handed
+        over (:class:`~.stage.digestpool.DigestPool`; ahead of the reader in threads where the
+        copy's torch threads leave cores and the node's budget allows, else in this thread),
+        and compared with its digest in the manifest (xxh3-128; sha256 in a stage written
+        before ``stage-v2``; or, where the stage records only its file's, the whole file's
+        sha256). Each file is hashed once per node: where another loader of the node (another
+        worker of the same server) checked the very same file moments ago, or is checking it
+        now, its verdict is used (``stage.nodechecks`` says when that is trusted), and the last
+        tensor is handed over only once that verdict is in: a damaged byte stops the iteration
+        with :class:`~.errors.DamagedStage` before the caller's load can finish, even one that
+        stops after ``len(stage)`` tensors (``zip(stage.names, ...)``) and never asks for more.
+        Tensors the split shared with the source record no digest: loaded unchecked, said in
+        the log (``verify --source`` proves those).
 
         Args:
             device: where the tensors go (``"cpu"``: views of the files, no copy).
@@ -240,7 +241,9 @@ class Stage:
         move = torch.device(device).type != "cpu"
         # Checked in full before it is handed out: a caller that knows the count never resumes us.
         final = by_file[self.files[-1]][-1] if self.files else None
-        with LoadCheck(ranges, NodeChecks.open()) if checked else nullcontext() as check:
+        # The caller's copy runs torch's threads: hashing threads only on the cores they leave.
+        copying = copy_threads(torch)
+        with LoadCheck(ranges, NodeChecks.open(), copying) if checked else nullcontext() as check:
             for file in self.files:
                 path = self.path / file
                 where = f"{self.display}/{file}"
@@ -249,9 +252,9 @@ class Stage:
                 except OSError as e:
                     raise StageError(f"{where}: cannot open ({e.strerror or e}); {self._advice(file)}") from e
                 try:
-                    storage = _mapped(torch, fd, path, self.manifest.files[file], self.headers[file])
+                    private, storage = _mapped(torch, fd, self.manifest.files[file], self.headers[file])
                     if check is not None:
-                        check.feed(file, path, fd, self.manifest.files[file])
+                        check.feed(file, path, fd, self.manifest.files[file], private)
                         fd = None  # the check keeps it open, to tell whether the file changed
                 except OSError as e:
                     raise StageError(f"{where}: cannot open ({e.strerror or e}); {self._advice(file)}") from e

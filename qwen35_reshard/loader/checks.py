@@ -1,15 +1,25 @@
 """The check a load makes of the bytes it hands the server, shared across the node's loaders.
 
 :class:`LoadCheck` is what ``Stage.iter_weights`` drives: each data file, once the loader has
-opened and mapped it, is hashed beside the copy (``stage.digestpool``) unless another loader
-on the node checked it already or is checking it now (``stage.nodechecks``: a record keyed by
-the file's identity and what it must hash to). Before the last tensor is handed over, every
-file is known good: hashed here, or recorded good by the loader that hashed it, and still the
-file it was (its identity unchanged since it was opened).
+opened and mapped it, is hashed through the loader's own map as the load goes, each range
+before it is handed on (``stage.digestpool``), unless another loader on the node checked it
+already or is checking it now (``stage.nodechecks``: a record keyed by the file's identity
+and what it must hash to). Before the last tensor is handed over, every file is known good:
+hashed here, or recorded good by the loader that hashed it, and still the file it was (its
+identity unchanged since it was opened).
+
+**Threads.** A copy into CPU tensors runs on torch's intra-op threads, every core by default;
+a hashing thread beside them only takes turns with them (on 2 cores, the 0.56 GB stage loaded
+at 0.5x of ``safe_open`` with one, 0.7x with the hashing in the reader's thread between
+copies: ``python -m benchmarks loader``). So a loader takes hashing threads only on the cores
+torch leaves (:func:`copy_threads`: all of them where the server's copy goes to a GPU; a server
+that sets ``OMP_NUM_THREADS=1`` per worker, as vLLM's workers do, leaves the rest), at most
+:data:`~..stage.nodechecks.WORKER_THREADS`, within the node's budget.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 from pathlib import Path
 
@@ -26,6 +36,22 @@ class FileChanged(Exception):
         self.path = path
 
 
+def copy_threads(torch: object) -> int:
+    """The threads the caller's copy of each tensor runs on: none of the CPU's intra-op threads
+    where CUDA is initialized (a server whose parameters are on a GPU copies host to device, one
+    transfer per tensor), else torch's intra-op threads (``torch.get_num_threads()``).
+
+    Example:
+        >>> import torch
+        >>> copy_threads(torch) == (0 if torch.cuda.is_initialized() else torch.get_num_threads())
+        True
+    """
+    cuda = getattr(torch, "cuda", None)
+    if cuda is not None and cuda.is_initialized():
+        return 0
+    return torch.get_num_threads()
+
+
 class LoadCheck:
     """Checks the ranges of each data file a load goes through, each byte once per node.
 
@@ -35,11 +61,14 @@ class LoadCheck:
     descriptors).
     """
 
-    def __init__(self, ranges: dict[str, list[Range]], node: NodeChecks | None) -> None:
+    def __init__(
+        self, ranges: dict[str, list[Range]], node: NodeChecks | None, copy_threads: int = 0
+    ) -> None:
         """``ranges``: what to hash of each data file, by file name; ``node``: the node's
-        record, None to hash every range here."""
+        record, None to hash every range here; ``copy_threads``: the threads the caller's copy
+        runs on (torch's), whose cores are not the check's."""
         self._ranges = ranges
-        want = min(cores(), WORKER_THREADS)
+        want = max(0, min(cores() - copy_threads, WORKER_THREADS))
         try:
             threads = node.take_threads(want) if node is not None else want
         except OSError:  # a record directory that refuses locks (not the node's memory): on our own
@@ -51,9 +80,9 @@ class LoadCheck:
         # file name -> (path, fd, size, identity when opened, claim or None)
         self._files: dict[str, tuple[Path, int, int, tuple, Claim | None]] = {}
 
-    def feed(self, file: str, path: Path, fd: int, size: int) -> None:
-        """The reader opened data ``file`` at ``path`` as ``fd`` (kept open until :meth:`close`;
-        the file mapped is the one this descriptor names) and goes through it next."""
+    def feed(self, file: str, path: Path, fd: int, size: int, mapped: mmap.mmap) -> None:
+        """The reader opened data ``file`` at ``path`` as ``fd`` (kept open until :meth:`close`),
+        mapped it as ``mapped`` (whose views it hands on) and goes through it next."""
         ranges = self._ranges[file]
         try:
             claim = self._node.claim(fd, _expected(ranges)) if self._node is not None and ranges else None
@@ -61,7 +90,7 @@ class LoadCheck:
             claim = None
         self._files[file] = (path, fd, size, identity(fd), claim)
         mine = claim is None or claim.state == MINE
-        self._pool.feed(path, fd, ranges if mine else [], size)
+        self._pool.feed(path, fd, ranges if mine else [], size, mapped)
 
     def finish(self) -> list[Mismatch]:
         """Every range checked, here or by another loader of the node: the mismatches.

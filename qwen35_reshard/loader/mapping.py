@@ -3,6 +3,7 @@ and read-ahead hints; the speed tricks of ``Stage.iter_weights``, each in a help
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 from pathlib import Path
@@ -12,26 +13,25 @@ class Changed(Exception):
     """A data file is no longer the one validated when the stage was opened."""
 
 
-def mapped(torch: object, fd: int, path: Path, size: int, header: bytes) -> object:
-    """The file open as ``fd`` (at ``path``) as one memory-mapped, copy-on-write byte storage,
+def mapped(torch: object, fd: int, size: int, header: bytes) -> tuple[mmap.mmap, object]:
+    """The file open as ``fd`` as one copy-on-write memory map and a byte storage over it,
     once its size and header bytes are checked to be those validated when the stage was opened
     (``size`` bytes, ``header`` the JSON after the 8-byte length): every offset comes from that
     header.
 
-    What safetensors' reader does for framework="pt" (``UntypedStorage.from_file``, shared=False),
-    without its per-tensor cost: see :func:`tensor_at`. torch maps a path: on Linux the
-    descriptor's own (``/proc/self/fd/N`` opens the same file even once ``path`` names
-    another), so what is mapped is what was checked and what the load check hashes. Raises
-    OSError or _Changed.
+    What safetensors' reader does for framework="pt" (``UntypedStorage.from_file``, shared=False:
+    a private map), without its per-tensor cost: see :func:`tensor_at`. The map is made from the
+    descriptor itself, so what is mapped is what was checked; it is returned too, for the load
+    check to hash through (``stage.digestpool``: the copy then finds its pages already mapped).
+    Raises OSError or Changed.
     """
     found = os.fstat(fd).st_size
     if found != size:
         raise Changed(f"is {found} bytes, not {size}")
     if os.pread(fd, 8 + len(header), 0) != struct.pack("<Q", len(header)) + header:
         raise Changed("has another header")
-    own = f"/proc/self/fd/{fd}"
-    mapped = own if os.path.exists(own) else str(path)
-    return torch.UntypedStorage.from_file(mapped, shared=False, nbytes=size)
+    private = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+    return private, torch.frombuffer(private, dtype=torch.uint8).untyped_storage()
 
 
 def tensor_at(torch: object, storage: object, offset: int, dtype: object, shape: tuple[int, ...]) -> object:

@@ -1,23 +1,25 @@
-"""Hash byte ranges of files in a few threads while another thread reads the same bytes.
+"""Hash byte ranges of files in a few threads, each before a reader hands its bytes on.
 
-The loader shim hands a server each tensor as a view of its file's memory map; the server
-copies it into its parameters. :class:`DigestPool` hashes those same ranges in a pool of
-threads (``hashlib`` and ``xxhash`` release the GIL for large buffers, so the threads run on
-as many cores) and compares them with the digests recorded for them (``format.digest``). It
-reads through its own read-only ``mmap`` of each file, made from the descriptor the reader
-mapped (the same file, even if its path is replaced meanwhile): the same page-cache pages
-the server's copy reads, so a byte comes from the disk once whichever reader touches it
-first, and the pool never sees what a server may do to the copy-on-write view it was handed.
-How many threads: the caller's (the loader takes them from the node's budget,
-``stage.nodechecks``); none hashes every range in the reader's thread.
+The loader shim hands a server each tensor as a view of its file's copy-on-write memory map;
+the server copies it into its parameters. :class:`DigestPool` hashes those same ranges and
+compares them with the digests recorded for them (``format.digest``), **before** the reader
+hands them on: :meth:`DigestPool.reached` returns only once every range starting at or
+before the reader's position is hashed. So it may hash through the very map the reader hands
+views of (``feed(..., mapped=)``): what it reads there is still the file's bytes (a server
+writes only into views it was handed), and the server's copy then finds the pages already in
+the map and in the CPU's caches, instead of a second map being filled for the check (measured
+on the 0.56 GB stage: filling a second map's page table cost as much as the hashing). Without
+``mapped`` the pool maps the file read-only itself (a check made after the views were handed
+out). ``hashlib`` and ``xxhash`` release the GIL for large buffers, so threads run on as many
+cores; how many: the caller's (the loader takes them from the node's budget and from the
+cores its copy leaves free, ``loader.checks``); none hashes every range in the reader's thread,
+each job as the reader reaches it.
 
-The reader says how far it got (:meth:`DigestPool.reached`): ranges are handed to the
-threads up to ``AHEAD`` bytes ahead of it (a thread brings its job's bytes in at once,
-:func:`populate`, so cold reads start before the reader faults on them), and the reader waits for ranges
-more than ``BEHIND`` behind it, so the pages both read are still cached when the slower one
-gets there, whatever the file's size. Between those points a call costs one comparison:
-the reader calls it once per tensor.
-Findings are data: the ranges whose bytes differ, by the key the caller gave them.
+With threads, ranges are handed to them up to ``AHEAD`` bytes ahead of the reader (a thread
+brings its job's bytes in at once, :func:`populate`, so cold reads start before the reader
+gets there). Between the points where there is something to do a call costs one comparison:
+the reader calls it once per tensor. Findings are data: the ranges whose bytes differ, by the
+key the caller gave them.
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ from typing import NamedTuple
 from ..format.digest import hexdigest
 
 AHEAD = 256 << 20  # bytes handed to the threads ahead of the reader: a few hundred ms of disk
-BEHIND = 1 << 30  # how far hashing may lag the reader before it waits (pages to keep cached)
 JOB_BYTES = 16 << 20  # ranges hashed by one thread in one go: few enough jobs, fine enough spread
 JOB_RANGES = 2048  # and at most this many (a stage of small tensors has tens of thousands)
 # Ranges under this are hashed by the reader's own thread: hashlib holds the GIL for buffers
@@ -115,10 +116,10 @@ def cores() -> int:
 
 
 class DigestPool:
-    """Threads that hash ranges of files beside a reader that goes through them in order.
+    """Threads that hash ranges of files ahead of a reader that goes through them in order.
 
-    Positions are counted in the reader's order over every file fed (:meth:`feed`), so a file's
-    last ranges are still hashed while the reader is in the next file; ``workers`` threads.
+    Positions are counted in the reader's order over every file fed (:meth:`feed`), so the
+    threads may be hashing the next file while the reader is in this one; ``workers`` threads.
 
     Example:
         >>> import os, pathlib, tempfile
@@ -141,13 +142,17 @@ class DigestPool:
         )
         self._base = self._end = 0  # where the file fed last starts and ends, in the reader's order
         self._todo: deque[_Job] = deque()
-        self._running: deque[tuple[int, Future[list[Mismatch]]]] = deque()  # (end, job)
+        self._running: deque[tuple[int, Future[list[Mismatch]]]] = deque()  # (start, job)
         self._next = 0  # the reader's next position where there is something to do
 
-    def feed(self, path: Path, fd: int, ranges: Sequence[Range], size: int) -> None:
+    def feed(
+        self, path: Path, fd: int, ranges: Sequence[Range], size: int, mapped: mmap.mmap | None = None
+    ) -> None:
         """Hash ``ranges`` of the file open as ``fd`` (``path`` in findings; ``size`` bytes;
         the ranges in offset order) as the reader goes through it, after the files fed before.
         Called for every file the reader goes through, with no ranges where none is hashed.
+        ``mapped``: the reader's own map of the file to hash through (none of its views handed
+        on yet); None: a read-only map of ``fd``.
 
         Raises:
             OSError: the file cannot be mapped.
@@ -155,7 +160,8 @@ class DigestPool:
         self._base, self._end = self._end, self._end + size
         if not ranges:
             return
-        mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        if mapped is None:
+            mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
         job: list[Range] = []
         for r in ranges:
             if job and (
@@ -170,20 +176,22 @@ class DigestPool:
             self._todo.append(_Job(self._base, path, mapped, job))
 
     def reached(self, offset: int) -> list[Mismatch]:
-        """The reader is at ``offset`` of the file fed last: hand out the ranges up to ``AHEAD``
-        past it, wait for those more than ``BEHIND`` behind. Returns the mismatches found
-        since the last call that returned any (each once)."""
+        """The reader is at ``offset`` of the file fed last and hands on what starts there next:
+        returns once every range starting at or before it is hashed (threads: hand them those
+        up to ``AHEAD`` past it). Returns the mismatches found since the last call that
+        returned any (each once)."""
         pos = self._base + offset
         if pos < self._next:
             return []
         found = []
-        while self._todo and self._todo[0].start < pos + AHEAD:
+        ahead = AHEAD if self._threads is not None else 0
+        while self._todo and self._todo[0].start <= pos + ahead:
             self._start(self._todo.popleft())
-        while self._running and (self._running[0][1].done() or self._running[0][0] < pos - BEHIND):
+        while self._running and self._running[0][0] <= pos:
             found += self._running.popleft()[1].result()
         self._next = min(
-            self._todo[0].start - AHEAD if self._todo else self._end,
-            self._running[0][0] + BEHIND if self._running else self._end,
+            self._todo[0].start - ahead if self._todo else self._end,
+            self._running[0][0] if self._running else self._end,
         )
         return found
 
@@ -192,9 +200,9 @@ class DigestPool:
         if job.ranges[0].nbytes < SMALL or self._threads is None:
             done: Future[list[Mismatch]] = Future()
             done.set_result(job.check())
-            self._running.append((job.end, done))
+            self._running.append((job.start, done))
         else:
-            self._running.append((job.end, self._threads.submit(job.check)))
+            self._running.append((job.start, self._threads.submit(job.check)))
 
     def finish(self) -> list[Mismatch]:
         """Hash what is left; every mismatch not yet returned."""
@@ -228,10 +236,6 @@ class _Job:
     @property
     def start(self) -> int:
         return self.base + self.ranges[0].offset
-
-    @property
-    def end(self) -> int:
-        return self.base + self.ranges[-1].offset + self.ranges[-1].nbytes
 
     def check(self) -> list[Mismatch]:
         """Hash each range; those whose digest is not the recorded one."""

@@ -1,11 +1,15 @@
 """The pool that hashes what the loader shim reads (qwen35_reshard/stage/digestpool.py): every
-range checked exactly once across files, mismatches named by file and key, with windows so
-small that hashing must wait for and run behind the reader."""
+range checked exactly once across files, mismatches named by file and key, each range hashed
+before the reader hands it on (the reader's map written into after that, as a server may write
+into the views it was handed, changes no verdict), with windows so small and threads so slow
+that the reader must wait for them."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import random
+import time
 
 import pytest
 
@@ -17,7 +21,8 @@ from qwen35_reshard.stage.digestpool import DigestPool, Mismatch, Range
 @pytest.mark.parametrize(("workers", "algorithm"), [(0, XXH128), (1, XXH128), (3, SHA256)])
 def test_every_range_is_checked_once_and_each_mismatch_named(tmp_path, monkeypatch, workers, algorithm):
     monkeypatch.setattr(digestpool, "AHEAD", 64)
-    monkeypatch.setattr(digestpool, "BEHIND", 128)
+    check = digestpool._Job.check
+    monkeypatch.setattr(digestpool._Job, "check", lambda job: time.sleep(0.002) or check(job))  # late threads
     monkeypatch.setattr(digestpool, "JOB_BYTES", 100)
     monkeypatch.setattr(digestpool, "JOB_RANGES", 3)
     monkeypatch.setattr(digestpool, "SMALL", 10)  # some ranges hashed by threads, some inline
@@ -44,9 +49,11 @@ def test_every_range_is_checked_once_and_each_mismatch_named(tmp_path, monkeypat
     fds = [os.open(path, os.O_RDONLY) for path, _, _ in files]
     with DigestPool(workers) as pool:
         for (path, ranges, size), fd in zip(files, fds, strict=True):
-            pool.feed(path, fd, ranges, size)
+            private = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)  # the reader's, as the loader's
+            pool.feed(path, fd, ranges, size, private)
             for r in ranges:
                 found += pool.reached(r.offset)
+                private[r.offset : r.offset + r.nbytes] = bytes(r.nbytes)  # the range handed on, written to
         found += pool.finish()
     for fd in fds:
         os.close(fd)

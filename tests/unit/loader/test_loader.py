@@ -157,9 +157,9 @@ def test_reads_lazily_one_tensor_at_a_time_and_only_this_stage_files(out, monkey
     opened, read = [], []  # the files the loader maps, the tensors it views in them (by offset)
     real_map, real_view = loader._mapped, loader._tensor_at
 
-    def mapping(torch, fd, path, *args):
-        opened.append(Path(path))
-        return real_map(torch, fd, path, *args)
+    def mapping(torch, fd, *args):
+        opened.append(Path(os.readlink(f"/proc/self/fd/{fd}")))
+        return real_map(torch, fd, *args)
 
     def viewing(torch, storage, offset, *args):
         read.append(offset)
@@ -477,6 +477,21 @@ def test_a_damaged_last_tensor_stops_a_load_that_takes_exactly_the_stage_count(o
     assert (e.value.path, e.value.tensor) == (str(last), victim.name)
     with pytest.raises(DamagedStage):
         list(itertools.islice(stage.iter_weights(), len(stage)))
+
+
+def test_a_server_writing_into_the_views_it_was_handed_changes_no_verdict_and_no_file(out):
+    """Each range is hashed through the loader's own copy-on-write map before it is handed on:
+    a server that writes into a view it was handed (its copy-on-write page, never the file)
+    makes no tensor look damaged, and the files keep their bytes."""
+    import torch
+
+    stage = loader.open_stage(out, pp_rank=1)
+    files = {f: (stage.path / f).read_bytes() for f in stage.files}
+    for _, tensor in stage.iter_weights():
+        at = tensor.storage_offset() * tensor.element_size()
+        mine = torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage(), at, (tensor.nbytes,))
+        mine.fill_(0xA5)  # this tensor's bytes only
+    assert {f: (stage.path / f).read_bytes() for f in stage.files} == files
 
 
 def test_an_intact_stage_loads_checked_with_nothing_logged(out, caplog):

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -24,6 +25,7 @@ import qwen35_reshard
 from qwen35_reshard import loader
 from qwen35_reshard.errors import DamagedStage
 from qwen35_reshard.format.manifest import STAGE_FORMAT_V1
+from qwen35_reshard.loader import checks
 from qwen35_reshard.source.header import read_header
 from qwen35_reshard.stage import digestpool
 from qwen35_reshard.stage.nodechecks import HASH_THREADS_ENV, RACY_SECONDS, NodeChecks
@@ -240,9 +242,22 @@ def test_a_checker_that_dies_leaves_nothing_trusted(out):
     assert said[:2] == ["DAMAGED", victim], said
 
 
-def test_the_node_budget_of_hashing_threads_is_shared_by_its_loaders(out, monkeypatch):
+@pytest.fixture
+def torch_threads():
+    """Sets torch's intra-op threads (the copy's) for the test, as they were after it."""
+    import torch
+
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def test_the_node_budget_of_hashing_threads_is_shared_by_its_loaders(out, monkeypatch, torch_threads):
     """However many loaders: together they hold at most the node's budget of threads; one
-    that gets none hashes in its own thread and still refuses damage by name."""
+    that gets none hashes in its own thread and still refuses damage by name. A loader takes
+    threads only on the cores the copy's torch threads leave (4 cores here, the copy on 1)."""
+    monkeypatch.setattr(checks, "cores", lambda: 4)
+    torch_threads(1)
     monkeypatch.setenv(HASH_THREADS_ENV, "3")
     loaders = [NodeChecks.open() for _ in range(4)]
     taken = [n.take_threads(2) for n in loaders]
@@ -263,7 +278,25 @@ def test_the_node_budget_of_hashing_threads_is_shared_by_its_loaders(out, monkey
         n.close()
     with pytest.raises(DamagedStage):
         _load(out)
-    assert sizes[1] >= 1
+    assert sizes[1] == 2  # loader.checks.WORKER_THREADS, the budget free again
+    torch_threads(4)  # the copy on every core: a hashing thread would only take turns with it
+    with pytest.raises(DamagedStage):
+        _load(out)
+    assert sizes[2] == 0
+
+
+def test_a_copy_to_a_gpu_leaves_every_core_to_the_check():
+    """The copy's threads: torch's intra-op threads for a copy into CPU tensors; none where
+    CUDA is initialized (the server's parameters on a GPU: host-to-device copies)."""
+    import torch
+
+    assert checks.copy_threads(torch) == torch.get_num_threads()  # no GPU initialized here
+    for initialized, threads in ((True, 0), (False, 16)):
+        gpu_server = SimpleNamespace(
+            cuda=SimpleNamespace(is_initialized=lambda initialized=initialized: initialized),
+            get_num_threads=lambda: 16,
+        )
+        assert checks.copy_threads(gpu_server) == threads
 
 
 @pytest.mark.parametrize(
