@@ -30,7 +30,12 @@ def mapped(torch: object, fd: int, size: int, header: bytes) -> tuple[mmap.mmap,
         raise Changed(f"is {found} bytes, not {size}")
     if os.pread(fd, 8 + len(header), 0) != struct.pack("<Q", len(header)) + header:
         raise Changed("has another header")
-    private = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+    try:
+        private = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+    except ValueError as e:  # shorter than ``size`` since the fstat above
+        raise Changed(f"is shorter than {size} bytes") from e
+    # Never closed: the storage (and every view handed out) keeps the map, and with it mmap's
+    # own duplicate of the descriptor, alive until the last view goes.
     return private, torch.frombuffer(private, dtype=torch.uint8).untyped_storage()
 
 

@@ -118,8 +118,9 @@ def cores() -> int:
 class DigestPool:
     """Threads that hash ranges of files ahead of a reader that goes through them in order.
 
-    Positions are counted in the reader's order over every file fed (:meth:`feed`), so the
-    threads may be hashing the next file while the reader is in this one; ``workers`` threads.
+    Positions are counted in the reader's order over every file fed (:meth:`feed`): the
+    threads take ranges up to ``AHEAD`` past the reader within the files fed so far; ``workers``
+    threads.
 
     Example:
         >>> import os, pathlib, tempfile

@@ -653,6 +653,17 @@ def test_verify_source_repo_on_a_node_without_the_shards(hub, hf_home, model, re
     assert json.loads(proc.stdout)["status"] == "error"
 
 
+def test_a_mirror_that_lists_no_sizes_is_one_line_naming_the_endpoint(hub, hf_home, tmp_path):
+    """A mirror that answers the model info without the sizes ``blobs=true`` asks for: one line
+    naming HF_ENDPOINT, not a checkpoint said to lack its config."""
+    hub.state.ignore_blobs = True
+    out = tmp_path / "out"
+    proc = run(["--pp", PP, REPO, out], hub=hub, hf_home=hf_home, check=False)
+    line = one_error_line(proc)
+    assert "gives no file sizes" in line and "HF_ENDPOINT" in line
+    assert not out.exists()
+
+
 def test_offline_with_no_cached_revision_is_one_line(hf_home, tmp_path):
     """Offline, a repo the cache never saw: one line saying so, no traceback."""
     out = tmp_path / "out"

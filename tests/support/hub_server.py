@@ -126,6 +126,7 @@ class _State:
     # the Hub answers to every request with it: 401 "Invalid credentials in Authorization header".
     tokens: set[str] | None = None
     blobs: dict[str, Path] = field(default_factory=dict)  # sha256 -> path
+    ignore_blobs: bool = False  # model info without sizes even when asked: a mirror behind on the API
     lock: threading.Lock = field(default_factory=threading.Lock)
     # Requests being answered: an entry is logged only after its answer was sent, so a client can
     # have read a whole answer before its entry is there; the tests' view waits for these.
@@ -314,6 +315,9 @@ class _StampedWriter:
     def flush(self) -> None:
         self.inner.flush()
 
+    def __getattr__(self, name: str) -> object:  # closed, close, ...: the handler's finish() asks
+        return getattr(self.inner, name)
+
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
@@ -433,6 +437,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _revision_info(self, repo_id: str, rev: str) -> None:
         blobs = parse_qs(urlsplit(self.path).query).get("blobs", [""])[0].lower() in ("1", "true")
+        blobs = blobs and not self.owner.state.ignore_blobs
         repo = self._repo(repo_id)
         if repo is None or (commit := self._commit(repo, rev)) is None:
             return

@@ -170,6 +170,7 @@ class _Paced:
                 for i in range(0, len(chunk), step if rate else max(len(chunk), 1)):
                     piece = chunk[i : i + step] if rate else chunk
                     if cut is not None and entry.sent + len(piece) > cut.after:
+                        entry.answered = time.monotonic()
                         yield piece[: cut.after - entry.sent]
                         entry.sent = cut.after
                         if cut.stall:

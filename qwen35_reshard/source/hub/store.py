@@ -274,6 +274,11 @@ def revision_info(repo: HubStore, revision: str) -> tuple[str, dict[str, RemoteO
         for n, size, sha in files
         if isinstance(n, str) and "/" not in n and isinstance(size, int)
     ]
+    if files and not top:  # files named, none with a size: ``blobs=true`` not understood
+        raise HubError(
+            f"{repo.repo_id}: the Hub's answer for revision {revision!r} gives no file sizes (asked with "
+            "blobs=true); check HF_ENDPOINT (a mirror that serves the Hub's API as it is now) and try again"
+        )
     return commit, {n: RemoteObject(size, commit, sha if is_sha256(sha) else None) for n, size, sha in top}
 
 

@@ -386,6 +386,8 @@ class FetchEngine:
         since it started), give up its place and wait for one, as a part not yet started does:
         a retry is a new request to a server that asked for fewer."""
         with self._cond:
+            if stop.is_set():  # close() has reset the count: another generation's now
+                raise _Cancelled
             if self._active <= self.limit:
                 return
             self._active -= 1

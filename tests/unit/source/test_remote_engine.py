@@ -14,6 +14,7 @@ import time
 import pytest
 
 from qwen35_reshard.errors import BadInput, RemoteError
+from qwen35_reshard.source.remote import engine
 from qwen35_reshard.source.remote.parts import split
 from qwen35_reshard.source.remote.settings import (
     DEFAULT_STREAMS,
@@ -179,6 +180,18 @@ def test_after_a_503_no_more_than_half_are_in_flight_until_parts_succeed(store, 
     first_round = [in_flight(log, x.started) for x in after[:cut]]
     assert max(first_round) <= cut  # the server asked for fewer: it got fewer, the 503's retry too
     assert max(in_flight(log, x.started) for x in after) > cut  # and more again once parts succeed
+
+
+def test_a_retry_of_a_closed_generation_leaves_the_next_generations_count_alone(store):
+    """A stream whose backoff ended just as close() reset the count (and a new start() cut
+    it) is of the old generation: it gives up no place of the new one's on its way out."""
+    e = store.engine(streams=8)
+    e._active, e.limit = 5, 2  # the new generation's, after its cut
+    stopped = threading.Event()
+    stopped.set()  # the old generation's stop, set by close()
+    with pytest.raises(engine._Cancelled):
+        e._within_limit(stopped)
+    assert (e._active, e.limit) == (5, 2)
 
 
 def test_retry_after_is_waited_and_a_read_in_the_callers_thread_keeps_the_streams(store):
