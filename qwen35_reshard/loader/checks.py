@@ -61,14 +61,12 @@ class LoadCheck:
     descriptors).
     """
 
-    def __init__(
-        self, ranges: dict[str, list[Range]], node: NodeChecks | None, copy_threads: int = 0
-    ) -> None:
+    def __init__(self, ranges: dict[str, list[Range]], node: NodeChecks | None, copying: int = 0) -> None:
         """``ranges``: what to hash of each data file, by file name; ``node``: the node's
-        record, None to hash every range here; ``copy_threads``: the threads the caller's copy
-        runs on (torch's), whose cores are not the check's."""
+        record, None to hash every range here; ``copying``: the threads the caller's copy runs
+        on (:func:`copy_threads`), whose cores are not the check's."""
         self._ranges = ranges
-        want = max(0, min(cores() - copy_threads, WORKER_THREADS))
+        want = max(0, min(cores() - copying, WORKER_THREADS))
         try:
             threads = node.take_threads(want) if node is not None else want
         except OSError:  # a record directory that refuses locks (not the node's memory): on our own

@@ -164,25 +164,30 @@ class HubStore(Store):
         write_kept(self.folder / LISTING_NAME, json.dumps(sizes, sort_keys=True).encode())
         self._objects = objects
 
-    def transport(self) -> Transport:
-        """Checked ranged reads of ``/resolve/<commit>/<file>`` (redirects followed, the CDN
-        address kept, the token for the Hub's own origin only)."""
-        from huggingface_hub import get_session, hf_hub_url
-        from huggingface_hub.utils import build_hf_headers, hf_raise_for_status
+    def headers(self) -> dict[str, str]:
+        """The headers of every request to the Hub: the token, and the tool in the user agent."""
+        from huggingface_hub.utils import build_hf_headers
 
-        headers = build_hf_headers(
+        return build_hf_headers(
             token=self.settings.token,
             library_name=TOOL_NAME,
             library_version=__version__,
             user_agent=self.settings.user_agent,
         )
+
+    def transport(self) -> Transport:
+        """Checked ranged reads of ``/resolve/<commit>/<file>`` (redirects followed, the CDN
+        address kept, the token for the Hub's own origin only)."""
+        from huggingface_hub import get_session, hf_hub_url
+        from huggingface_hub.utils import hf_raise_for_status
+
         return HttpTransport(
             lambda name: hf_hub_url(
                 self.repo_id, name, revision=self.commit, endpoint=self.settings.endpoint
             ),
             display=self.describe(),
             session=get_session(),
-            headers=headers,
+            headers=self.headers(),
             raise_for_status=hf_raise_for_status,
             counter=self.traffic,
         )
@@ -243,18 +248,11 @@ def revision_info(repo: HubStore, revision: str) -> tuple[str, dict[str, RemoteO
         HubError: an answer that names no commit.
     """
     from huggingface_hub import get_session
-    from huggingface_hub.utils import build_hf_headers, hf_raise_for_status
+    from huggingface_hub.utils import hf_raise_for_status
 
-    settings = repo.settings
-    headers = build_hf_headers(
-        token=settings.token,
-        library_name=TOOL_NAME,
-        library_version=__version__,
-        user_agent=settings.user_agent,
-    )
     url = f"{repo.endpoint}/api/models/{repo.repo_id}/revision/{quote(revision, safe='')}"
     repo.traffic.request()
-    answer = get_session().get(url, headers=headers, params={"blobs": True})
+    answer = get_session().get(url, headers=repo.headers(), params={"blobs": True})
     hf_raise_for_status(answer)
     try:
         info = answer.json()
@@ -300,9 +298,9 @@ def open_hub(repo_id: str, settings: HubSettings) -> HubStore:
         'Qwen/Qwen3.5-35B-A3B@5b9807b3028a'
     """
     revision = settings.revision or "main"
-    probe = HubStore(repo_id, revision, "0" * 40, settings)
     if COMMIT.fullmatch(revision):  # pinned already: its listing is kept, or asked for when needed
         return HubStore(repo_id, revision, revision, settings)
+    probe = HubStore(repo_id, revision, "0" * 40, settings)
     # huggingface_hub falls back on the cache's ref (offline, or the Hub unreachable), which it
     # reads as it finds it: checked here first, read by no one if damaged.
     read_ref(probe.storage, revision)
@@ -343,8 +341,8 @@ def _cached_revision(probe: HubStore) -> str:
     """Offline: the commit the cache's ref names, through huggingface_hub (its own refusal)."""
     from huggingface_hub import HfApi
 
-    api = HfApi(endpoint=probe.settings.endpoint, library_name=TOOL_NAME, library_version=__version__)
     settings = probe.settings
+    api = HfApi(endpoint=settings.endpoint, library_name=TOOL_NAME, library_version=__version__)
     resolved = api.resolve_revision(
         probe.repo_id, revision=probe.revision, cache_dir=settings.cache_dir, local_files_only=True
     )
